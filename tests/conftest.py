@@ -1,0 +1,24 @@
+"""Shared fixtures: the tiny models are built once per session; engines run in child processes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    from vllm_afd.models.tiny import default_tiny_model
+
+    return str(default_tiny_model(arch="qwen3_moe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory) -> str:
+    from vllm_afd.models.tiny import default_tiny_model
+
+    return str(default_tiny_model(arch="mixtral"))

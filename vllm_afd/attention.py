@@ -1,0 +1,163 @@
+"""Attention-side hook: MoE layers whose routed experts live on the FFN group.
+
+vLLM builds every MoE layer through its MoE factory: a ``MoERunner`` holding the router, the
+shared experts and a ``RoutedExperts`` that owns the expert weights and a quant method. The
+runner routes first (``router.select_experts`` -> ``topk_weights, topk_ids``) and then calls
+``RoutedExperts.forward_modular`` -> ``quant_method.apply``: that call is exactly the routing
+boundary. So the hook is one pluggable-layer swap (``AFDRoutedExperts``, registered out of
+tree for ``RoutedExperts``) that, when AFD is configured, gives the layer a quant method
+(``AFDRemoteExpertsMethod``) which
+
+* registers zero-size placeholders instead of expert weights (the model's loader still finds
+  the parameter names it expects, and the placeholders' loader discards expert tensors),
+* reports an internal modular kernel, so vLLM does not all-gather tokens across DP ranks,
+* in ``apply`` sends the routed tokens to the FFN group and returns their combined outputs.
+
+Everything else (attention, norms, projections, router, shared experts, vLLM's scheduler and
+KV-cache manager) runs unchanged. Without AFD configured, ``AFDRoutedExperts`` is exactly
+``RoutedExperts``.
+
+The remote call is a registered custom op (``torch.ops.vllm_afd.remote_experts``) so that
+Dynamo (the CPU platform compiles the model by default) treats it as opaque.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+from vllm.model_executor.utils import set_weight_attrs
+
+from vllm_afd.transport import AttentionTransport, create_attention_transport
+
+
+def afd_settings() -> dict | None:
+    """``additional_config["afd"]`` of the current vLLM config, or None when AFD is off."""
+    from vllm.config import get_current_vllm_config
+
+    extra = get_current_vllm_config().additional_config
+    return extra.get("afd") if isinstance(extra, dict) else None
+
+
+class AFDRoutedExperts(RoutedExperts):
+    """``RoutedExperts`` whose experts run on the FFN group when AFD is configured."""
+
+    def _get_quant_method(self, prefix, quant_config, moe_config) -> FusedMoEMethodBase:
+        if afd_settings() is None:
+            return super()._get_quant_method(prefix, quant_config, moe_config)
+        return AFDRemoteExpertsMethod(moe_config, layer_name=prefix)
+
+
+def _discard_expert_weight(param, loaded_weight, *args, return_success=False, **kwargs):
+    """Weight loader of the placeholders: expert tensors belong to the FFN ranks."""
+    return True if return_success else None
+
+
+class AFDRemoteExpertsMethod(FusedMoEMethodBase):
+    """Quant method of an AFD layer: no local weights, experts computed remotely."""
+
+    def __init__(self, moe, layer_name: str) -> None:
+        super().__init__(moe)
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        self.layer_index = extract_layer_index(layer_name)
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
+                       params_dtype, **extra_weight_attrs) -> None:
+        names = ["w13_weight", "w2_weight"]
+        if self.moe.has_bias:
+            names += ["w13_bias", "w2_bias"]
+        for name in names:
+            param = torch.nn.Parameter(torch.empty(0, dtype=params_dtype), requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": _discard_expert_weight})
+
+    def get_fused_moe_quant_config(self, layer):
+        return None
+
+    def process_weights_after_loading(self, layer) -> None:
+        return None
+
+    @property
+    def supports_internal_mk(self) -> bool:
+        # The FFN group serves every DP rank's tokens itself: no naive all-gather needed.
+        return True
+
+    @property
+    def is_monolithic(self) -> bool:
+        return False
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        if torch.compiler.is_compiling():
+            return remote_experts(x, topk_weights, topk_ids, self.layer_index)
+        return remote_experts_impl(x, topk_weights, topk_ids, self.layer_index)
+
+
+# --------------------------------------------------------------------------------------------
+# The per-process connection to the FFN group and the custom op.
+# --------------------------------------------------------------------------------------------
+
+_LOCK = threading.Lock()
+_SESSION: tuple[str, AttentionTransport] | None = None
+
+
+def _attention_rank() -> tuple[int, int, int]:
+    """(global attention rank, tensor-parallel rank, tensor-parallel size) of this worker."""
+    from vllm.distributed.parallel_state import get_dp_group, get_tp_group
+
+    tp = get_tp_group()
+    dp_rank = get_dp_group().rank_in_group
+    return dp_rank * tp.world_size + tp.rank_in_group, tp.rank_in_group, tp.world_size
+
+
+def transport() -> AttentionTransport:
+    """This process's attention endpoint, (re)connected to the running FFN group."""
+    global _SESSION
+    from vllm_afd.placement import RUNTIME_ENV, runtime_spec
+
+    key = os.environ.get(RUNTIME_ENV, "")
+    session = _SESSION
+    if session is not None and session[0] == key:
+        return session[1]
+    with _LOCK:
+        if _SESSION is not None:
+            _SESSION[1].close()
+        endpoint = create_attention_transport(runtime_spec(), _attention_rank()[0])
+        _SESSION = (key, endpoint)
+        return endpoint
+
+
+def remote_experts_impl(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int
+) -> torch.Tensor:
+    """Routed-expert output for ``x`` ``[T, H]`` computed by the FFN group.
+
+    Under tensor parallelism every TP rank holds the same tokens; each sends only its share
+    of rows and leaves the others zero, and the runner's TP all-reduce completes the sum.
+    """
+    _, tp_rank, tp_size = _attention_rank()
+    if tp_size == 1:
+        endpoint = transport()
+        return endpoint.combine(endpoint.dispatch(layer, x, topk_ids, topk_weights))
+    rows = torch.arange(tp_rank, x.shape[0], tp_size)
+    out = torch.zeros_like(x)
+    endpoint = transport()
+    handle = endpoint.dispatch(layer, x[rows].contiguous(), topk_ids[rows], topk_weights[rows])
+    out[rows] = endpoint.combine(handle)
+    return out
+
+
+@torch.library.custom_op("vllm_afd::remote_experts", mutates_args=())
+def remote_experts(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int
+) -> torch.Tensor:
+    """Opaque-to-Dynamo wrapper of ``remote_experts_impl``."""
+    return remote_experts_impl(x, topk_weights, topk_ids, layer)
+
+
+@remote_experts.register_fake
+def _remote_experts_fake(x, topk_weights, topk_ids, layer):
+    return torch.empty_like(x)

@@ -1,0 +1,81 @@
+"""``vllm-afd``: the product's console script.
+
+    vllm-afd serve MODEL --afd-ratio 2:1 [any vllm serve flag]   # = vllm serve, AFD flags on
+    vllm-afd demo                                                # the README's main job
+    vllm-afd plan ...                                            # planner (vllm_afd.planner)
+    vllm-afd bench ...                                           # A/B harness
+    vllm-afd tiny-model OUT_DIR                                  # build a tiny MoE checkpoint
+
+``serve`` exists because the CPU build's own ``vllm`` script fails on its package metadata; it
+builds vLLM's ``serve`` subcommand parser unchanged (the AFD flags are added by the plugin),
+so every vLLM flag is forwarded as is.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def serve(argv: list[str]) -> None:
+    """Run ``vllm serve`` in this process with ``argv`` (plugin loaded, AFD flags known)."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    import vllm_afd
+
+    vllm_afd.register()
+    cli_env_setup()
+    parser = FlexibleArgumentParser(prog="vllm-afd")
+    subparsers = parser.add_subparsers(dest="subparser", required=True)
+    command = ServeSubcommand()
+    command.subparser_init(subparsers).set_defaults(dispatch_function=command.cmd)
+    args = parser.parse_args(["serve", *argv])
+    configure_logging_from_args(args)
+    command.validate(args)
+    args.dispatch_function(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command, rest = (argv[0], argv[1:]) if argv else ("--help", [])
+    if command == "serve":
+        return _run_user_facing(serve, rest)
+    if command == "demo":
+        from vllm_afd.demo import main as demo_main
+
+        return demo_main(rest)
+    if command == "plan":
+        from vllm_afd.planner.cli import main as plan_main
+
+        return plan_main(rest)
+    if command == "profile":
+        from vllm_afd.profiler import main as profile_main
+
+        return profile_main(rest)
+    if command == "bench":
+        from vllm_afd.bench.ab import main as bench_main
+
+        return bench_main(rest)
+    if command == "tiny-model":
+        from vllm_afd.models.tiny import main as tiny_main
+
+        return tiny_main(rest)
+    print(__doc__)
+    sys.exit(0 if command in ("-h", "--help", "help") else 2)
+
+
+def _run_user_facing(fn, argv: list[str]) -> None:
+    """Run ``fn``; an AFD configuration error exits 2 with its one-line message."""
+    from vllm_afd.config import AFDConfigError
+
+    try:
+        fn(argv)
+    except AFDConfigError as exc:
+        print(f"vllm-afd: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

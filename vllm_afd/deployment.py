@@ -1,0 +1,113 @@
+"""Deployment: turn a stock ``VllmConfig`` with ``additional_config["afd"]`` into an AFD one.
+
+Runs in the front-end process, inside ``EngineArgs.create_engine_config`` (patch P3), i.e.
+after vLLM has validated its own arguments and before any engine core or worker starts. Every
+AFD input is validated here first, so bad input fails with one clear message and nothing
+running; then the FFN group is started and its address exported to the attention ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from vllm_afd.config import AFDConfig, AFDConfigError, moe_model_info
+
+logger = logging.getLogger("vllm_afd")
+
+
+def afd_config_of(vllm_config) -> AFDConfig | None:
+    extra = vllm_config.additional_config
+    raw = extra.get("afd") if isinstance(extra, dict) else None
+    return AFDConfig.from_dict(raw) if raw else None
+
+
+def attention_ranks(vllm_config) -> int:
+    parallel = vllm_config.parallel_config
+    return parallel.data_parallel_size * parallel.tensor_parallel_size
+
+
+def _check_supported(vllm_config) -> None:
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise AFDConfigError(
+            "--afd-ratio: pipeline parallelism (--pipeline-parallel-size > 1) is not supported "
+            "with AFD; use data or tensor parallelism for the attention ranks"
+        )
+    if parallel.enable_eplb:
+        raise AFDConfigError("--afd-ratio: --enable-eplb is not supported with AFD")
+    if vllm_config.model_config.quantization:
+        raise AFDConfigError(
+            f"--afd-ratio: quantized checkpoints ({vllm_config.model_config.quantization}) are "
+            "not supported yet; the FFN ranks load unquantized expert weights"
+        )
+
+
+def _ffn_device(afd: AFDConfig) -> str:
+    if afd.ffn_device != "auto":
+        return afd.ffn_device
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+def _model_dir(model: str) -> str:
+    """Local directory of the checkpoint (downloads the safetensors of a hub id if needed)."""
+    if Path(model).is_dir():
+        return str(Path(model).resolve())
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model, allow_patterns=["*.safetensors", "*.json"])
+
+
+def setup_afd(vllm_config) -> None:
+    """Validate AFD settings against the model and layout, then start the FFN group."""
+    afd = afd_config_of(vllm_config)
+    if afd is None:
+        return
+    _check_supported(vllm_config)
+    info = moe_model_info(vllm_config.model_config.hf_config)
+    ranks = attention_ranks(vllm_config)
+    if afd.ratio is None:
+        afd = _resolve_auto(afd, info, ranks)
+        vllm_config.additional_config["afd"] = afd.to_dict()
+    info.check_ffn_ranks(afd.num_ffn_ranks(ranks))
+    from vllm_afd.placement import start_ffn_group
+
+    group = start_ffn_group(
+        afd, info, _model_dir(vllm_config.model_config.model), ranks,
+        max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        dtype=vllm_config.model_config.dtype, device=_ffn_device(afd),
+    )
+    logger.info("AFD on: %d attention rank(s) : %d FFN rank(s), transport %s", ranks,
+                group.spec.num_ffn_ranks, group.spec.backend)
+
+
+def _resolve_auto(afd: AFDConfig, info, ranks: int) -> AFDConfig:
+    """``--afd-ratio auto``: one FFN rank per attention-rank group the planner recommends."""
+    import dataclasses
+
+    from vllm_afd.planner_bridge import recommend_for_deployment
+
+    attn, ffn, line = recommend_for_deployment(info, ranks)
+    print(f"[vllm-afd] --afd-ratio auto -> {attn}:{ffn} ({line})", flush=True)
+    return dataclasses.replace(afd, ratio=(attn, ffn))
+
+
+def raise_if_ffn_group_dead() -> None:
+    """For /health: raise vLLM's EngineDeadError if an FFN rank of this process died."""
+    from vllm_afd.placement import current_group
+
+    group = current_group()
+    if group is None:
+        return
+    dead = group.dead_ranks()
+    if dead:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        raise EngineDeadError(f"AFD: FFN rank(s) {dead} of pid(s) {group.pids()} are not answering")
+
+
+def running_in_front_end() -> bool:
+    return os.environ.get("VLLM_AFD_RUNTIME") is not None

@@ -1,0 +1,257 @@
+"""Placement: the FFN executor group as Ray actors in one placement group sized by the ratio.
+
+The front-end process (``LLM(...)`` or the API server) owns the group: it is started while
+vLLM builds its engine config, before any engine or worker process exists, so that the
+transport addresses can be handed to every attention rank; and it is stopped with the
+front-end (``atexit``, or explicitly by ``stop_ffn_group``). Ray is started locally when no
+cluster address is given, and shut down again by whoever started it.
+
+One bundle per FFN rank (``{"CPU": 1}`` on CPU, ``{"GPU": 1, "CPU": 1}`` on GPUs), packed,
+so that the FFN ranks sit next to the attention ranks the way the ratio says.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import socket
+import threading
+from dataclasses import asdict, dataclass
+
+import torch
+
+from vllm_afd.config import AFDConfig, AFDConfigError, MoEModelInfo
+from vllm_afd.transport import TransportSpec
+
+logger = logging.getLogger("vllm_afd")
+START_TIMEOUT_S = 300.0
+#: Environment variable carrying the running group's TransportSpec to attention ranks.
+RUNTIME_ENV = "VLLM_AFD_RUNTIME"
+
+
+class FFNRank:
+    """The Ray actor: one FFN rank (wraps ``FFNExecutor``)."""
+
+    def __init__(self, spec_json: str, rank: int, model_dir: str, device: str) -> None:
+        from vllm_afd.ffn_executor import FFNExecutor
+
+        torch.set_num_threads(max(1, int(os.environ.get("VLLM_AFD_FFN_THREADS", "1"))))
+        self.executor = FFNExecutor(spec_from_json(spec_json), rank, model_dir, device)
+        self.executor.start()
+
+    def info(self) -> dict:
+        return self.executor.info()
+
+    def stats(self) -> dict:
+        return self.executor.stats.snapshot()
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def stop(self) -> None:
+        self.executor.stop()
+
+
+def spec_to_json(spec: TransportSpec) -> str:
+    data = asdict(spec)
+    data["dtype"] = str(spec.dtype).removeprefix("torch.")
+    return json.dumps(data)
+
+
+def spec_from_json(text: str) -> TransportSpec:
+    data = json.loads(text)
+    data["dtype"] = getattr(torch, data["dtype"])
+    data["addresses"] = tuple(data["addresses"])
+    return TransportSpec(**data)
+
+
+@dataclass
+class FFNGroup:
+    """A running FFN executor group."""
+
+    spec: TransportSpec
+    actors: list
+    infos: list[dict]
+    placement_group: object
+    owns_ray: bool
+
+    def pids(self) -> list[int]:
+        return [info["pid"] for info in self.infos]
+
+    def dead_ranks(self) -> list[int]:
+        """FFN ranks that no longer answer (local pids checked first, then a Ray ping)."""
+        import ray
+
+        dead = []
+        for rank, actor in enumerate(self.actors):
+            try:
+                ray.get(actor.ping.remote(), timeout=5)
+            except Exception:  # noqa: BLE001 - any failure means not serving
+                dead.append(rank)
+        return dead
+
+    def stats(self) -> list[dict]:
+        import ray
+
+        return ray.get([a.stats.remote() for a in self.actors], timeout=10)
+
+
+_LOCK = threading.Lock()
+_GROUP: FFNGroup | None = None
+_GROUP_KEY: str | None = None
+
+
+def check_ray_address(address: str | None) -> None:
+    """Fail fast, before anything starts, if a given Ray cluster cannot be reached."""
+    if address in (None, "", "local", "auto"):
+        return
+    hostport = address.removeprefix("ray://")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise AFDConfigError(
+            f"--afd-ray-address (additional_config.afd.ray_address): {address!r} is not "
+            "HOST:PORT (or ray://HOST:PORT); omit it to start Ray locally"
+        )
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as exc:
+        raise AFDConfigError(
+            f"--afd-ray-address (additional_config.afd.ray_address): cannot reach Ray at "
+            f"{address} ({exc}); check the address or omit the flag to start Ray locally"
+        ) from None
+
+
+def _ensure_ray(address: str | None, num_cpus: int) -> bool:
+    """Connect to (or start) Ray; returns True if this process started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if address in (None, "", "local"):
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+                 namespace="vllm_afd", _node_ip_address="127.0.0.1")
+    else:
+        ray.init(address=address, namespace="vllm_afd")
+    return True
+
+
+def start_ffn_group(
+    afd: AFDConfig,
+    model: MoEModelInfo,
+    model_dir: str,
+    num_attention_ranks: int,
+    max_tokens: int,
+    dtype: torch.dtype,
+    device: str,
+) -> FFNGroup:
+    """Start (or reuse, if identical) this process's FFN group and export its address."""
+    global _GROUP, _GROUP_KEY
+    num_ffn = afd.num_ffn_ranks(num_attention_ranks)
+    model.check_ffn_ranks(num_ffn)
+    spec = TransportSpec(
+        backend=afd.transport, num_attention_ranks=num_attention_ranks, num_ffn_ranks=num_ffn,
+        num_experts=model.num_experts, hidden_size=model.hidden_size, top_k=model.top_k,
+        max_tokens=max_tokens, dtype=dtype, num_slots=max(2, afd.microbatches),
+        timeout_s=afd.timeout_s,
+    )
+    key = json.dumps([spec_to_json(spec), model_dir, device, afd.ray_address, afd.ffn_host])
+    with _LOCK:
+        if _GROUP is not None and key == _GROUP_KEY:
+            return _GROUP
+        stop_ffn_group()
+        check_ray_address(afd.ray_address)
+        _GROUP = _launch(spec, afd, model_dir, device)
+        _GROUP_KEY = key
+        os.environ[RUNTIME_ENV] = spec_to_json(_GROUP.spec)
+        return _GROUP
+
+
+def _launch(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) -> FFNGroup:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    owns_ray = _ensure_ray(afd.ray_address, num_cpus=max(os.cpu_count() or 1, spec.num_ffn_ranks))
+    bundle = {"CPU": 1} if device != "cuda" else {"CPU": 1, "GPU": 1}
+    pg = placement_group([dict(bundle) for _ in range(spec.num_ffn_ranks)], strategy="PACK")
+    if not _wait(pg.ready(), START_TIMEOUT_S):
+        remove_placement_group(pg)
+        raise RuntimeError(
+            f"AFD: Ray could not place {spec.num_ffn_ranks} FFN rank(s) with {bundle} each "
+            f"within {START_TIMEOUT_S:.0f}s; check the cluster's free resources"
+        )
+    actor_cls = ray.remote(FFNRank)
+    env = {"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_"))}}
+    spec_json = spec_to_json(spec)
+    actors = [
+        actor_cls.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), runtime_env=env,
+            name=None, max_restarts=0,
+        ).remote(spec_json, r, model_dir, device)
+        for r in range(spec.num_ffn_ranks)
+    ]
+    try:
+        infos = ray.get([a.info.remote() for a in actors], timeout=START_TIMEOUT_S)
+    except Exception:
+        for a in actors:
+            ray.kill(a)
+        remove_placement_group(pg)
+        if owns_ray:
+            ray.shutdown()
+        raise
+    spec = TransportSpec(**{**asdict(spec), "addresses": tuple(i["address"] for i in infos)})
+    logger.info("AFD: %d FFN rank(s) up: %s", len(actors), infos)
+    return FFNGroup(spec, actors, infos, pg, owns_ray)
+
+
+def _wait(ref, timeout: float) -> bool:
+    import ray
+
+    ready, _ = ray.wait([ref], timeout=timeout)
+    return bool(ready)
+
+
+def current_group() -> FFNGroup | None:
+    return _GROUP
+
+
+def stop_ffn_group() -> None:
+    """Stop this process's FFN group (and the local Ray it started). Idempotent."""
+    global _GROUP, _GROUP_KEY
+    group, _GROUP, _GROUP_KEY = _GROUP, None, None
+    os.environ.pop(RUNTIME_ENV, None)
+    if group is None:
+        return
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in group.actors:
+        try:
+            ray.get(actor.stop.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 - best effort: the actor may be dead already
+            pass
+        ray.kill(actor)
+    try:
+        remove_placement_group(group.placement_group)
+    except Exception:  # noqa: BLE001
+        pass
+    if group.owns_ray:
+        ray.shutdown()
+
+
+def runtime_spec() -> TransportSpec:
+    """The running group's TransportSpec, as exported to attention ranks."""
+    text = os.environ.get(RUNTIME_ENV)
+    if not text:
+        raise RuntimeError(
+            f"AFD is configured but {RUNTIME_ENV} is unset: the FFN group was not started by "
+            "this deployment's front-end (use `vllm-afd serve` or `vllm serve --afd-ratio`)"
+        )
+    return spec_from_json(text)
+
+
+atexit.register(stop_ffn_group)
