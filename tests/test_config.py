@@ -48,8 +48,13 @@ def test_from_dict_roundtrip_and_coercion():
 
 
 def _hf(**kw):
-    base = dict(architectures=["X"], num_hidden_layers=2, hidden_size=128, num_experts_per_tok=2,
-                moe_intermediate_size=64)
+    base = dict(
+        architectures=["X"],
+        num_hidden_layers=2,
+        hidden_size=128,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -66,8 +71,9 @@ def test_expert_divisibility():
         info.check_ffn_ranks(16)
     with pytest.raises(AFDConfigError, match="cannot be split evenly over 3"):
         info.check_ffn_ranks(3)
-    mixtral = moe_model_info(_hf(num_local_experts=4, moe_intermediate_size=None,
-                                 intermediate_size=64))
+    mixtral = moe_model_info(
+        _hf(num_local_experts=4, moe_intermediate_size=None, intermediate_size=64)
+    )
     assert mixtral.num_experts == 4 and mixtral.moe_intermediate_size == 64
 
 
@@ -82,8 +88,10 @@ def test_flags_merge_into_additional_config():
     args = _parser().parse_args(["--afd-ratio", "2:1", "--afd-transport", "tcp"])
     engine_args = SimpleNamespace(additional_config={"other": 1})
     merge_afd_flags(args, engine_args)
-    assert engine_args.additional_config == {"other": 1,
-                                             "afd": {"ratio": "2:1", "transport": "tcp"}}
+    assert engine_args.additional_config == {
+        "other": 1,
+        "afd": {"ratio": "2:1", "transport": "tcp"},
+    }
 
 
 def test_no_flag_means_stock_vllm():

@@ -65,8 +65,15 @@ class AFDRemoteExpertsMethod(FusedMoEMethodBase):
 
         self.layer_index = extract_layer_index(layer_name)
 
-    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
-                       params_dtype, **extra_weight_attrs) -> None:
+    def create_weights(
+        self,
+        layer,
+        num_experts,
+        hidden_size,
+        intermediate_size_per_partition,
+        params_dtype,
+        **extra_weight_attrs,
+    ) -> None:
         names = ["w13_weight", "w2_weight"]
         if self.moe.has_bias:
             names += ["w13_bias", "w2_bias"]

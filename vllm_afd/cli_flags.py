@@ -30,34 +30,51 @@ def add_afd_flags(parser: argparse.ArgumentParser) -> None:
         "AFD", "Attention-FFN Disaggregation (vllm-afd). Off unless --afd-ratio is given."
     )
     group.add_argument(
-        "--afd-ratio", type=_ratio_arg, default=None, metavar="A:F",
+        "--afd-ratio",
+        type=_ratio_arg,
+        default=None,
+        metavar="A:F",
         help="Turn AFD on: A attention ranks (data parallel x tensor parallel engine ranks) per "
         "F FFN ranks, e.g. 7:1. The FFN rank count is attention_ranks*F/A and must be whole. "
         "'auto' lets the planner pick the ratio.",
     )
     group.add_argument(
-        "--afd-transport", choices=available_transports(), default=None,
+        "--afd-transport",
+        choices=available_transports(),
+        default=None,
         help="Dispatch/combine backend between attention and FFN ranks: shm (one host, "
         "shared memory; default), tcp (across hosts), deepep (GPUs, NVLink/RDMA).",
     )
     group.add_argument(
-        "--afd-ffn-device", choices=FFN_DEVICES, default=None,
+        "--afd-ffn-device",
+        choices=FFN_DEVICES,
+        default=None,
         help="Device of the FFN executors (default auto: the attention ranks' platform).",
     )
     group.add_argument(
-        "--afd-timeout", type=float, default=None, metavar="SECONDS",
+        "--afd-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
         help="Bound on one FFN round trip; past it, in-flight requests fail (default 30).",
     )
     group.add_argument(
-        "--afd-ray-address", default=None, metavar="HOST:PORT",
+        "--afd-ray-address",
+        default=None,
+        metavar="HOST:PORT",
         help="Ray cluster for the FFN group (default: start Ray locally).",
     )
     group.add_argument(
-        "--afd-microbatches", type=int, default=None, metavar="K",
+        "--afd-microbatches",
+        type=int,
+        default=None,
+        metavar="K",
         help="Microbatches per step for ping-pong overlap of attention and FFN (1 disables).",
     )
     group.add_argument(
-        "--afd-ffn-host", default=None, metavar="IP",
+        "--afd-ffn-host",
+        default=None,
+        metavar="IP",
         help="Interface the FFN ranks listen on with the tcp transport (default 127.0.0.1).",
     )
 
@@ -72,6 +89,10 @@ def afd_flags_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _given_flags(flags: dict[str, Any]) -> list[str]:
+    return [flag for flag, key in FLAG_KEYS.items() if key in flags]
+
+
 def merge_afd_flags(args: argparse.Namespace, engine_args: Any) -> None:
     """Fold the AFD flags into ``engine_args.additional_config["afd"]``."""
     flags = afd_flags_from_args(args)
@@ -79,8 +100,8 @@ def merge_afd_flags(args: argparse.Namespace, engine_args: Any) -> None:
         return
     if "ratio" not in flags:
         raise AFDConfigError(
-            f"--afd-ratio is required with {', '.join(f for f, k in FLAG_KEYS.items() if k in flags)}"
-            "; AFD is off without it"
+            f"--afd-ratio is required with {', '.join(_given_flags(flags))}; AFD is off "
+            "without it"
         )
     extra = dict(engine_args.additional_config or {})
     long_form = dict(extra.get("afd") or {})

@@ -93,7 +93,9 @@ class AFDConfig:
                 f"{_where('ffn_device')}: {self.ffn_device!r}; allowed: {', '.join(FFN_DEVICES)}"
             )
         if not self.timeout_s > 0:
-            raise AFDConfigError(f"{_where('timeout_s')}: must be > 0 seconds, got {self.timeout_s}")
+            raise AFDConfigError(
+                f"{_where('timeout_s')}: must be > 0 seconds, got {self.timeout_s}"
+            )
         if not 1 <= self.microbatches <= 8:
             raise AFDConfigError(
                 f"{_where('microbatches')}: must be an integer in 1..8, got {self.microbatches}"

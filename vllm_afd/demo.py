@@ -42,13 +42,17 @@ def _row(name: str, result: dict, reference: dict | None) -> dict:
 
 
 def _print_table(rows: list[dict]) -> None:
-    header = f"{'config':<16}{'FFN ranks':>10}{'attn params MiB':>17}{'FFN params MiB':>16}" \
-             f"{'tok/s':>9}  identical to colocated"
+    header = (
+        f"{'config':<16}{'FFN ranks':>10}{'attn params MiB':>17}{'FFN params MiB':>16}"
+        f"{'tok/s':>9}  identical to colocated"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['config']:<16}{r['ffn_ranks']:>10}{r['attn_param_MiB']:>17.2f}"
-              f"{r['ffn_param_MiB']:>16.2f}{r['tok_per_s']:>9.0f}  {r['identical']}")
+        print(
+            f"{r['config']:<16}{r['ffn_ranks']:>10}{r['attn_param_MiB']:>17.2f}"
+            f"{r['ffn_param_MiB']:>16.2f}{r['tok_per_s']:>9.0f}  {r['identical']}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,8 +73,13 @@ def main(argv: list[str] | None = None) -> None:
         if tp > 1 and args.skip_tp2:
             continue
         print(f"[vllm-afd demo] running {name} ...", flush=True)
-        job = {"model": model, "prompts": PROMPTS, "max_tokens": args.max_tokens, "afd": afd,
-               "tensor_parallel_size": tp}
+        job = {
+            "model": model,
+            "prompts": PROMPTS,
+            "max_tokens": args.max_tokens,
+            "afd": afd,
+            "tensor_parallel_size": tp,
+        }
         result = run_generation(job)
         rows.append(_row(name, result, reference))
         reference = reference or result

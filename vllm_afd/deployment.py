@@ -76,12 +76,20 @@ def setup_afd(vllm_config) -> None:
     from vllm_afd.placement import start_ffn_group
 
     group = start_ffn_group(
-        afd, info, _model_dir(vllm_config.model_config.model), ranks,
+        afd,
+        info,
+        _model_dir(vllm_config.model_config.model),
+        ranks,
         max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-        dtype=vllm_config.model_config.dtype, device=_ffn_device(afd),
+        dtype=vllm_config.model_config.dtype,
+        device=_ffn_device(afd),
     )
-    logger.info("AFD on: %d attention rank(s) : %d FFN rank(s), transport %s", ranks,
-                group.spec.num_ffn_ranks, group.spec.backend)
+    logger.info(
+        "AFD on: %d attention rank(s) : %d FFN rank(s), transport %s",
+        ranks,
+        group.spec.num_ffn_ranks,
+        group.spec.backend,
+    )
 
 
 def _resolve_auto(afd: AFDConfig, info, ranks: int) -> AFDConfig:

@@ -36,8 +36,14 @@ _EXPERT_RE = re.compile(
     r"^(?:.*\.)?layers\.(\d+)\.(?:[\w.]*\.)?experts\.(\d+)\."
     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
 )
-_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down",
-         "w2": "down"}
+_PROJ = {
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
+}
 
 
 def expert_range(rank: int, num_ranks: int, num_experts: int) -> range:
@@ -107,8 +113,10 @@ def _stack_layers(
     layers = sorted({layer for layer, _, _ in parts})
     out = {}
     for layer in layers:
-        w13 = [torch.cat([parts[(layer, e, "gate")], parts[(layer, e, "up")]]) for e in
-               range(num_local)]
+        w13 = [
+            torch.cat([parts[(layer, e, "gate")], parts[(layer, e, "up")]])
+            for e in range(num_local)
+        ]
         w2 = [parts[(layer, e, "down")] for e in range(num_local)]
         out[layer] = LayerExperts(torch.stack(w13).contiguous(), torch.stack(w2).contiguous())
     return out
@@ -170,8 +178,9 @@ class VllmCpuExperts:
 
         experts = self.layers[layer]
         out = torch.empty_like(x)
-        cpu_fused_moe(out, x, experts.w13, experts.w2, None, None, weights, local_ids, "silu",
-                      self.isa)
+        cpu_fused_moe(
+            out, x, experts.w13, experts.w2, None, None, weights, local_ids, "silu", self.isa
+        )
         return out
 
 
@@ -310,5 +319,10 @@ class FFNExecutor:
         self.transport.close()
 
     def info(self) -> dict:
-        return {"rank": self.rank, "pid": os.getpid(), "experts": [self.experts.start,
-                self.experts.stop], "param_bytes": self.param_bytes, "address": self.address}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "experts": [self.experts.start, self.experts.stop],
+            "param_bytes": self.param_bytes,
+            "address": self.address,
+        }

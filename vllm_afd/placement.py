@@ -131,8 +131,13 @@ def _ensure_ray(address: str | None, num_cpus: int) -> bool:
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if address in (None, "", "local"):
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
-                 namespace="vllm_afd", _node_ip_address="127.0.0.1")
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=True,
+            namespace="vllm_afd",
+            _node_ip_address="127.0.0.1",
+        )
     else:
         ray.init(address=address, namespace="vllm_afd")
     return True
@@ -152,9 +157,15 @@ def start_ffn_group(
     num_ffn = afd.num_ffn_ranks(num_attention_ranks)
     model.check_ffn_ranks(num_ffn)
     spec = TransportSpec(
-        backend=afd.transport, num_attention_ranks=num_attention_ranks, num_ffn_ranks=num_ffn,
-        num_experts=model.num_experts, hidden_size=model.hidden_size, top_k=model.top_k,
-        max_tokens=max_tokens, dtype=dtype, num_slots=max(2, afd.microbatches),
+        backend=afd.transport,
+        num_attention_ranks=num_attention_ranks,
+        num_ffn_ranks=num_ffn,
+        num_experts=model.num_experts,
+        hidden_size=model.hidden_size,
+        top_k=model.top_k,
+        max_tokens=max_tokens,
+        dtype=dtype,
+        num_slots=max(2, afd.microbatches),
         timeout_s=afd.timeout_s,
     )
     key = json.dumps([spec_to_json(spec), model_dir, device, afd.ray_address, afd.ffn_host])
@@ -188,9 +199,14 @@ def _launch(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) ->
     spec_json = spec_to_json(spec)
     actors = [
         actor_cls.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
-            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), runtime_env=env,
-            name=None, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=r
+            ),
+            num_cpus=bundle["CPU"],
+            num_gpus=bundle.get("GPU", 0),
+            runtime_env=env,
+            name=None,
+            max_restarts=0,
         ).remote(spec_json, r, model_dir, device)
         for r in range(spec.num_ffn_ranks)
     ]

@@ -24,6 +24,8 @@ DEFAULT_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "RAY_AUTH_MODE": "disabled",
     "TOKENIZERS_PARALLELISM": "false",
+    # lets collective_rpc ship the small parameter-counting function to MP workers
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
 }
 
 
@@ -31,8 +33,10 @@ def child_env(tensor_parallel: int = 1, extra: dict[str, str] | None = None) -> 
     """Environment for a vLLM child on this machine (loopback, small KV cache, core binding)."""
     env = {**os.environ, **DEFAULT_ENV, **(extra or {})}
     if tensor_parallel > 1:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
-            str(i % (os.cpu_count() or 1)) for i in range(tensor_parallel)))
+        env.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND",
+            "|".join(str(i % (os.cpu_count() or 1)) for i in range(tensor_parallel)),
+        )
     else:
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return env
@@ -45,12 +49,16 @@ def run_generation(job: dict[str, Any], timeout_s: float = 600.0) -> dict[str, A
     """
     env = child_env(job.get("tensor_parallel_size", 1), job.get("env"))
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_afd.runner", json.dumps(job)], env=env,
-        capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
+        [sys.executable, "-m", "vllm_afd.runner", json.dumps(job)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
     )
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
+            return json.loads(line[len(RESULT_PREFIX) :])
     tail = (proc.stdout + proc.stderr)[-4000:]
     raise RuntimeError(f"vLLM child exited {proc.returncode} without a result:\n{tail}")
 
@@ -64,7 +72,9 @@ def _generate(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     kwargs = dict(
-        model=job["model"], dtype=job.get("dtype", "float32"), seed=0,
+        model=job["model"],
+        dtype=job.get("dtype", "float32"),
+        seed=0,
         max_model_len=job.get("max_model_len", 512),
         max_num_seqs=job.get("max_num_seqs", 16),
         enforce_eager=job.get("enforce_eager", True),
@@ -78,8 +88,7 @@ def _generate(job: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 32),
-                            ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 32), ignore_eos=True)
     prompts = job["prompts"]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
     t1 = time.perf_counter()
