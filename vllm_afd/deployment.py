@@ -9,12 +9,11 @@ running; then the FFN group is started and its address exported to the attention
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 from vllm_afd.config import AFDConfig, AFDConfigError, moe_model_info
 
-logger = logging.getLogger("vllm_afd")
+logger = logging.getLogger("vllm.afd")
 
 
 def afd_config_of(vllm_config) -> AFDConfig | None:
@@ -104,18 +103,11 @@ def _resolve_auto(afd: AFDConfig, info, ranks: int) -> AFDConfig:
 
 
 def raise_if_ffn_group_dead() -> None:
-    """For /health: raise vLLM's EngineDeadError if an FFN rank of this process died."""
-    from vllm_afd.placement import current_group
+    """For /health: raise vLLM's EngineDeadError if an FFN rank of the deployment died."""
+    from vllm_afd.placement import dead_ffn_ranks
 
-    group = current_group()
-    if group is None:
-        return
-    dead = group.dead_ranks()
+    dead = dead_ffn_ranks()
     if dead:
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        raise EngineDeadError(f"AFD: FFN rank(s) {dead} of pid(s) {group.pids()} are not answering")
-
-
-def running_in_front_end() -> bool:
-    return os.environ.get("VLLM_AFD_RUNTIME") is not None
+        raise EngineDeadError(f"AFD: FFN rank(s) {dead} died; requests cannot be served")

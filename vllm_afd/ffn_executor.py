@@ -18,8 +18,10 @@ reference the fast kernels are tested against.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_afd.metrics import FFNStatsBlock
 from vllm_afd.transport import FFNRequest, FFNTransport, TransportSpec, create_ffn_transport
 
 # Per-expert tensors: ``...layers.{L}.<block>.experts.{e}.{proj}.weight`` where proj is the
@@ -232,7 +235,11 @@ def make_expert_kernel(layers: dict[int, LayerExperts], device: str, dtype: torc
 
 @dataclass
 class FFNStats:
-    """Counters the attention side and /metrics read (cumulative)."""
+    """Counters the attention side and /metrics read (cumulative).
+
+    ``shared``, when set, is this rank's stats block in shared memory (``vllm_afd.metrics``):
+    ``FFNExecutor._account`` writes the same numbers there, where ``/metrics`` reads them.
+    """
 
     requests: int = 0
     tokens: int = 0
@@ -240,6 +247,7 @@ class FFNStats:
     busy_s: float = 0.0
     per_layer_s: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     per_layer_calls: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    shared: FFNStatsBlock | None = field(default=None, repr=False, compare=False)
 
     def snapshot(self) -> dict:
         return {
@@ -252,6 +260,16 @@ class FFNStats:
         }
 
 
+def _open_stats_block(address: str, rank: int, layers) -> FFNStatsBlock | None:
+    """This rank's shared stats block for /metrics, or None (logged) if it cannot be made:
+    metrics never keep an FFN rank from serving."""
+    try:
+        return FFNStatsBlock(address, rank, layers)
+    except Exception as exc:  # noqa: BLE001
+        logging.getLogger("vllm.afd").warning("AFD metrics disabled for FFN rank %d: %s", rank, exc)
+        return None
+
+
 class FFNExecutor:
     """One FFN rank: its experts, its transport endpoint, and the serve loop."""
 
@@ -262,7 +280,9 @@ class FFNExecutor:
         self.param_bytes = sum(w.w13.nbytes + w.w2.nbytes for w in layers.values())
         self.kernel = make_expert_kernel(layers, device, spec.dtype)
         self.transport: FFNTransport = create_ffn_transport(spec, rank)
-        self.stats = FFNStats()
+        self.stats = FFNStats(shared=_open_stats_block(self.transport.address, rank, layers))
+        # Wire bytes per token besides the hidden state: int32 expert ids + float32 weights.
+        self._routing_bytes = spec.top_k * 8
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -302,6 +322,11 @@ class FFNExecutor:
         s.busy_s += dt
         s.per_layer_s[layer] += dt
         s.per_layer_calls[layer] += 1
+        if s.shared is not None:
+            n = x.shape[0]
+            s.shared.record_layer(
+                layer, len(group), n, x.nbytes + n * self._routing_bytes, x.nbytes, dt
+            )
 
     def serve_forever(self) -> None:
         while not self._stop.is_set():
@@ -317,11 +342,14 @@ class FFNExecutor:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.transport.close()
+        if self.stats.shared is not None:
+            self.stats.shared.close()
 
     def info(self) -> dict:
         return {
             "rank": self.rank,
             "pid": os.getpid(),
+            "host": socket.gethostname(),
             "experts": [self.experts.start, self.experts.stop],
             "param_bytes": self.param_bytes,
             "address": self.address,

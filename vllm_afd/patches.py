@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 
-logger = logging.getLogger("vllm_afd")
+logger = logging.getLogger("vllm.afd")
 SUPPORTED_VLLM = ("0.32.", "0.33.")
 _SENTINEL = "__vllm_afd_patched__"
 

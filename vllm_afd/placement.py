@@ -25,10 +25,13 @@ import torch
 from vllm_afd.config import AFDConfig, AFDConfigError, MoEModelInfo
 from vllm_afd.transport import TransportSpec
 
-logger = logging.getLogger("vllm_afd")
+logger = logging.getLogger("vllm.afd")
 START_TIMEOUT_S = 300.0
-#: Environment variable carrying the running group's TransportSpec to attention ranks.
+#: Environment variables carrying the running group to every process started after it:
+#: the TransportSpec (attention ranks connect with it) and "host:pid" of each FFN rank
+#: (any process, e.g. an API server answering /health, can check they are alive).
 RUNTIME_ENV = "VLLM_AFD_RUNTIME"
+FFN_PIDS_ENV = "VLLM_AFD_FFN_PIDS"
 
 
 class FFNRank:
@@ -79,18 +82,6 @@ class FFNGroup:
 
     def pids(self) -> list[int]:
         return [info["pid"] for info in self.infos]
-
-    def dead_ranks(self) -> list[int]:
-        """FFN ranks that no longer answer (local pids checked first, then a Ray ping)."""
-        import ray
-
-        dead = []
-        for rank, actor in enumerate(self.actors):
-            try:
-                ray.get(actor.ping.remote(), timeout=5)
-            except Exception:  # noqa: BLE001 - any failure means not serving
-                dead.append(rank)
-        return dead
 
     def stats(self) -> list[dict]:
         import ray
@@ -177,6 +168,7 @@ def start_ffn_group(
         _GROUP = _launch(spec, afd, model_dir, device)
         _GROUP_KEY = key
         os.environ[RUNTIME_ENV] = spec_to_json(_GROUP.spec)
+        os.environ[FFN_PIDS_ENV] = ",".join(f"{i['host']}:{i['pid']}" for i in _GROUP.infos)
         return _GROUP
 
 
@@ -220,7 +212,10 @@ def _launch(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) ->
             ray.shutdown()
         raise
     spec = TransportSpec(**{**asdict(spec), "addresses": tuple(i["address"] for i in infos)})
-    logger.info("AFD: %d FFN rank(s) up: %s", len(actors), infos)
+    for info in infos:
+        logger.info("AFD: FFN rank %d up: pid %d on %s, experts [%d, %d), %.2f MiB, address %s",
+                    info["rank"], info["pid"], info["host"], *info["experts"],
+                    info["param_bytes"] / 2**20, info["address"])
     return FFNGroup(spec, actors, infos, pg, owns_ray)
 
 
@@ -240,6 +235,7 @@ def stop_ffn_group() -> None:
     global _GROUP, _GROUP_KEY
     group, _GROUP, _GROUP_KEY = _GROUP, None, None
     os.environ.pop(RUNTIME_ENV, None)
+    os.environ.pop(FFN_PIDS_ENV, None)
     if group is None:
         return
     import ray
@@ -257,6 +253,34 @@ def stop_ffn_group() -> None:
         pass
     if group.owns_ray:
         ray.shutdown()
+
+
+def dead_ffn_ranks() -> list[int]:
+    """FFN ranks on this host whose process is gone (from any process of the deployment).
+
+    Ranks on other hosts are not checked here: their death surfaces as a transport error.
+    """
+    here = socket.gethostname()
+    dead = []
+    for rank, entry in enumerate(filter(None, os.environ.get(FFN_PIDS_ENV, "").split(","))):
+        host, _, pid = entry.rpartition(":")
+        if host == here and not _pid_alive(int(pid)):
+            dead.append(rank)
+    return dead
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (killed, not yet reaped by its raylet) is not alive either
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def runtime_spec() -> TransportSpec:
