@@ -1,0 +1,74 @@
+"""Bad input to `vllm-afd serve`: one clear error naming the flag, exit 2, before any worker.
+
+Each case runs the real console script; "before any worker" is checked by the absence of any
+engine or FFN start in its output and by the time it took.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_afd.runner import child_env
+
+pytestmark = pytest.mark.slow
+
+STARTED_MARKERS = ("EngineCore", "FFN rank 0 up", "Started a local Ray instance")
+
+
+def _serve(model: str, *flags: str) -> tuple[int, str, float]:
+    argv = [str(Path(sys.executable).with_name("vllm-afd")), "serve", model,
+            "--host", "127.0.0.1", "--port", "1", "--dtype", "float32", *flags]
+    start = time.monotonic()
+    proc = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=180,
+                          stdin=subprocess.DEVNULL)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def dense_model(tiny_qwen3, tmp_path_factory) -> str:
+    """A tiny dense Llama (no routed experts) sharing the tiny tokenizer."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("dense")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tiny_qwen3) / name, out / name)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, vocab_size=1024)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return str(out)
+
+
+def _cases(qwen3: str, dense: str) -> list[tuple[str, tuple[str, ...], str]]:
+    return [
+        ("zero side", (qwen3, "--afd-ratio", "0:1"), "--afd-ratio"),
+        ("not a ratio", (qwen3, "--afd-ratio", "a:b"), "--afd-ratio"),
+        ("ratio does not divide ranks", (qwen3, "--afd-ratio", "2:1"), "does not divide the 1"),
+        ("more FFN ranks than experts", (qwen3, "--afd-ratio", "1:16"), "only 8 routed experts"),
+        ("experts not divisible", (qwen3, "--afd-ratio", "1:3"), "cannot be split evenly"),
+        ("no routed experts", (dense, "--afd-ratio", "1:1"), "has no routed experts"),
+        ("unknown transport", (qwen3, "--afd-ratio", "1:1", "--afd-transport", "pigeon"),
+         "--afd-transport"),
+        ("unreachable Ray", (qwen3, "--afd-ratio", "1:1", "--afd-ray-address", "127.0.0.1:9"),
+         "cannot reach Ray at 127.0.0.1:9"),
+        ("option without ratio", (qwen3, "--afd-transport", "tcp"), "--afd-ratio is required"),
+    ]
+
+
+def test_bad_inputs_fail_fast_with_the_flag_named(tiny_qwen3, dense_model):
+    cases = _cases(tiny_qwen3, dense_model)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda case: _serve(*case[1]), cases))
+    for (name, _, expected), (code, output, elapsed) in zip(cases, results, strict=True):
+        assert code == 2, f"{name}: exit {code}\n{output[-2000:]}"
+        assert expected in output, f"{name}: {expected!r} not in\n{output[-2000:]}"
+        assert "Traceback" not in output, f"{name}: a traceback instead of a message"
+        assert not any(m in output for m in STARTED_MARKERS), f"{name}: something started"
+        assert elapsed < 120, f"{name}: took {elapsed:.0f}s"
