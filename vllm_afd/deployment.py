@@ -69,7 +69,7 @@ def setup_afd(vllm_config) -> None:
     info = moe_model_info(vllm_config.model_config.hf_config)
     ranks = attention_ranks(vllm_config)
     if afd.ratio is None:
-        afd = _resolve_auto(afd, info, ranks)
+        afd = _resolve_auto(afd, info, ranks, vllm_config)
         vllm_config.additional_config["afd"] = afd.to_dict()
     info.check_ffn_ranks(afd.num_ffn_ranks(ranks))
     from vllm_afd.placement import start_ffn_group
@@ -91,13 +91,22 @@ def setup_afd(vllm_config) -> None:
     )
 
 
-def _resolve_auto(afd: AFDConfig, info, ranks: int) -> AFDConfig:
-    """``--afd-ratio auto``: one FFN rank per attention-rank group the planner recommends."""
+def _resolve_auto(afd: AFDConfig, info, ranks: int, vllm_config) -> AFDConfig:
+    """``--afd-ratio auto``: the planner picks the FFN rank count; the prediction is printed."""
     import dataclasses
+
+    from vllm.platforms import current_platform
 
     from vllm_afd.planner_bridge import recommend_for_deployment
 
-    attn, ffn, line = recommend_for_deployment(info, ranks)
+    attn, ffn, line = recommend_for_deployment(
+        info,
+        ranks,
+        _model_dir(vllm_config.model_config.model),
+        context=vllm_config.model_config.max_model_len,
+        max_batch=vllm_config.scheduler_config.max_num_seqs,
+        platform_is_cpu=current_platform.is_cpu(),
+    )
     print(f"[vllm-afd] --afd-ratio auto -> {attn}:{ffn} ({line})", flush=True)
     return dataclasses.replace(afd, ratio=(attn, ffn))
 
