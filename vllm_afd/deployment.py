@@ -36,6 +36,13 @@ def _check_supported(vllm_config) -> None:
         )
     if parallel.enable_eplb:
         raise AFDConfigError("--afd-ratio: --enable-eplb is not supported with AFD")
+    hf = vllm_config.model_config.hf_text_config
+    act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None) or "silu"
+    if act not in ("silu", "swish"):
+        raise AFDConfigError(
+            f"--afd-ratio: the model's expert activation is {act!r}; the FFN ranks implement "
+            "SiLU-and-multiply experts only"
+        )
     if vllm_config.model_config.quantization:
         raise AFDConfigError(
             f"--afd-ratio: quantized checkpoints ({vllm_config.model_config.quantization}) are "
