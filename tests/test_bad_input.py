@@ -50,7 +50,8 @@ def _cases(qwen3: str, dense: str) -> list[tuple[str, tuple[str, ...], str]]:
     return [
         ("zero side", (qwen3, "--afd-ratio", "0:1"), "--afd-ratio"),
         ("not a ratio", (qwen3, "--afd-ratio", "a:b"), "--afd-ratio"),
-        ("ratio does not divide ranks", (qwen3, "--afd-ratio", "2:1"), "does not divide the 1"),
+        ("ratio does not divide ranks",
+         (qwen3, "--afd-ratio", "3:1", "--data-parallel-size", "2"), "does not divide the 2"),
         ("more FFN ranks than experts", (qwen3, "--afd-ratio", "1:16"), "only 8 routed experts"),
         ("experts not divisible", (qwen3, "--afd-ratio", "1:3"), "cannot be split evenly"),
         ("no routed experts", (dense, "--afd-ratio", "1:1"), "has no routed experts"),

@@ -1,6 +1,7 @@
-"""AFD through the OpenAI server: `vllm-afd serve MODEL --afd-ratio 2:1 --data-parallel-size 2`.
+"""AFD through the OpenAI server: `vllm-afd serve MODEL --afd-ratio 2:1` (the one flag).
 
-One server for the module (two data-parallel attention ranks, one FFN rank, shared-memory
+One server for the module (the ratio alone gives two data-parallel attention ranks, one FFN
+rank, shared-memory
 transport, chunked prefill and prefix caching on). Concurrent requests of different lengths must
 return the greedy tokens of colocated serving; then the FFN rank is killed mid-request: the
 request must fail within a bounded time, /health must turn 503, and shutting the server down
@@ -74,7 +75,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
             str(Path(sys.executable).with_name("vllm-afd")), "serve", model,
-            "--afd-ratio", "2:1", "--data-parallel-size", "2",
+            "--afd-ratio", "2:1",
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
             "--max-model-len", "512", "--max-num-batched-tokens", "64", "--enforce-eager",
             "--enable-prefix-caching", "--enable-chunked-prefill", "--seed", "0",
@@ -124,6 +125,12 @@ def server(tiny_qwen3, tmp_path_factory):
         yield srv
     finally:
         srv.stop()
+
+
+def test_one_flag_gives_two_data_parallel_attention_ranks(server):
+    log = server.log.read_text()
+    assert "2 data-parallel attention ranks" in log
+    assert "AFD on: 2 attention rank(s) : 1 FFN rank(s)" in log
 
 
 def test_concurrent_requests_match_colocated(server, tiny_qwen3):

@@ -67,6 +67,28 @@ def _model_dir(model: str) -> str:
     return snapshot_download(model, allow_patterns=["*.safetensors", "*.json"])
 
 
+def prepare_engine_args(engine_args, usage_context) -> None:
+    """One flag is enough: ``serve MODEL --afd-ratio 7:1`` gets 7 data-parallel attention ranks.
+
+    Only when the user asked for no parallelism at all (data and tensor parallel size 1) and
+    only for servers: vLLM's offline ``LLM`` class runs a single engine, where tensor
+    parallelism is the way to get several attention ranks.
+    """
+    extra = engine_args.additional_config
+    raw = extra.get("afd") if isinstance(extra, dict) else None
+    if not raw or engine_args.data_parallel_size != 1 or engine_args.tensor_parallel_size != 1:
+        return
+    from vllm.usage.usage_lib import UsageContext
+
+    ratio = AFDConfig.from_dict(raw).ratio
+    if ratio is None or ratio[0] == 1 or usage_context == UsageContext.LLM_CLASS:
+        return
+    engine_args.data_parallel_size = ratio[0]
+    print(f"[vllm-afd] --afd-ratio {ratio[0]}:{ratio[1]}: {ratio[0]} data-parallel attention "
+          "ranks (set --data-parallel-size or --tensor-parallel-size to choose otherwise)",
+          flush=True)
+
+
 def setup_afd(vllm_config) -> None:
     """Validate AFD settings against the model and layout, then start the FFN group."""
     afd = afd_config_of(vllm_config)

@@ -17,7 +17,9 @@ P2 ``EngineArgs.from_cli_args`` (classmethod), wrapped.
 P3 ``EngineArgs.create_engine_config``, wrapped.
    Why: the FFN group must be validated and started in the front-end before any engine or
    worker process exists, and its address handed to them.
-   How: after the stock config is built, ``deployment.setup_afd(vllm_config)``.
+   How: before: ``deployment.prepare_engine_args`` (a server given only ``--afd-ratio A:F``
+   gets A data-parallel attention ranks); after the stock config is built,
+   ``deployment.setup_afd(vllm_config)``.
    Remove when: vLLM grows a "deployment plugin" lifecycle hook.
 P4 ``AsyncLLM.check_health``, wrapped.
    Why: ``/health`` must report unhealthy as soon as an FFN rank dies, even while idle.
@@ -85,10 +87,11 @@ def _patch_engine_args() -> None:
         return wrapper
 
     def create_engine_config(original):
-        def wrapper(self, *args, **kwargs):
-            vllm_config = original(self, *args, **kwargs)
-            from vllm_afd.deployment import setup_afd
+        def wrapper(self, usage_context=None, *args, **kwargs):
+            from vllm_afd.deployment import prepare_engine_args, setup_afd
 
+            prepare_engine_args(self, usage_context)
+            vllm_config = original(self, usage_context, *args, **kwargs)
             setup_afd(vllm_config)
             return vllm_config
 
