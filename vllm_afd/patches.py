@@ -25,6 +25,14 @@ P4 ``AsyncLLM.check_health``, wrapped.
    Why: ``/health`` must report unhealthy as soon as an FFN rank dies, even while idle.
    How: raise ``EngineDeadError`` when the FFN group has dead ranks.
    Remove when: vLLM lets plugins contribute health checks.
+P6 ``prometheus_client.multiprocess.MultiProcessCollector.__init__``, wrapped (see
+   ``metrics.patch_metrics_registries``).
+   Why: the AFD metrics must be in the registry that answers ``/metrics``; with several API
+   servers that registry is rebuilt per scrape, and ``MultiProcessCollector(registry)`` is the
+   one hook all of them share.
+   How: every registry it joins also gets an ``AFDCollector`` (once); the global registry
+   gets one too. Reports nothing when AFD is off.
+   Remove when: vLLM lets plugins contribute collectors to its ``/metrics`` registry.
 P5 ``RoutedExperts`` out-of-tree replacement (``PluggableLayer.register_oot``), a supported
    API rather than a patch, listed here so every touch point is in one place.
 """
@@ -117,6 +125,12 @@ def _patch_health() -> None:
     _wrap(AsyncLLM, "check_health", check_health)
 
 
+def _patch_metrics() -> None:
+    from vllm_afd.metrics import patch_metrics_registries
+
+    patch_metrics_registries()
+
+
 def _register_layers() -> None:
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
@@ -131,4 +145,5 @@ def apply_all() -> None:
     check_vllm_version()
     _patch_engine_args()
     _patch_health()
+    _patch_metrics()
     _register_layers()

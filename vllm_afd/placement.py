@@ -251,6 +251,9 @@ def stop_ffn_group() -> None:
         remove_placement_group(group.placement_group)
     except Exception:  # noqa: BLE001
         pass
+    from vllm_afd.metrics import unlink_deployment_blocks
+
+    unlink_deployment_blocks(group.spec)
     if group.owns_ray:
         ray.shutdown()
 

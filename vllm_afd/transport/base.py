@@ -1,0 +1,176 @@
+"""The transport contract between attention ranks and the FFN executor group.
+
+Modelled on DeepEP's dispatch/combine API so that a DeepEP backend fits behind it unchanged:
+
+* The attention side calls ``dispatch`` once per MoE layer per (micro)batch with the tokens'
+  hidden states and their routing decision. It returns at once with a ``DispatchHandle``;
+  ``combine(handle)`` waits and returns, in the original token order, the sum over the token's
+  top-k experts of ``weight * expert(x)`` (the weights are applied on the FFN side, like
+  DeepEP's low-latency combine).
+* The FFN side calls ``recv`` to take every request that has arrived (from any attention rank,
+  any layer), runs the experts it owns, and answers each request with ``reply``.
+
+Expert placement is fixed and contiguous: with ``E`` routed experts and ``F`` FFN ranks, global
+expert ``e`` lives on FFN rank ``e // (E // F)`` with local id ``e % (E // F)``. The attention
+side sends a token to an FFN rank only if at least one of its top-k experts lives there; the
+FFN side receives the *global* ids and weights and masks the experts it does not own.
+
+Why point-to-point requests rather than a lockstep collective on the FFN side: the FFN side
+then never needs to know how many tokens, ranks or layers to expect. Prefill batches, decode
+batches, profile and dummy runs, and idle periods (no request at all) all fall out of the same
+"serve whatever is pending" loop, and there is nothing to deadlock on. Attention ranks that run
+in lockstep (vLLM data parallel) still get their tokens batched together on the FFN side,
+because their requests for the same layer arrive together. A collective backend (DeepEP) keeps
+the same attention-side contract and runs its own lockstep FFN loop.
+
+Failure: ``combine`` never waits forever. It raises ``TransportError`` when the FFN rank is
+known dead (backends check liveness while waiting) or after ``TransportSpec.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+
+
+class TransportError(RuntimeError):
+    """An FFN rank did not answer: it died, or it did not answer within the timeout."""
+
+
+@dataclass(frozen=True)
+class TransportSpec:
+    """Everything both sides need to agree on before they connect.
+
+    Created by the FFN group (placement) and shipped to every attention rank.
+    """
+
+    backend: str
+    num_attention_ranks: int
+    num_ffn_ranks: int
+    num_experts: int
+    hidden_size: int
+    top_k: int
+    #: Largest number of tokens one attention rank sends in one dispatch (vLLM's
+    #: max_num_batched_tokens). Buffers are preallocated for it.
+    max_tokens: int
+    #: Hidden-state dtype on the wire (the model dtype).
+    dtype: torch.dtype = torch.float32
+    #: Requests one attention rank may have outstanding at once (microbatches).
+    num_slots: int = 2
+    #: Upper bound for one combine to wait, in seconds.
+    timeout_s: float = 30.0
+    #: Backend-specific rendezvous data filled in by the FFN side when it starts listening
+    #: (shared-memory segment names, host:port pairs, ...), one entry per FFN rank.
+    #: An entry in the spec given to the FFN side is a request, not a result: shm takes it as
+    #: the segment-name prefix, tcp as the "host:port" to bind (port 0: any free port).
+    addresses: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def experts_per_ffn_rank(self) -> int:
+        return self.num_experts // self.num_ffn_ranks
+
+    def ffn_rank_of(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        """FFN rank holding each global expert id (same shape as ``expert_ids``)."""
+        return torch.div(expert_ids, self.experts_per_ffn_rank, rounding_mode="floor")
+
+
+@dataclass
+class DispatchHandle:
+    """What ``dispatch`` returns and ``combine`` consumes.
+
+    ``token_index[f]`` holds, for FFN rank ``f`` that got a request, the row indices (int64)
+    of the original batch that were sent to it, so that combine can scatter the answers back.
+    """
+
+    layer: int
+    num_tokens: int
+    hidden_size: int
+    dtype: torch.dtype
+    token_index: dict[int, torch.Tensor]
+    #: Backend-private bookkeeping (slot numbers, sequence numbers, ...).
+    state: dict = field(default_factory=dict)
+
+
+@dataclass
+class FFNRequest:
+    """One request as the FFN side sees it.
+
+    Attributes:
+        src_rank: attention rank that sent it.
+        layer: MoE layer index (the model's layer number).
+        x: ``[N, H]`` hidden states, ``TransportSpec.dtype``.
+        topk_ids: ``[N, K]`` int32 *global* expert ids.
+        topk_weights: ``[N, K]`` float32 routing weights.
+        tag: backend-private, identifies the request for ``reply``.
+    """
+
+    src_rank: int
+    layer: int
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    tag: object = None
+
+
+class AttentionTransport(abc.ABC):
+    """Attention-rank endpoint. One per attention rank, connected to every FFN rank."""
+
+    def __init__(self, spec: TransportSpec, rank: int) -> None:
+        self.spec = spec
+        self.rank = rank
+
+    @abc.abstractmethod
+    def dispatch(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> DispatchHandle:
+        """Send tokens to the FFN ranks owning their experts; returns without waiting.
+
+        Args:
+            layer: MoE layer index.
+            x: ``[T, H]`` hidden states, ``spec.dtype``, contiguous, ``T <= spec.max_tokens``.
+            topk_ids: ``[T, K]`` integer global expert ids.
+            topk_weights: ``[T, K]`` float32 routing weights (already normalised by the router).
+        Returns:
+            A handle for ``combine``. At most ``spec.num_slots`` handles may be outstanding.
+        """
+
+    @abc.abstractmethod
+    def combine(self, handle: DispatchHandle) -> torch.Tensor:
+        """Wait for the answers of ``handle`` and return ``[T, H]`` in the original order.
+
+        Row ``t`` is ``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])``.
+        Raises ``TransportError`` if an FFN rank dies or the wait exceeds ``spec.timeout_s``.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release buffers and connections."""
+
+
+class FFNTransport(abc.ABC):
+    """FFN-rank endpoint. One per FFN rank, reachable by every attention rank."""
+
+    def __init__(self, spec: TransportSpec, rank: int) -> None:
+        self.spec = spec
+        self.rank = rank
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """Rendezvous string attention ranks use to reach this FFN rank."""
+
+    @abc.abstractmethod
+    def recv(self, timeout_s: float) -> list[FFNRequest]:
+        """Return every request pending now, waiting up to ``timeout_s`` for the first one.
+
+        Returns an empty list on timeout (idle period): the caller loops.
+        """
+
+    @abc.abstractmethod
+    def reply(self, request: FFNRequest, out: torch.Tensor) -> None:
+        """Answer ``request`` with ``out``: ``[N, H]`` (``spec.dtype``), one row per token,
+        already weighted and summed over this rank's experts."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release buffers and connections."""

@@ -1,0 +1,636 @@
+"""Shared-memory transport: the fast path when attention and FFN ranks share one host.
+
+Layout. Each FFN rank creates one POSIX shared-memory segment (a file in ``/dev/shm``) holding a
+channel per attention rank, each with ``spec.num_slots`` slots; a dispatch uses the same slot
+number on every FFN rank it sends to, so microbatches never share buffers::
+
+    header            int64 words: magic, version, creator pid, state, pid-namespace inode, the
+                      CPU the FFN rank last ran on, the layout parameters (checked by attachers),
+                      and per attention rank the CPU it last dispatched from (page-aligned)
+    slot (a, s)       page-aligned, for attention rank a, slot s:
+      line 0          request header  (written by attention): seq, layer, num_tokens
+      line 1          response header (written by FFN):       seq, num_tokens
+      x               [max_tokens, H]  spec.dtype
+      topk_ids        [max_tokens, K]  int32
+      topk_weights    [max_tokens, K]  float32
+      out             [max_tokens, H]  spec.dtype
+
+Headers are read and written through one ``memoryview.cast("q")`` of the segment (about 70 ns a
+word; a torch scalar index costs over a microsecond); payloads through ``torch.frombuffer`` views
+whose ``[:n]`` slices are cached (``RowViews``).
+
+Publish order. The writer stores the payload, then the other header words, then the sequence
+number; the reader loads the sequence number, then the rest. This relies on x86-64 total store
+order (stores become visible in program order, loads are not reordered with older loads) and on
+CPython/PyTorch doing plain stores (glibc fences its non-temporal large copies). It is not safe
+on weakly ordered CPUs (aarch64): a warning is emitted there; use the tcp backend.
+
+Sequence numbers count per (attention rank, FFN rank) channel, start after the highest number
+found in the segment (a restarted attention rank never repeats one), and tie a response to its
+request: combine waits for ``response.seq == request.seq``; a reply to a request that has since
+been superseded (its combine timed out and the slot was reused) is dropped.
+
+Waiting. Only two cores are shared by several processes, so waiting is staged (``WaitPolicy``):
+spin on the sequence word for ``spin_s``, then ``os.sched_yield()`` between polls until
+``yield_s``, then sleep with doubling intervals up to ``sleep_max_s``. The FFN side keeps its
+stage across consecutive empty ``recv`` calls and starts again from the spin stage after serving,
+so back-to-back layers are answered from the spin stage while an idle FFN rank costs almost no
+CPU. The spin stage is skipped when the peer last ran on this very CPU (``current_cpu``, written
+into the header by both sides): spinning would only keep the peer from running.
+
+Liveness. The FFN side writes its pid; while waiting, combine checks every
+``LIVENESS_INTERVAL_S`` that this process still exists, is not a zombie and has the start time it
+had at attach (no pid reuse), and that the FFN side did not close the segment. It raises
+``TransportError`` naming the FFN rank within about that interval, or after ``spec.timeout_s``.
+The pid check is skipped (timeout only) when the FFN rank lives in another pid namespace.
+
+Cleanup. The creator unlinks its segment on ``close()``, at interpreter exit and when collected
+(``weakref.finalize``); attachers never unlink (the raw-file approach also keeps
+``multiprocessing.resource_tracker`` out of it). A SIGKILLed creator leaks its segment until
+``reap_stale_segments`` runs: every FFN rank calls it for its prefix at start-up, and launchers
+can call it after an FFN rank died.
+
+Addresses. The FFN side's ``address`` is the segment name. ``spec.addresses[rank]``, when set on
+the FFN side, is taken as the segment-name prefix to use (default ``DEFAULT_PREFIX``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import secrets
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_afd.transport.base import (
+    AttentionTransport,
+    DispatchHandle,
+    FFNRequest,
+    FFNTransport,
+    TransportError,
+    TransportSpec,
+)
+from vllm_afd.transport.common import (
+    Backoff,
+    RowViews,
+    WaitPolicy,
+    check_attention_rank,
+    check_dispatch_args,
+    combine_partials,
+    pop_free_slot,
+    split_by_ffn_rank,
+    take_handle_slot,
+)
+
+DEFAULT_PREFIX = "vllm_afd_"
+SHM_DIR = "/dev/shm"
+#: How often a waiting combine checks that the FFN process is alive.
+LIVENESS_INTERVAL_S = 0.05
+
+_MAGIC = 0x3130_4D48_5344_4641  # b"AFDSHM01" little-endian
+_VERSION = 1
+_LINE = 64
+_PAGE = 4096
+_STATE_OPEN, _STATE_CLOSED = 1, 2
+
+# Global header words.
+_G_MAGIC, _G_VERSION, _G_PID, _G_STATE, _G_PIDNS, _G_FFN_CPU = range(6)
+_G_LAYOUT = 8  # 6 words: attention ranks, slots, max_tokens, hidden, top_k, itemsize
+_G_ATTN_CPU = 16  # one word per attention rank: CPU it last dispatched from
+# Slot header words, relative to the slot start.
+_REQ_SEQ, _REQ_LAYER, _REQ_NTOK = 0, 1, 2
+_RESP_SEQ, _RESP_NTOK = _LINE // 8, _LINE // 8 + 1
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def _cpu_getter() -> Callable[[], int]:
+    """``sched_getcpu()`` through libc (about 0.2 us), or a stub returning -1."""
+    try:
+        getcpu = ctypes.CDLL(None).sched_getcpu
+    except (OSError, AttributeError):
+        return lambda: -1
+    getcpu.restype, getcpu.argtypes = ctypes.c_int, []
+    return getcpu
+
+
+current_cpu = _cpu_getter()
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Byte layout of one FFN rank's segment, derived from the spec."""
+
+    num_attention_ranks: int
+    num_slots: int
+    max_tokens: int
+    hidden: int
+    top_k: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, spec: TransportSpec) -> _Layout:
+        return cls(
+            spec.num_attention_ranks,
+            spec.num_slots,
+            spec.max_tokens,
+            spec.hidden_size,
+            spec.top_k,
+            spec.dtype,
+        )
+
+    @property
+    def params(self) -> tuple[int, ...]:
+        """What the header records and attachers check."""
+        return (
+            self.num_attention_ranks,
+            self.num_slots,
+            self.max_tokens,
+            self.hidden,
+            self.top_k,
+            self.dtype.itemsize,
+        )
+
+    @property
+    def x_bytes(self) -> int:
+        return _align(self.max_tokens * self.hidden * self.dtype.itemsize, _LINE)
+
+    @property
+    def routing_bytes(self) -> int:
+        return _align(self.max_tokens * self.top_k * 4, _LINE)
+
+    @property
+    def slot_bytes(self) -> int:
+        return _align(2 * _LINE + 2 * self.x_bytes + 2 * self.routing_bytes, _PAGE)
+
+    @property
+    def header_bytes(self) -> int:
+        return _align(8 * (_G_ATTN_CPU + self.num_attention_ranks), _PAGE)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.header_bytes + self.num_attention_ranks * self.num_slots * self.slot_bytes
+
+    def slot_offset(self, attention_rank: int, slot: int) -> int:
+        return self.header_bytes + (attention_rank * self.num_slots + slot) * self.slot_bytes
+
+
+class _Slot:
+    """Header word indices and payload views of one slot (see module docstring)."""
+
+    __slots__ = (
+        "req_seq",
+        "req_layer",
+        "req_ntok",
+        "resp_seq",
+        "resp_ntok",
+        "x",
+        "ids",
+        "weights",
+        "out",
+    )
+
+    def __init__(self, mm: mmap.mmap, layout: _Layout, offset: int) -> None:
+        word = offset // 8
+        self.req_seq, self.req_layer, self.req_ntok = (
+            word + _REQ_SEQ,
+            word + _REQ_LAYER,
+            word + _REQ_NTOK,
+        )
+        self.resp_seq, self.resp_ntok = word + _RESP_SEQ, word + _RESP_NTOK
+        rows, hidden, top_k = layout.max_tokens, layout.hidden, layout.top_k
+        at = offset + 2 * _LINE
+
+        def view(dtype: torch.dtype, cols: int, nbytes: int) -> RowViews:
+            nonlocal at
+            flat = torch.frombuffer(mm, dtype=dtype, count=rows * cols, offset=at)
+            at += nbytes
+            return RowViews(flat.view(rows, cols))
+
+        self.x = view(layout.dtype, hidden, layout.x_bytes)
+        self.ids = view(torch.int32, top_k, layout.routing_bytes)
+        self.weights = view(torch.float32, top_k, layout.routing_bytes)
+        self.out = view(layout.dtype, hidden, layout.x_bytes)
+
+
+class _Segment:
+    """One FFN rank's segment, mapped: ``words`` (int64 header view) and slot views."""
+
+    def __init__(self, name: str, mm: mmap.mmap, layout: _Layout) -> None:
+        self.name = name
+        self.mm = mm
+        self.layout = layout
+        self.words = memoryview(mm).cast("q")
+        self.slots: dict[tuple[int, int], _Slot] = {}
+
+    @classmethod
+    def create(cls, name: str, layout: _Layout) -> _Segment:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, layout.total_bytes)
+            return cls(name, mmap.mmap(fd, layout.total_bytes), layout)
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def attach(cls, name: str, layout: _Layout) -> _Segment:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size != layout.total_bytes:
+                raise ValueError(
+                    f"segment {name!r} is {size} bytes, the spec needs {layout.total_bytes}: "
+                    "attention and FFN ranks disagree on the TransportSpec"
+                )
+            return cls(name, mmap.mmap(fd, size), layout)
+        finally:
+            os.close(fd)
+
+    def slot(self, attention_rank: int, slot: int) -> _Slot:
+        key = (attention_rank, slot)
+        if key not in self.slots:
+            offset = self.layout.slot_offset(attention_rank, slot)
+            self.slots[key] = _Slot(self.mm, self.layout, offset)
+        return self.slots[key]
+
+    def release(self) -> None:
+        """Drop our views and unmap (the mapping outlives us if a caller still holds a view)."""
+        self.slots.clear()
+        try:
+            self.words.release()
+            self.mm.close()
+        except BufferError:
+            pass  # an FFNRequest view is still alive; the mapping goes when it does
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _process_start_time(pid: int) -> int | None:
+    """Start time (clock ticks since boot) of a live, non-zombie process; ``None`` if gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # exists, owned by someone else
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) "
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def _unlink_if_creator(name: str, creator_pid: int) -> None:
+    """Finalizer of the FFN side: a forked child inherits it and must not unlink."""
+    if os.getpid() == creator_pid:
+        _unlink(name)
+
+
+def _unlink(name: str) -> bool:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _read_header(name: str) -> tuple[int, ...] | None:
+    try:
+        with open(os.path.join(SHM_DIR, name), "rb") as fh:
+            raw = fh.read(8 * _G_LAYOUT)
+    except OSError:
+        return None
+    if len(raw) < 8 * _G_LAYOUT:
+        return None
+    return tuple(memoryview(raw).cast("q"))
+
+
+def reap_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Unlink segments named ``<prefix><pid>_...`` whose creator (same pid namespace) is dead.
+
+    Returns:
+        The names unlinked.
+    """
+    reaped = []
+    own_ns = _pid_namespace()
+    for name in os.listdir(SHM_DIR):
+        pid = name[len(prefix) :].split("_", 1)[0]
+        if not name.startswith(prefix) or not pid.isdigit():
+            continue
+        header = _read_header(name)
+        if header is None or header[_G_MAGIC] != _MAGIC or header[_G_PIDNS] != own_ns:
+            continue
+        if _process_start_time(int(pid)) is None and _unlink(name):
+            reaped.append(name)
+    return reaped
+
+
+def _warn_if_not_tso() -> None:
+    if not _X86:
+        warnings.warn(
+            f"the shm AFD transport assumes x86-64 store ordering; {platform.machine()} is "
+            "weakly ordered and may read torn messages: use the tcp backend",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+class ShmAttentionTransport(AttentionTransport):
+    """Attention endpoint: attaches to every FFN rank's segment (``spec.addresses``)."""
+
+    def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
+        super().__init__(spec, rank)
+        _warn_if_not_tso()
+        check_attention_rank(spec, rank)
+        if len(spec.addresses) != spec.num_ffn_ranks:
+            raise ValueError(
+                f"shm transport needs one address per FFN rank ({spec.num_ffn_ranks}), "
+                f"got {spec.addresses!r}"
+            )
+        self.wait = wait or WaitPolicy()
+        layout = _Layout.of(spec)
+        self._segments = [self._attach(f, name, layout) for f, name in enumerate(spec.addresses)]
+        self._slots = [[seg.slot(rank, s) for s in range(spec.num_slots)] for seg in self._segments]
+        self._words = [seg.words for seg in self._segments]
+        self._seq = [self._last_seq(f) for f in range(spec.num_ffn_ranks)]
+        self._creators = [self._creator(seg) for seg in self._segments]
+        self._free = list(range(spec.num_slots - 1, -1, -1))
+        self._rows = RowViews(torch.arange(spec.max_tokens))
+        self._cpu = -1
+
+    def _attach(self, ffn_rank: int, name: str, layout: _Layout) -> _Segment:
+        try:
+            segment = _Segment.attach(name, layout)
+        except FileNotFoundError:
+            raise TransportError(
+                f"FFN rank {ffn_rank}: shared-memory segment {name!r} not found "
+                "(FFN rank not started, or already gone)"
+            ) from None
+        words = segment.words
+        found = tuple(words[_G_LAYOUT : _G_LAYOUT + len(layout.params)])
+        if words[_G_MAGIC] != _MAGIC or words[_G_VERSION] != _VERSION or found != layout.params:
+            raise ValueError(
+                f"FFN rank {ffn_rank}: segment {name!r} has layout {found}, expected "
+                f"{layout.params} (attention ranks, slots, max_tokens, hidden, top_k, itemsize)"
+            )
+        return segment
+
+    def _creator(self, segment: _Segment) -> tuple[int, int | None]:
+        """(pid, start time) of the FFN process; start time ``None`` = not checkable."""
+        pid = segment.words[_G_PID]
+        if segment.words[_G_PIDNS] != _pid_namespace():
+            return pid, None
+        start = _process_start_time(pid)
+        if start is None:
+            raise TransportError(f"FFN process (pid {pid}) of segment {segment.name!r} is dead")
+        return pid, start
+
+    def _last_seq(self, ffn_rank: int) -> int:
+        words = self._words[ffn_rank]
+        return max(max(words[s.req_seq], words[s.resp_seq]) for s in self._slots[ffn_rank])
+
+    def dispatch(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> DispatchHandle:
+        """See ``AttentionTransport.dispatch``. Copies the payload into the shared slot before
+        returning, so ``x`` may be reused at once."""
+        num_tokens = check_dispatch_args(self.spec, x, topk_ids)
+        split = split_by_ffn_rank(self.spec, topk_ids, self._rows[num_tokens])
+        handle = DispatchHandle(layer, num_tokens, self.spec.hidden_size, self.spec.dtype, split)
+        if not split:
+            return handle
+        slot = pop_free_slot(self._free, self.spec)
+        self._cpu = cpu = current_cpu()
+        seqs = {}
+        for ffn_rank, rows in split.items():
+            self._words[ffn_rank][_G_ATTN_CPU + self.rank] = cpu
+            seqs[ffn_rank] = self._send(ffn_rank, slot, layer, x, topk_ids, topk_weights, rows)
+        handle.state.update(slot=slot, seqs=seqs)
+        return handle
+
+    def _send(
+        self,
+        ffn_rank: int,
+        slot_id: int,
+        layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> int:
+        """Write one request into ``(ffn_rank, slot_id)`` and publish it; return its seq.
+
+        ``copy_`` converts ``topk_ids``/``topk_weights`` to int32/float32 on the way (cheaper
+        than converting first: no temporary)."""
+        slot = self._slots[ffn_rank][slot_id]
+        n = rows.shape[0]
+        if n == x.shape[0]:
+            slot.x[n].copy_(x)
+            slot.ids[n].copy_(topk_ids)
+            slot.weights[n].copy_(topk_weights)
+        else:
+            torch.index_select(x, 0, rows, out=slot.x[n])
+            slot.ids[n].copy_(topk_ids.index_select(0, rows))
+            slot.weights[n].copy_(topk_weights.index_select(0, rows))
+        seq = self._seq[ffn_rank] + 1
+        self._seq[ffn_rank] = seq
+        words = self._words[ffn_rank]
+        words[slot.req_layer] = layer
+        words[slot.req_ntok] = n
+        words[slot.req_seq] = seq  # publish last (x86-64 TSO)
+        return seq
+
+    def combine(self, handle: DispatchHandle) -> torch.Tensor:
+        """See ``AttentionTransport.combine``: ``[T, H]`` ``spec.dtype``, original order."""
+        if not handle.token_index:
+            return combine_partials(handle, {})
+        slot = take_handle_slot(handle)
+        seqs = handle.state["seqs"]
+        deadline = time.perf_counter() + self.spec.timeout_s
+        try:
+            partials = {
+                ffn_rank: self._wait_answer(ffn_rank, slot, seq, seqs, deadline)
+                for ffn_rank, seq in seqs.items()
+            }
+            return combine_partials(handle, partials)
+        finally:
+            self._free.append(slot)
+
+    def _wait_answer(
+        self, ffn_rank: int, slot_id: int, seq: int, awaited: dict[int, int], deadline: float
+    ) -> torch.Tensor:
+        """Wait until FFN rank ``ffn_rank`` answered ``seq`` in ``slot_id``; return ``[N, H]``
+        (a view of the response buffer, valid until the slot is reused). Meanwhile checks the
+        liveness of every FFN rank in ``awaited``, so that any dead one fails the wait."""
+        slot = self._slots[ffn_rank][slot_id]
+        words = self._words[ffn_rank]
+        if words[slot.resp_seq] != seq:
+            backoff = Backoff(self.wait, spin=words[_G_FFN_CPU] != self._cpu)
+            next_check = backoff.start + LIVENESS_INTERVAL_S
+            while words[slot.resp_seq] != seq:
+                now = backoff.pause()
+                if now >= next_check:
+                    for rank in awaited:
+                        self._check_alive(rank)
+                    if now >= deadline:
+                        pid = self._creators[ffn_rank][0]
+                        raise TransportError(
+                            f"FFN rank {ffn_rank} (pid {pid}) did not answer within "
+                            f"timeout_s={self.spec.timeout_s}"
+                        )
+                    next_check = now + LIVENESS_INTERVAL_S
+        return slot.out[words[slot.resp_ntok]]
+
+    def _check_alive(self, ffn_rank: int) -> None:
+        """Raise ``TransportError`` if FFN rank ``ffn_rank`` closed its endpoint or died."""
+        pid, start = self._creators[ffn_rank]
+        if self._words[ffn_rank][_G_STATE] == _STATE_CLOSED:
+            raise TransportError(f"FFN rank {ffn_rank} (pid {pid}) closed its shm endpoint")
+        if start is not None and _process_start_time(pid) != start:
+            raise TransportError(f"FFN rank {ffn_rank} (pid {pid}) died")
+
+    def close(self) -> None:
+        """Unmap the segments (never unlinks: the FFN side owns them)."""
+        segments = self._segments
+        self._segments, self._slots, self._words = [], [], []
+        for segment in segments:
+            segment.release()
+
+
+class ShmFFNTransport(FFNTransport):
+    """FFN endpoint: creates and owns the segment for all attention ranks.
+
+    Requests returned by ``recv`` are views of the shared slot: valid until ``reply``.
+    """
+
+    def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
+        super().__init__(spec, rank)
+        _warn_if_not_tso()
+        requested = spec.addresses[rank] if rank < len(spec.addresses) else ""
+        prefix = requested or DEFAULT_PREFIX
+        reap_stale_segments(prefix)
+        layout = _Layout.of(spec)
+        name = f"{prefix}{os.getpid()}_f{rank}_{secrets.token_hex(4)}"
+        self._segment = _Segment.create(name, layout)
+        self._finalizer = weakref.finalize(self, _unlink_if_creator, name, os.getpid())
+        self._write_header(layout)
+        self._words = self._segment.words
+        self._slots = [
+            (a, self._segment.slot(a, s))
+            for a in range(spec.num_attention_ranks)
+            for s in range(spec.num_slots)
+        ]
+        self._seen = [0] * len(self._slots)
+        self._backoff = Backoff(wait or WaitPolicy())
+        self._idle = False
+        self._cpu = -1
+
+    def _write_header(self, layout: _Layout) -> None:
+        words = self._segment.words
+        for i, value in enumerate(layout.params):
+            words[_G_LAYOUT + i] = value
+        words[_G_VERSION] = _VERSION
+        words[_G_PID] = os.getpid()
+        words[_G_PIDNS] = _pid_namespace()
+        words[_G_FFN_CPU] = -1
+        for a in range(self.spec.num_attention_ranks):
+            words[_G_ATTN_CPU + a] = -1
+        words[_G_STATE] = _STATE_OPEN
+        words[_G_MAGIC] = _MAGIC
+
+    @property
+    def address(self) -> str:
+        return self._segment.name
+
+    def recv(self, timeout_s: float) -> list[FFNRequest]:
+        """See ``FFNTransport.recv``: every pending request, in dispatch order per rank."""
+        self._cpu = current_cpu()
+        requests = self._poll()
+        if requests:
+            self._idle = False
+            return requests
+        if not self._idle:  # first wait after serving: start again from the spin stage
+            self._idle = True
+            self._backoff.reset()
+        self._backoff.set_spin(self._spin_ok())
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            now = self._backoff.pause()
+            requests = self._poll()
+            if requests:
+                self._idle = False
+                return requests
+            if now >= deadline:
+                return []
+
+    def _spin_ok(self) -> bool:
+        """Spin only if no attention rank last dispatched from the CPU we run on."""
+        words, cpu = self._words, self._cpu
+        return all(words[_G_ATTN_CPU + a] != cpu for a in range(self.spec.num_attention_ranks))
+
+    def _poll(self) -> list[FFNRequest]:
+        words = self._words
+        requests = []
+        for i, (attention_rank, slot) in enumerate(self._slots):
+            seq = words[slot.req_seq]
+            if seq == self._seen[i]:
+                continue
+            self._seen[i] = seq
+            n = words[slot.req_ntok]
+            requests.append(
+                FFNRequest(
+                    attention_rank,
+                    words[slot.req_layer],
+                    slot.x[n],
+                    slot.ids[n],
+                    slot.weights[n],
+                    tag=(i, seq),
+                )
+            )
+        if len(requests) > 1:
+            requests.sort(key=lambda r: (r.src_rank, r.tag[1]))
+        return requests
+
+    def reply(self, request: FFNRequest, out: torch.Tensor) -> None:
+        """See ``FFNTransport.reply``; ``out``: ``[N, H]``, converted to ``spec.dtype``."""
+        index, seq = request.tag
+        slot = self._slots[index][1]
+        n = request.x.shape[0]
+        if out.shape != (n, self.spec.hidden_size):
+            raise ValueError(f"reply must be [{n}, {self.spec.hidden_size}], got {out.shape}")
+        words = self._words
+        if words[slot.req_seq] != seq:
+            return  # superseded: the attention rank gave up on it and reused the slot
+        slot.out[n].copy_(out)
+        words[_G_FFN_CPU] = self._cpu
+        words[slot.resp_ntok] = n
+        words[slot.resp_seq] = seq  # publish last (x86-64 TSO)
+
+    def close(self) -> None:
+        """Mark the segment closed (waiting attention ranks fail fast), unlink and unmap it."""
+        if not self._finalizer.alive:
+            return
+        self._words[_G_STATE] = _STATE_CLOSED
+        self._finalizer()
+        self._slots, self._words = [], None
+        self._segment.release()
