@@ -70,12 +70,12 @@ def _session_processes(sid: int) -> list[psutil.Process]:
 
 
 class Server:
-    def __init__(self, model: str, log: Path) -> None:
+    def __init__(self, model: str, log: Path, extra: tuple[str, ...] = ("--afd-ratio", "2:1")):
         self.model, self.log, self.port = model, log, _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
             str(Path(sys.executable).with_name("vllm-afd")), "serve", model,
-            "--afd-ratio", "2:1",
+            *extra,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
             "--max-model-len", "512", "--max-num-batched-tokens", "64", "--enforce-eager",
             "--enable-prefix-caching", "--enable-chunked-prefill", "--seed", "0",
@@ -107,14 +107,18 @@ class Server:
                 "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
         return _http(self.url + "/v1/completions", body, timeout=timeout)
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """Stop the server as an operator would (SIGTERM) and wait for it to exit."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=90)
-        finally:
-            for proc in _session_processes(self.proc.pid):  # never leave any behind
-                proc.kill()
+        self.proc.wait(timeout=90)
+
+    def kill_leftovers(self) -> None:
+        """Test hygiene only: kill whatever of the session is still alive."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        for proc in _session_processes(self.proc.pid):
+            proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +128,10 @@ def server(tiny_qwen3, tmp_path_factory):
         srv.wait_healthy()
         yield srv
     finally:
-        srv.stop()
+        try:
+            srv.terminate()
+        finally:
+            srv.kill_leftovers()
 
 
 def test_one_flag_gives_two_data_parallel_attention_ranks(server):
@@ -168,7 +175,7 @@ def test_ffn_death_fails_requests_fast_and_leaves_nothing(server):
             break
         time.sleep(1)
     assert health != 200
-    server.stop()
+    server.terminate()
     deadline = time.monotonic() + 30
     while (left := _session_processes(server.proc.pid)) and time.monotonic() < deadline:
         time.sleep(1)

@@ -16,6 +16,7 @@ import atexit
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 from dataclasses import asdict, dataclass
@@ -115,22 +116,33 @@ def check_ray_address(address: str | None) -> None:
 
 
 def _ensure_ray(address: str | None, num_cpus: int) -> bool:
-    """Connect to (or start) Ray; returns True if this process started it."""
+    """Connect to (or start) Ray; returns True if this process started it.
+
+    ``ray.init`` installs its own SIGTERM handler, which would take shutdown away from vLLM's
+    (a server's launcher then dies without running its clean-up). The previous handler is put
+    back: vLLM shuts down on SIGTERM as usual, and our ``atexit`` stops the FFN group and Ray.
+    """
     import ray
 
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if address in (None, "", "local"):
-        ray.init(
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            log_to_driver=True,
-            namespace="vllm_afd",
-            _node_ip_address="127.0.0.1",
-        )
-    else:
-        ray.init(address=address, namespace="vllm_afd")
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if in_main_thread else None
+    try:
+        if address in (None, "", "local"):
+            ray.init(
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                log_to_driver=True,
+                namespace="vllm_afd",
+                _node_ip_address="127.0.0.1",
+            )
+        else:
+            ray.init(address=address, namespace="vllm_afd")
+    finally:
+        if in_main_thread and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return True
 
 
@@ -213,9 +225,15 @@ def _launch(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) ->
         raise
     spec = TransportSpec(**{**asdict(spec), "addresses": tuple(i["address"] for i in infos)})
     for info in infos:
-        logger.info("AFD: FFN rank %d up: pid %d on %s, experts [%d, %d), %.2f MiB, address %s",
-                    info["rank"], info["pid"], info["host"], *info["experts"],
-                    info["param_bytes"] / 2**20, info["address"])
+        logger.info(
+            "AFD: FFN rank %d up: pid %d on %s, experts [%d, %d), %.2f MiB, address %s",
+            info["rank"],
+            info["pid"],
+            info["host"],
+            *info["experts"],
+            info["param_bytes"] / 2**20,
+            info["address"],
+        )
     return FFNGroup(spec, actors, infos, pg, owns_ray)
 
 
