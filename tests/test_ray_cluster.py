@@ -1,0 +1,81 @@
+"""The FFN group joins an existing Ray cluster given by --afd-ray-address."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from vllm_afd.runner import run_generation
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    for port in range(26000, 27000):  # above Ray's default worker-port range (10002-19999)
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return port
+    raise RuntimeError("no free port")
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    port = _free_port()
+    ray = Path(sys.executable).with_name("ray")
+    head = subprocess.Popen(
+        [
+            str(ray),
+            "start",
+            "--head",
+            "--port",
+            str(port),
+            "--num-cpus",
+            "2",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--include-dashboard",
+            "false",
+            "--block",
+        ],
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+        stdout=(tmp_path / "head.log").open("w"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+            assert head.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "head.log"
+            ).read_text()[-2000:]
+            time.sleep(1)
+        yield f"127.0.0.1:{port}", head
+    finally:  # the cluster is this test's own: stop its session, never `ray stop`
+        for proc in psutil.process_iter():
+            try:
+                if os.getsid(proc.pid) == head.pid:
+                    proc.kill()
+            except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+                continue
+        head.wait(timeout=30)
+
+
+def test_ffn_group_runs_on_a_given_cluster(tiny_qwen3, ray_head):
+    address, head = ray_head
+    job = {"model": tiny_qwen3, "prompts": ["hello world", "1 2 3"], "max_tokens": 8}
+    colocated = run_generation(job)
+    result = run_generation({**job, "afd": {"ratio": "1:1", "ray_address": address}})
+    assert result["token_ids"] == colocated["token_ids"]
+    assert len(result["ffn"]) == 1
+    # The deployment only joined the cluster: stopping it must leave the cluster running.
+    host, port = address.split(":")
+    assert head.poll() is None
+    assert socket.socket().connect_ex((host, int(port))) == 0
