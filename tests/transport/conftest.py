@@ -1,0 +1,42 @@
+"""Fixtures for transport tests: a forkserver for FFN processes, leak checks at session end."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Iterator, Sequence
+
+import pytest
+from transport_testlib import FFNCluster, leftover_segments
+
+from vllm_afd.transport import TransportSpec
+from vllm_afd.transport.reference import FFNForward
+
+
+@pytest.fixture(scope="session")
+def mp_ctx():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["vllm_afd.transport.reference"])
+    return ctx
+
+
+@pytest.fixture
+def start_ffn(mp_ctx) -> Iterator:
+    """``start_ffn(spec, forwards) -> FFNCluster``; everything is stopped at teardown."""
+    clusters: list[FFNCluster] = []
+
+    def start(spec: TransportSpec, forwards: Sequence[FFNForward]) -> FFNCluster:
+        cluster = FFNCluster(mp_ctx, spec, forwards)
+        clusters.append(cluster)
+        return cluster
+
+    yield start
+    for cluster in clusters:
+        cluster.close()
+    assert not [p for c in clusters for p in c.procs if p.is_alive()], "FFN process left running"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaks() -> Iterator[None]:
+    yield
+    assert not mp.active_children(), f"child processes left: {mp.active_children()}"
+    assert not leftover_segments(), f"shared-memory segments left: {leftover_segments()}"

@@ -1,0 +1,71 @@
+"""Pure functions: token split per FFN rank, combine of partials, the reference itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transport_testlib import make_spec, routing
+
+from vllm_afd.transport import DispatchHandle
+from vllm_afd.transport.common import combine_partials, split_by_ffn_rank
+from vllm_afd.transport.reference import (
+    LocalMoE,
+    ScaleExperts,
+    SiluMulExperts,
+    reference_moe_combine,
+)
+
+
+def test_split_contiguous_placement() -> None:
+    spec = make_spec("shm", 1, 4)  # 8 experts, 2 per FFN rank
+    topk_ids = torch.tensor([[0, 1], [2, 7], [6, 7], [1, 4]])
+    split = split_by_ffn_rank(spec, topk_ids)
+    assert list(split) == [0, 1, 2, 3]
+    assert split[0].tolist() == [0, 3]
+    assert split[1].tolist() == [1]
+    assert split[2].tolist() == [3]
+    assert split[3].tolist() == [1, 2]
+    assert all(rows.dtype == torch.int64 for rows in split.values())
+
+
+def test_split_skips_idle_ranks_and_empty_batch() -> None:
+    spec = make_spec("shm", 1, 2)
+    assert list(split_by_ffn_rank(spec, torch.tensor([[0, 3], [1, 2]]))) == [0]
+    assert split_by_ffn_rank(spec, torch.empty(0, 2, dtype=torch.int64)) == {}
+    assert split_by_ffn_rank(make_spec("shm", 1, 1), torch.tensor([[5, 6]]))[0].tolist() == [0]
+
+
+def test_combine_partials_sums_in_original_order() -> None:
+    rows = {0: torch.tensor([0, 2]), 1: torch.tensor([1, 2])}
+    handle = DispatchHandle(0, 3, 2, torch.float32, rows)
+    partials = {0: torch.tensor([[1.0, 1.0], [3.0, 3.0]]), 1: torch.tensor([[2.0, 2], [4, 4]])}
+    out = combine_partials(handle, partials)
+    assert out.tolist() == [[1, 1], [2, 2], [7, 7]]
+
+
+def test_combine_partials_empty() -> None:
+    handle = DispatchHandle(0, 0, 16, torch.bfloat16, {})
+    out = combine_partials(handle, {})
+    assert out.shape == (0, 16) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("num_ffn", [1, 2, 4])
+def test_reference_equals_per_token_definition(num_ffn: int) -> None:
+    spec = make_spec("shm", 1, num_ffn)
+    x, ids, weights = routing(6, spec, seed=1)
+    experts = SiluMulExperts(torch.randn(8, 16, 32) / 6, torch.randn(8, 32, 8) / 3)
+    out = reference_moe_combine(x, ids, weights, experts, 8, num_ffn)
+    for t in range(6):
+        row = sum(weights[t, k] * experts(int(ids[t, k]), x[t : t + 1])[0] for k in range(2))
+        torch.testing.assert_close(out[t], row, rtol=1e-5, atol=1e-6)
+
+
+def test_local_moe_masks_non_local_experts() -> None:
+    spec = make_spec("shm", 1, 2)
+    experts = ScaleExperts(torch.arange(1.0, 9.0))
+    local = LocalMoE.for_rank(experts, spec, rank=1)  # experts 4..7
+    x = torch.ones(2, 32)
+    ids = torch.tensor([[0, 5], [1, 2]], dtype=torch.int32)
+    out = local(x, ids, torch.tensor([[0.5, 0.5]] * 2))
+    assert out[0].unique().tolist() == [0.5 * 6.0]
+    assert out[1].abs().sum() == 0

@@ -1,0 +1,191 @@
+"""Both point-to-point backends with FFN and attention endpoints in this one process.
+
+The FFN side is driven by hand (``recv`` then ``reply``) between ``dispatch`` and ``combine``,
+which makes batching, ordering and the protocol checks deterministic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transport_testlib import make_spec, routing
+
+from vllm_afd.transport import (
+    FFNTransport,
+    TransportError,
+    TransportSpec,
+    create_attention_transport,
+    create_ffn_transport,
+)
+from vllm_afd.transport.reference import LocalMoE, ScaleExperts, reference_moe_combine
+
+pytestmark = pytest.mark.timeout(60)
+BACKENDS = ["shm", "tcp"]
+EXPERTS = ScaleExperts(torch.arange(1.0, 9.0) / 4)
+
+
+class Loopback:
+    """FFN endpoints created here, attention endpoints attached to them."""
+
+    def __init__(self, spec: TransportSpec) -> None:
+        self.ffn = [create_ffn_transport(spec, f) for f in range(spec.num_ffn_ranks)]
+        addresses = tuple(endpoint.address for endpoint in self.ffn)
+        self.spec = dataclasses.replace(spec, addresses=addresses)
+        self.attention = [
+            create_attention_transport(self.spec, a) for a in range(spec.num_attention_ranks)
+        ]
+
+    def serve(self, expect: int | None = None) -> list:
+        """Answer what every FFN rank has pending; return the requests seen."""
+        seen = []
+        for rank, endpoint in enumerate(self.ffn):
+            forward = LocalMoE.for_rank(EXPERTS, self.spec, rank)
+            requests = recv_all(endpoint, expect) if expect else endpoint.recv(0.05)
+            for request in requests:
+                endpoint.reply(request, forward(request.x, request.topk_ids, request.topk_weights))
+            seen += requests
+        return seen
+
+    def close(self) -> None:
+        for endpoint in self.attention + self.ffn:
+            endpoint.close()
+
+
+def recv_all(endpoint: FFNTransport, count: int, timeout_s: float = 5.0) -> list:
+    """``recv`` until ``count`` requests arrived (tcp may deliver them over several calls)."""
+    requests = []
+    while len(requests) < count:
+        got = endpoint.recv(timeout_s)
+        assert got, f"only {len(requests)} of {count} requests arrived"
+        requests += got
+    return requests
+
+
+@pytest.fixture
+def loopback() -> Iterator:
+    made: list[Loopback] = []
+
+    def make(spec: TransportSpec) -> Loopback:
+        made.append(Loopback(spec))
+        return made[-1]
+
+    yield make
+    for lb in made:
+        lb.close()
+
+
+def expected(spec: TransportSpec, x, ids, weights) -> torch.Tensor:
+    return reference_moe_combine(x, ids, weights, EXPERTS, spec.num_experts, spec.num_ffn_ranks)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ffn_recv_batches_all_attention_ranks(backend: str, loopback) -> None:
+    lb = loopback(make_spec(backend, 2, 1))
+    inputs = [routing(5, lb.spec, seed=a) for a in range(2)]
+    handles = [att.dispatch(7, *inputs[a]) for a, att in enumerate(lb.attention)]
+    requests = lb.serve(expect=2)
+    assert sorted((r.src_rank, r.layer, r.x.shape[0]) for r in requests) == [(0, 7, 5), (1, 7, 5)]
+    for a, att in enumerate(lb.attention):
+        assert torch.equal(att.combine(handles[a]), expected(lb.spec, *inputs[a]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_outstanding_handles_answered_in_any_order(backend: str, loopback) -> None:
+    lb = loopback(make_spec(backend, 1, 2, num_slots=3))
+    att = lb.attention[0]
+    inputs = [routing(n, lb.spec, seed=n) for n in (3, 9, 1)]
+    handles = [att.dispatch(layer, *inputs[layer]) for layer in range(3)]
+    with pytest.raises(RuntimeError, match="num_slots"):
+        att.dispatch(3, *inputs[0])
+    for rank, endpoint in enumerate(lb.ffn):
+        forward = LocalMoE.for_rank(EXPERTS, lb.spec, rank)
+        requests = recv_all(endpoint, sum(rank in h.token_index for h in handles))
+        layers = [r.layer for r in requests]
+        assert layers == sorted(layers)  # dispatch order
+        for request in reversed(requests):
+            endpoint.reply(request, forward(request.x, request.topk_ids, request.topk_weights))
+    for i in (1, 2, 0):
+        assert torch.equal(att.combine(handles[i]), expected(lb.spec, *inputs[i]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch_sends_nothing(backend: str, loopback) -> None:
+    lb = loopback(make_spec(backend, 1, 2, dtype=torch.bfloat16))
+    att = lb.attention[0]
+    x, ids, weights = routing(0, lb.spec, seed=0)
+    out = att.combine(att.dispatch(0, x, ids, weights))
+    assert out.shape == (0, lb.spec.hidden_size) and out.dtype == torch.bfloat16
+    assert lb.serve() == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank_without_tokens_gets_no_message(backend: str, loopback) -> None:
+    lb = loopback(make_spec(backend, 1, 2))
+    att = lb.attention[0]
+    x, _, weights = routing(4, lb.spec, seed=3)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2]])  # all on FFN rank 0
+    handle = att.dispatch(0, x, ids, weights)
+    assert list(handle.token_index) == [0]
+    assert [r.x.shape[0] for r in lb.serve()] == [4]
+    assert torch.equal(att.combine(handle), expected(lb.spec, x, ids, weights))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mismatched_spec_is_refused(backend: str, loopback) -> None:
+    lb = loopback(make_spec(backend, 1, 1))
+    wrong = dataclasses.replace(lb.spec, hidden_size=16)
+    if backend == "shm":
+        with pytest.raises(ValueError, match="TransportSpec|layout"):
+            create_attention_transport(wrong, 0)
+        return
+    att = create_attention_transport(wrong, 0)
+    try:
+        x, ids, weights = routing(2, wrong, seed=0)
+        handle = att.dispatch(0, x, ids, weights)
+        lb.ffn[0].recv(0.2)  # accepts, reads the HELLO, rejects
+        with pytest.raises(TransportError, match="rejected"):
+            att.combine(handle)
+    finally:
+        att.close()
+
+
+def test_tcp_ffn_survives_a_dead_attention_rank(loopback) -> None:
+    lb = loopback(make_spec("tcp", 2, 1))
+    inputs = [routing(3, lb.spec, seed=a) for a in range(2)]
+    lb.attention[0].dispatch(0, *inputs[0])
+    lb.attention[0].close()  # dies with a request in flight
+    handle = lb.attention[1].dispatch(0, *inputs[1])
+    lb.serve(expect=2)
+    assert torch.equal(lb.attention[1].combine(handle), expected(lb.spec, *inputs[1]))
+    lb.attention = lb.attention[1:]
+
+
+def test_shm_closed_ffn_fails_fast(loopback) -> None:
+    lb = loopback(make_spec("shm", 1, 1, timeout_s=30.0))
+    att = lb.attention[0]
+    handle = att.dispatch(0, *routing(2, lb.spec, seed=0))
+    lb.ffn[0].close()
+    with pytest.raises(TransportError, match="FFN rank 0 .*closed"):
+        att.combine(handle)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_misuse_is_reported(backend: str, loopback) -> None:
+    lb = loopback(make_spec(backend, 1, 1))
+    att = lb.attention[0]
+    x, ids, weights = routing(2, lb.spec, seed=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        att.dispatch(0, *routing(lb.spec.max_tokens + 1, lb.spec, seed=0))
+    with pytest.raises(ValueError, match="x must be"):
+        att.dispatch(0, x.double(), ids, weights)
+    handle = att.dispatch(0, x, ids, weights)
+    (request,) = recv_all(lb.ffn[0], 1)
+    with pytest.raises(ValueError, match="reply must be"):
+        lb.ffn[0].reply(request, torch.zeros(3, lb.spec.hidden_size))
+    lb.ffn[0].reply(request, request.x)
+    att.combine(handle)
+    with pytest.raises(ValueError, match="already combined"):
+        att.combine(handle)

@@ -1,0 +1,1 @@
+"""Micro-benchmarks (``python -m vllm_afd.bench.<name>``)."""
