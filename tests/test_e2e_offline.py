@@ -73,3 +73,10 @@ def test_afd_1_2_mixtral_two_ffn_ranks(tiny_mixtral):
     _assert_same_tokens(result, colocated)
     assert [f["experts"] for f in result["ffn"]] == [[0, 4], [4, 8]]
     assert all(f["tokens"] > 0 for f in result["ffn"])
+
+
+def test_afd_tcp_transport_matches_colocated(tiny_qwen3, colocated_qwen3):
+    result = run_generation(_job(tiny_qwen3, {"ratio": "1:1", "transport": "tcp"}))
+    _assert_same_tokens(result, colocated_qwen3)
+    (ffn,) = result["ffn"]
+    assert ffn["address"].startswith("127.0.0.1:")

@@ -131,7 +131,8 @@ def _ensure_ray(address: str | None, num_cpus: int) -> bool:
     previous = signal.getsignal(signal.SIGTERM) if in_main_thread else None
     try:
         if address in (None, "", "local"):
-            ray.init(
+            ray.init(  # "local": always a new instance, never a cluster found on the machine
+                address="local",
                 num_cpus=num_cpus,
                 include_dashboard=False,
                 log_to_driver=True,
@@ -170,6 +171,9 @@ def start_ffn_group(
         dtype=dtype,
         num_slots=max(2, afd.microbatches),
         timeout_s=afd.timeout_s,
+        # What the FFN side is asked to listen on (tcp: interface, any free port); the
+        # addresses it actually got replace these once it is up.
+        addresses=(f"{afd.ffn_host}:0",) * num_ffn if afd.transport == "tcp" else (),
     )
     key = json.dumps([spec_to_json(spec), model_dir, device, afd.ray_address, afd.ffn_host])
     with _LOCK:
