@@ -140,16 +140,28 @@ def localize_routing(
 
 
 class TorchExperts:
-    """Pure-PyTorch reference: ``out[t] = sum_k w[t,k] * down(silu(gate x) * up x)``."""
+    """Pure-PyTorch reference: ``out[t] = sum_k w[t,k] * down(silu(gate x) * up x)``.
 
-    def __init__(self, layers: dict[int, LayerExperts]) -> None:
-        self.layers = layers
+    Runs on ``device`` (weights are moved there once; inputs and the answer cross per call),
+    which makes it the correct-but-slow expert kernel of a CUDA FFN rank until a grouped-GEMM
+    kernel is wired in (not run on a GPU yet).
+    """
+
+    def __init__(self, layers: dict[int, LayerExperts], device: str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.layers = {
+            layer: LayerExperts(w.w13.to(self.device), w.w2.to(self.device))
+            for layer, w in layers.items()
+        }
 
     def __call__(
         self, layer: int, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
+        if x.device != self.device:
+            out = self(layer, x.to(self.device), local_ids.to(self.device), weights.to(self.device))
+            return out.to(x.device)
         experts = self.layers[layer]
-        out = torch.zeros(x.shape, dtype=torch.float32)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(local_ids[weights != 0]).tolist():
             rows, slots = torch.nonzero((local_ids == e) & (weights != 0), as_tuple=True)
             h = x[rows].float() @ experts.w13[e].float().t()
@@ -225,12 +237,15 @@ def _pad_w2(w2: torch.Tensor) -> torch.Tensor:
 
 
 def make_expert_kernel(layers: dict[int, LayerExperts], device: str, dtype: torch.dtype):
-    """Pick the expert kernel for ``device`` (``cpu``, ``torch`` reference)."""
+    """Pick the expert kernel for ``device``: ``cpu`` (vLLM's CPU kernel), ``cuda`` (the
+    PyTorch reference on the GPU), ``torch`` (the reference on the CPU)."""
     if device == "cpu":
         return VllmCpuExperts(layers, dtype)
+    if device == "cuda":
+        return TorchExperts(layers, "cuda")
     if device == "torch":
         return TorchExperts(layers)
-    raise ValueError(f"FFN device {device!r} has no expert kernel on this build")
+    raise ValueError(f"FFN device {device!r}; allowed: cpu, cuda, torch")
 
 
 @dataclass
