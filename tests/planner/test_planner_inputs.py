@@ -21,7 +21,8 @@ from vllm_afd.planner import (
 )
 from vllm_afd.planner.models import canonical_model_name
 
-SHARED_CSV = Path("/work/shared/papers/fastafd-profile-inputs.csv")
+# shared/ lies beside the checkout (development machines and CI alike).
+SHARED_CSV = Path(__file__).resolve().parents[3] / "shared/papers/fastafd-profile-inputs.csv"
 BUNDLED_CSV = Path(__file__).parents[2] / "vllm_afd/planner/data/fastafd_gb200_profile.csv"
 
 
