@@ -31,6 +31,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.utils import set_weight_attrs
 
+from vllm_afd.microbatch import overlap_point
 from vllm_afd.transport import AttentionTransport, create_attention_transport
 
 
@@ -146,13 +147,15 @@ def remote_experts_impl(
     of rows and leaves the others zero, and the runner's TP all-reduce completes the sum.
     """
     _, tp_rank, tp_size = _attention_rank()
+    endpoint = transport()
     if tp_size == 1:
-        endpoint = transport()
-        return endpoint.combine(endpoint.dispatch(layer, x, topk_ids, topk_weights))
+        handle = endpoint.dispatch(layer, x, topk_ids, topk_weights)
+        overlap_point()  # ping-pong microbatches: the next one runs while the FFN group works
+        return endpoint.combine(handle)
     rows = torch.arange(tp_rank, x.shape[0], tp_size)
     out = torch.zeros_like(x)
-    endpoint = transport()
     handle = endpoint.dispatch(layer, x[rows].contiguous(), topk_ids[rows], topk_weights[rows])
+    overlap_point()
     out[rows] = endpoint.combine(handle)
     return out
 

@@ -101,6 +101,10 @@ def setup_afd(vllm_config) -> None:
         afd = _resolve_auto(afd, info, ranks, vllm_config)
         vllm_config.additional_config["afd"] = afd.to_dict()
     info.check_ffn_ranks(afd.num_ffn_ranks(ranks))
+    if afd.microbatches > 1:
+        from vllm_afd.microbatch import check_supported
+
+        check_supported(vllm_config)
     from vllm_afd.placement import start_ffn_group
 
     group = start_ffn_group(

@@ -33,6 +33,8 @@ P6 ``prometheus_client.multiprocess.MultiProcessCollector.__init__``, wrapped (s
    How: every registry it joins also gets an ``AFDCollector`` (once); the global registry
    gets one too. Reports nothing when AFD is off.
    Remove when: vLLM lets plugins contribute collectors to its ``/metrics`` registry.
+P7 Ping-pong microbatching on the CPU model runner: M1-M4 in ``vllm_afd/microbatch.py``
+   (its module docstring holds their ledger entries).
 P5 ``RoutedExperts`` out-of-tree replacement (``PluggableLayer.register_oot``), a supported
    API rather than a patch, listed here so every touch point is in one place.
 """
@@ -147,3 +149,6 @@ def apply_all() -> None:
     _patch_health()
     _patch_metrics()
     _register_layers()
+    from vllm_afd import microbatch
+
+    microbatch.install()
