@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.utils import set_weight_attrs
 
+from vllm_afd import metrics
 from vllm_afd.microbatch import overlap_point
 from vllm_afd.transport import AttentionTransport, create_attention_transport
 
@@ -149,14 +151,33 @@ def remote_experts_impl(
     _, tp_rank, tp_size = _attention_rank()
     endpoint = transport()
     if tp_size == 1:
-        handle = endpoint.dispatch(layer, x, topk_ids, topk_weights)
-        overlap_point()  # ping-pong microbatches: the next one runs while the FFN group works
-        return endpoint.combine(handle)
+        return _round_trip(endpoint, layer, x, topk_ids, topk_weights)
     rows = torch.arange(tp_rank, x.shape[0], tp_size)
     out = torch.zeros_like(x)
-    handle = endpoint.dispatch(layer, x[rows].contiguous(), topk_ids[rows], topk_weights[rows])
-    overlap_point()
-    out[rows] = endpoint.combine(handle)
+    out[rows] = _round_trip(
+        endpoint, layer, x[rows].contiguous(), topk_ids[rows], topk_weights[rows]
+    )
+    return out
+
+
+def _round_trip(
+    endpoint: AttentionTransport,
+    layer: int,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """dispatch -> (other microbatches run) -> combine, counted for /metrics: the wait in
+    combine is the FFN time the overlap did not hide."""
+    try:
+        handle = endpoint.dispatch(layer, x, topk_ids, topk_weights)
+        overlap_point()  # ping-pong microbatches: the next one runs while the FFN group works
+        start = time.perf_counter()
+        out = endpoint.combine(handle)
+    except Exception as exc:
+        metrics.record_error(metrics.error_kind(exc), rank=endpoint.rank)
+        raise
+    metrics.record_combine(endpoint, handle, time.perf_counter() - start)
     return out
 
 
