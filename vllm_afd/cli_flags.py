@@ -69,7 +69,8 @@ def add_afd_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="K",
-        help="Microbatches per step for ping-pong overlap of attention and FFN (1 disables).",
+        help="Microbatches per decode step for ping-pong overlap of attention and FFN "
+        "(default 2; 1 disables).",
     )
     group.add_argument(
         "--afd-ffn-host",

@@ -76,7 +76,7 @@ class AFDConfig:
     #: Ray cluster address for the FFN group; ``None`` starts a local Ray instance.
     ray_address: str | None = None
     #: Microbatches per step on attention ranks (ping-pong overlap); 1 disables.
-    microbatches: int = 1
+    microbatches: int = 2
     #: Interface the FFN ranks listen on (tcp transport). Loopback by default.
     ffn_host: str = "127.0.0.1"
 
