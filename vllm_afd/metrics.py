@@ -61,6 +61,8 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from vllm_afd.procs import process_start_time
+
 logger = logging.getLogger("vllm.afd")
 
 #: Same name as ``placement.RUNTIME_ENV`` (not imported: this module must stay light, it is
@@ -138,19 +140,6 @@ def _pid_namespace() -> int:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
-
-
-def process_start_time(pid: int) -> int | None:
-    """Start time (clock ticks since boot) of a live, non-zombie process; ``None`` if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) "
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
 
 
 def _writer_alive(pid: int, start_time: int) -> bool:

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from vllm_afd.config import AFDConfig, AFDConfigError, MoEModelInfo
+from vllm_afd.procs import pid_alive
 from vllm_afd.transport import TransportSpec
 
 logger = logging.getLogger("vllm.afd")
@@ -289,23 +290,9 @@ def dead_ffn_ranks() -> list[int]:
     dead = []
     for rank, entry in enumerate(filter(None, os.environ.get(FFN_PIDS_ENV, "").split(","))):
         host, _, pid = entry.rpartition(":")
-        if host == here and not _pid_alive(int(pid)):
+        if host == here and not pid_alive(int(pid)):
             dead.append(rank)
     return dead
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (killed, not yet reaped by its raylet) is not alive either
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def runtime_spec() -> TransportSpec:

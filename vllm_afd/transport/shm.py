@@ -69,6 +69,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_afd.procs import process_start_time
 from vllm_afd.transport.base import (
     AttentionTransport,
     DispatchHandle,
@@ -281,25 +282,6 @@ def _pid_namespace() -> int:
         return 0
 
 
-def _process_start_time(pid: int) -> int | None:
-    """Start time (clock ticks since boot) of a live, non-zombie process; ``None`` if gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass  # exists, owned by someone else
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) "
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
-
-
 def _unlink_if_creator(name: str, creator_pid: int) -> None:
     """Finalizer of the FFN side: a forked child inherits it and must not unlink."""
     if os.getpid() == creator_pid:
@@ -340,7 +322,7 @@ def reap_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
         header = _read_header(name)
         if header is None or header[_G_MAGIC] != _MAGIC or header[_G_PIDNS] != own_ns:
             continue
-        if _process_start_time(int(pid)) is None and _unlink(name):
+        if process_start_time(int(pid)) is None and _unlink(name):
             reaped.append(name)
     return reaped
 
@@ -400,7 +382,7 @@ class ShmAttentionTransport(AttentionTransport):
         pid = segment.words[_G_PID]
         if segment.words[_G_PIDNS] != _pid_namespace():
             return pid, None
-        start = _process_start_time(pid)
+        start = process_start_time(pid)
         if start is None:
             raise TransportError(f"FFN process (pid {pid}) of segment {segment.name!r} is dead")
         return pid, start
@@ -506,7 +488,7 @@ class ShmAttentionTransport(AttentionTransport):
         pid, start = self._creators[ffn_rank]
         if self._words[ffn_rank][_G_STATE] == _STATE_CLOSED:
             raise TransportError(f"FFN rank {ffn_rank} (pid {pid}) closed its shm endpoint")
-        if start is not None and _process_start_time(pid) != start:
+        if start is not None and process_start_time(pid) != start:
             raise TransportError(f"FFN rank {ffn_rank} (pid {pid}) died")
 
     def close(self) -> None:
