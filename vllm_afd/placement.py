@@ -52,9 +52,6 @@ class FFNRank:
     def stats(self) -> dict:
         return self.executor.stats.snapshot()
 
-    def ping(self) -> int:
-        return os.getpid()
-
     def stop(self) -> None:
         self.executor.stop()
 
@@ -81,9 +78,6 @@ class FFNGroup:
     infos: list[dict]
     placement_group: object
     owns_ray: bool
-
-    def pids(self) -> list[int]:
-        return [info["pid"] for info in self.infos]
 
     def stats(self) -> list[dict]:
         import ray
