@@ -35,6 +35,8 @@ P6 ``prometheus_client.multiprocess.MultiProcessCollector.__init__``, wrapped (s
    Remove when: vLLM lets plugins contribute collectors to its ``/metrics`` registry.
 P7 Ping-pong microbatching on the CPU model runner: M1-M4 in ``vllm_afd/microbatch.py``
    (its module docstring holds their ledger entries).
+P8 CPU communicator shims for colocated wide EP on the CPU build (the A/B baseline): S1-S2 in
+   ``vllm_afd/cpu_shims.py`` (its docstring holds their ledger entries); no-op elsewhere.
 P5 ``RoutedExperts`` out-of-tree replacement (``PluggableLayer.register_oot``), a supported
    API rather than a patch, listed here so every touch point is in one place.
 """
@@ -149,6 +151,7 @@ def apply_all() -> None:
     _patch_health()
     _patch_metrics()
     _register_layers()
-    from vllm_afd import microbatch
+    from vllm_afd import cpu_shims, microbatch
 
     microbatch.install()
+    cpu_shims.install()

@@ -122,6 +122,8 @@ def _ensure_ray(address: str | None, num_cpus: int) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray starts workers at nice 15: an FFN rank would starve behind the attention ranks.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if in_main_thread else None
     try:

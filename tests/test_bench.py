@@ -1,0 +1,441 @@
+"""`vllm-afd bench`: window selection, the paper's arithmetic, output, the CPU shims, one e2e run.
+
+Everything but the last test is a pure function (or two gloo processes for the shim); the slow
+test runs a small bench (colocated, DP2 x EP2, AFD 1:1) and checks the JSON it writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from vllm_afd.bench import ab, report
+from vllm_afd.bench.metrics import (
+    BenchConfig,
+    Measurement,
+    best_colocated,
+    build_rows,
+    prediction_error,
+    speedups,
+    throughput,
+)
+from vllm_afd.bench.window import (
+    percentile,
+    period_stats,
+    steady_window,
+    window_intervals,
+)
+from vllm_afd.cpu_shims import (
+    localize_expert_ids,
+    pack_rows,
+    pad_rows,
+    slice_for_rank,
+    unpack_rows,
+    unpad_gathered,
+)
+
+# -- steady-state window --------------------------------------------------------------------------
+
+
+def _decoding_trace(batch: int = 4) -> list[int]:
+    """Chunked prefill (0, 2, 3 decoding), 8 steady steps, then completions (3, 1)."""
+    return [0, 2, 3] + [batch] * 8 + [3, 1]
+
+
+def test_window_skips_prefill_transition_and_first_completion():
+    idx = steady_window(_decoding_trace(), batch=4, skip=2)
+    # steady steps are 3..10; drop the first two (3, 4) and the last (10: first completion)
+    assert idx == [5, 6, 7, 8, 9]
+
+
+def test_window_cap_and_invalid_skip():
+    assert steady_window(_decoding_trace(), batch=4, skip=1, max_steps=3) == [4, 5, 6]
+    assert steady_window([0, 1, 2], batch=4, skip=1) == []
+    with pytest.raises(ValueError, match="skip"):
+        steady_window(_decoding_trace(), batch=4, skip=0)
+
+
+def test_window_intervals_take_the_window_steps_dt():
+    steps = [{"decoding": d, "dt": 0.001 * (i + 1)} for i, d in enumerate(_decoding_trace())]
+    assert window_intervals(steps, batch=4, skip=2) == pytest.approx(
+        [0.006, 0.007, 0.008, 0.009, 0.010]
+    )
+
+
+def test_period_stats_median_p90_mean():
+    stats = period_stats([0.001, 0.002, 0.003, 0.004, 0.100])
+    assert stats.median_s == pytest.approx(0.003)
+    assert stats.mean_s == pytest.approx(0.022)
+    assert stats.p90_s == pytest.approx(percentile([1, 2, 3, 4, 100], 90) / 1000)
+    assert percentile([1, 2, 3, 4, 100], 90) == pytest.approx(61.6)
+    assert stats.to_dict()["intervals"] == 5
+    with pytest.raises(ValueError, match="no steady"):
+        period_stats([])
+
+
+# -- S_all, S_att and Eq. 2 ------------------------------------------------------------------------
+
+
+def _m(name, kind, step_ms, attn=1, ffn=0, b=16, dp=1, tp=1, k=1) -> Measurement:
+    config = BenchConfig(
+        name,
+        kind,
+        attention_ranks=attn,
+        ffn_ranks=ffn,
+        data_parallel=dp,
+        tensor_parallel=tp,
+        per_rank_batch=b,
+        microbatches=k,
+        expert_parallel=dp > 1,
+        ratio=f"{attn}:{ffn}" if ffn else None,
+    )
+    return Measurement(
+        config,
+        period={
+            "median_ms": step_ms,
+            "p90_ms": step_ms * 1.1,
+            "mean_ms": step_ms,
+            "intervals": 100,
+        },
+    )
+
+
+def test_throughput_counts_all_and_attention_devices():
+    afd = _m("afd 2:1", "afd", 5.0, attn=2, ffn=1, tp=2)
+    x = throughput(afd.config, 0.005)
+    assert x["tok_s"] == pytest.approx(32 / 0.005)
+    assert x["tok_s_per_device"] == pytest.approx(32 / 0.005 / 3)
+    assert x["tok_s_per_attention_device"] == pytest.approx(16 / 0.005)
+    assert afd.config.engine_batch == 32 and afd.config.layout() == "TP2 + 1 FFN"
+
+
+def test_speedups_follow_eq2_and_the_baseline_is_the_best_colocated():
+    base = _m("colocated", "colocated", 4.0)
+    wide = _m("wide EP2", "wide-ep", 10.0, attn=2, dp=2)
+    afd = _m("afd 1:1", "afd", 3.0, attn=1, ffn=1, b=20)
+    assert best_colocated([wide, base, afd]) is base
+    s = speedups(afd, base)
+    assert s["batch_gain"] == pytest.approx(20 / 16)
+    assert s["overlap_gain"] == pytest.approx(4 / 3)
+    assert s["disaggregation_cost"] == pytest.approx(0.5)
+    expected = (20 / 0.003 / 2) / (16 / 0.004)
+    assert s["s_all"] == pytest.approx(expected)
+    assert s["s_all"] == pytest.approx(s["batch_gain"] * s["overlap_gain"] * 0.5)
+    assert s["s_att"] == pytest.approx(2 * s["s_all"])
+    assert s["eq2_s_all"] == pytest.approx(s["s_all"])
+    wide_s = speedups(wide, base)
+    assert wide_s["s_all"] == pytest.approx(0.4) and wide_s["disaggregation_cost"] is None
+
+
+def test_build_rows_marks_baseline_and_skips_failed_rows():
+    rows = build_rows(
+        [
+            _m("colocated", "colocated", 4.0),
+            Measurement(
+                BenchConfig("afd 1:1 k2", "afd", 1, 1, microbatches=2),
+                status="unsupported: microbatches=2 not in effect",
+            ),
+        ]
+    )
+    assert rows[0]["baseline"] is True and rows[0]["s_all"] == pytest.approx(1.0)
+    assert rows[1]["baseline"] is False and "step_ms" not in rows[1] and "s_all" not in rows[1]
+    assert prediction_error(4.4, 4.0) == pytest.approx(10.0)
+
+
+# -- configurations, microbatch detection, failures ------------------------------------------------
+
+
+def _settings(**overrides) -> dict:
+    settings = dict(ab.DEFAULTS, model="/m", afd_batch=16) | overrides
+    return settings
+
+
+def test_build_configs_and_jobs():
+    configs = ab.build_configs(_settings())
+    assert [c.name for c in configs] == [
+        "colocated",
+        "wide EP2",
+        "afd 1:1 k1",
+        "afd 1:1 k2",
+        "afd 2:1 k1",
+        "afd 2:1 k2",
+    ]
+    assert [c.devices for c in configs] == [1, 2, 2, 2, 3, 3]
+    wide, afd21 = ab.job_for(configs[1], _settings()), ab.job_for(configs[5], _settings())
+    assert wide["dp"] == {"size": 2} and wide["enable_expert_parallel"] and wide["batch"] == 16
+    assert afd21["afd"] == {"ratio": "2:1", "microbatches": 2}
+    assert afd21["tensor_parallel_size"] == 2 and afd21["batch"] == 32
+    assert not afd21["instrument"] and ab.job_for(configs[0], _settings())["instrument"]
+    with_ray = ab.job_for(configs[2], _settings(ray_address="127.0.0.1:1"))
+    assert with_ray["afd"]["ray_address"] == "127.0.0.1:1"
+
+
+def test_pair_schedule_alternates_each_config_with_the_baseline():
+    actions = ab.pair_schedule(3, 2)
+    assert actions == [
+        ("start", 0),
+        ("start", 1),
+        ("decode", 0, 0),
+        ("decode", 1, 0),
+        ("decode", 1, 1),
+        ("decode", 0, 1),
+        ("stop", 1),
+        ("start", 2),
+        ("decode", 0, 0),
+        ("decode", 2, 0),
+        ("decode", 2, 1),
+        ("decode", 0, 1),
+        ("stop", 2),
+        ("stop", 0),
+    ]
+    alone = ab.pair_schedule(1, 2)
+    assert alone == [("start", 0), ("decode", 0, 0), ("decode", 0, 1), ("stop", 0)]
+
+
+def _run(k_requests: float, steps: int = 10, layers: int = 2) -> dict:
+    before = [
+        {
+            "requests": 0,
+            "tokens": 0,
+            "busy_s": 0.0,
+            "per_layer_s": {"0": 0.0, "1": 0.0},
+            "per_layer_calls": {"0": 0, "1": 0},
+        }
+    ]
+    calls = int(steps * k_requests)
+    after = [
+        {
+            "requests": calls * layers,
+            "tokens": 0,
+            "busy_s": 0.002 * steps,
+            "per_layer_s": {"0": 0.001 * steps, "1": 0.001 * steps},
+            "per_layer_calls": {"0": calls, "1": calls},
+        }
+    ]
+    decoding = [0] + [4] * (steps + 4)
+    return {
+        "steps": [{"decoding": d, "dt": 0.004, "attn_s": 0.0005, "moe_s": 0.001} for d in decoding],
+        "tokens": [[1, 2], [3, 4], [5, 6], [7, 8]],
+        "ffn_window": {"before": before, "after": after, "first_step": 2, "last_step": 2 + steps},
+    }
+
+
+def test_measure_flags_microbatches_not_in_effect():
+    config = BenchConfig("afd 1:1 k2", "afd", 1, 1, per_rank_batch=4, microbatches=2)
+    ready = [{"first_request": 0, "startup_s": 1.0}]
+    m = ab.measure(config, ready, [[_run(1.0)]], skip=2)
+    assert m.status.startswith("unsupported: microbatches=2 not in effect")
+    assert m.extra["microbatches_effective"] == pytest.approx(1.0)
+    assert m.extra["ffn_busy_ms_per_step"] == pytest.approx(2.0)
+    assert m.extra["aux_ms"] == pytest.approx(2.5)
+    ok = ab.measure(config, ready, [[_run(2.0)]], skip=2)
+    assert ok.status == "ok" and ok.step_s == pytest.approx(0.004)
+
+
+def test_failure_reports_unsupported_microbatches_or_failed():
+    k2 = BenchConfig("afd 1:1 k2", "afd", 1, 1, microbatches=2)
+    refused = ab.failure(k2, RuntimeError("...\nAFDConfigError: --afd-microbatches: must be 1"))
+    assert refused.status.startswith("unsupported:") and not refused.ok
+    crashed = ab.failure(k2, RuntimeError("Traceback\nRuntimeError: worker died"))
+    assert crashed.status == "failed: RuntimeError: worker died"
+
+
+def test_compare_tokens_request_by_request():
+    base, afd = _m("colocated", "colocated", 4.0), _m("afd", "afd", 3.0, ffn=1)
+    base.extra["tokens_by_request"] = {0: [1, 2], 1: [3, 4]}
+    afd.extra["tokens_by_request"] = {0: [1, 2], 1: [3, 5], 7: [9]}
+    ab.compare_tokens([base, afd])
+    assert afd.identical is False and afd.compared_requests == 2
+    afd.extra["tokens_by_request"][1] = [3, 4]
+    ab.compare_tokens([base, afd])
+    assert afd.identical is True and base.identical is True
+
+
+def test_cli_rejects_bad_ratio(capsys):
+    with pytest.raises(SystemExit) as exc:
+        ab.build_parser().parse_args(["--ratios", "2-1"])
+    assert exc.value.code == 2 and "--ratios" in capsys.readouterr().err
+    assert ab.build_parser().parse_args(["--ep-sizes", "none"]).ep_sizes == []
+
+
+# -- table and JSON --------------------------------------------------------------------------------
+
+
+def _rows() -> list[dict]:
+    afd = _m("afd 1:1 k1", "afd", 3.0, ffn=1)
+    afd.identical = False
+    rows = build_rows([_m("colocated", "colocated", 4.0), afd])
+    rows[1] |= {"predicted_ms": 3.3, "error_pct": 10.0}
+    return rows
+
+
+def test_plain_table_columns_and_markers():
+    text = report.format_plain(_rows())
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["config", "layout", "dev"] and "pred ms" in lines[0]
+    assert "baseline" in lines[2] and "NO" in lines[3] and "+10.0" in lines[3]
+    assert "0.667" in lines[3]  # S_all of 1:1 at 4/3 overlap gain
+    no_pred = report.format_plain(build_rows([_m("colocated", "colocated", 4.0)]))
+    assert "pred ms" not in no_pred
+
+
+def test_main_writes_json_table_and_plot(tmp_path, monkeypatch, capsys):
+    measurements = [_m("colocated", "colocated", 4.0), _m("afd 1:1 k1", "afd", 3.0, ffn=1)]
+    for m in measurements:
+        m.identical, m.extra["tokens_by_request"] = True, {0: [1]}
+    monkeypatch.setattr(ab, "run_all", lambda configs, settings, log_dir: measurements)
+    out, png = tmp_path / "ab.json", tmp_path / "ab.png"
+    with pytest.raises(SystemExit) as exc:
+        ab.main(
+            [
+                "--model",
+                "/m",
+                "--json",
+                str(out),
+                "--plot",
+                str(png),
+                "--log-dir",
+                str(tmp_path / "logs"),
+            ]
+        )
+    assert exc.value.code == 0
+    data = json.loads(out.read_text())
+    assert data["settings"]["ratios"] == ["1:1", "2:1"]
+    afd = data["rows"][1]
+    assert afd["s_all"] == pytest.approx(2 / 3) and "tokens_by_request" not in afd
+    assert png.stat().st_size > 1000
+    assert "afd 1:1 k1" in capsys.readouterr().out
+
+
+# -- CPU shims (wide-EP baseline) ----------------------------------------------------------------
+
+
+def test_pack_pad_unpad_slice_roundtrip():
+    a, b = torch.randn(3, 4), torch.randint(0, 8, (3, 2), dtype=torch.int32)
+    packed = pack_rows([a, b])
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 4 * 4 + 2 * 4)
+    x, y = unpack_rows(packed, [a, b])
+    assert torch.equal(x, a) and torch.equal(y, b)
+    padded = torch.cat([pad_rows(torch.ones(2, 3), 4), pad_rows(2 * torch.ones(4, 3), 4)])
+    gathered = unpad_gathered(padded, [2, 4], 4)
+    assert gathered.shape == (6, 3) and gathered[:2].eq(1).all() and gathered[2:].eq(2).all()
+    assert torch.equal(slice_for_rank(torch.arange(6), [2, 4], 1), torch.arange(2, 6))
+
+
+def test_localize_expert_ids_zeroes_foreign_experts():
+    expert_map = torch.tensor([-1, -1, 0, 1])  # this rank holds global experts 2 and 3
+    ids = torch.tensor([[0, 2], [3, 1]], dtype=torch.int32)
+    weights = torch.tensor([[0.4, 0.6], [0.7, 0.3]])
+    local, w = localize_expert_ids(ids, weights, expert_map)
+    assert local.tolist() == [[0, 0], [1, 0]] and local.dtype == torch.int32
+    assert torch.allclose(w, torch.tensor([[0.0, 0.6], [0.7, 0.0]]))
+
+
+class _GlooComm:
+    """The attributes the shim uses, over a real gloo process group."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank_in_group, self.world_size = rank, world
+
+    def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, x)
+        return torch.cat(parts, dim)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        torch.distributed.all_reduce(x)
+        return x
+
+
+def _shim_worker(rank: int, world: int, port: int, queue) -> None:
+    from vllm_afd import cpu_shims
+
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    comm, sizes = _GlooComm(rank, world), [2, 3]
+    x = torch.full((sizes[rank], 4), float(rank + 1))
+    ids = torch.full((sizes[rank], 2), rank, dtype=torch.int32)
+    hidden, topk = cpu_shims._all_gatherv(comm, [x, ids], 0, sizes)
+    summed = cpu_shims._reduce_scatterv(comm, torch.ones(5, 4) * (rank + 1), 0, sizes)
+    queue.put((rank, hidden.tolist(), topk.tolist(), summed.tolist()))
+    torch.distributed.destroy_process_group()
+
+
+def test_gatherv_and_reduce_scatterv_over_gloo():
+    import torch.multiprocessing as tmp
+
+    from vllm_afd.bench.launch import free_port
+
+    ctx = tmp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_shim_worker, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((r, rest) for r, *rest in (queue.get(timeout=60) for _ in procs))
+    for p in procs:
+        p.join(30)
+    for rank in range(2):
+        hidden, topk, summed = results[rank]
+        assert [row[0] for row in hidden] == [1.0, 1.0, 2.0, 2.0, 2.0]
+        assert [row[0] for row in topk] == [0, 0, 1, 1, 1]
+        assert len(summed) == [2, 3][rank] and all(v == 3.0 for row in summed for v in row)
+
+
+def test_install_is_idempotent_and_patches_the_cpu_classes():
+    pytest.importorskip("vllm.distributed.device_communicators.cpu_communicator")
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    from vllm_afd import cpu_shims
+
+    assert cpu_shims.install() and cpu_shims.install()
+    assert CpuCommunicator.all_gatherv is cpu_shims._all_gatherv
+    assert getattr(CPUUnquantizedExperts.apply, cpu_shims._SENTINEL)
+
+
+# -- one end-to-end run ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_bench_end_to_end_small(tmp_path, tiny_qwen3):
+    out = tmp_path / "ab.json"
+    argv = [
+        "--model",
+        tiny_qwen3,
+        "--ratios",
+        "1:1",
+        "--microbatches",
+        "1",
+        "--ep-sizes",
+        "2",
+        "--batch",
+        "4",
+        "--prompt-len",
+        "32",
+        "--output-len",
+        "16",
+        "--rounds",
+        "2",
+        "--json",
+        str(out),
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
+    with pytest.raises(SystemExit) as exc:
+        ab.main(argv)
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert exc.value.code == 0, rows
+    assert set(rows) == {"colocated", "wide EP2", "afd 1:1 k1"}
+    for row in rows.values():
+        assert row["status"] == "ok" and row["identical"] is True, row
+        assert row["step_ms"] > 0 and row["step_p90_ms"] >= row["step_ms"]
+        assert row["intervals"] >= 2 * (16 - 4) and math.isfinite(row["s_all"])
+    afd = rows["afd 1:1 k1"]
+    assert afd["devices"] == 2 and afd["disaggregation_cost"] == pytest.approx(0.5)
+    assert afd["microbatches_effective"] == pytest.approx(1.0)
+    assert afd["ffn_layer_service_ms"] > 0 and rows["wide EP2"]["compared_requests"] == 4

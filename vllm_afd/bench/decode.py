@@ -1,0 +1,303 @@
+"""The decode driver that runs inside one benchmark child: fixed batch, per-step timestamps.
+
+    python -m vllm_afd.bench.decode '{"model": ..., "batch": 16, "prompt_len": 128, ...}'
+    (then one JSON command per stdin line: {"cmd": "run", "tag": "r0"} ... {"cmd": "exit"})
+
+The paper's protocol (FastAFD A.1) on one engine: ``batch`` requests of exactly ``prompt_len``
+prompt tokens and ``output_len`` output tokens (``ignore_eos``) are added together, with
+``max_num_seqs == batch`` so every slot is occupied; the driver calls ``LLMEngine.step()`` itself
+and timestamps the end of every step, recording how many requests were decoding in it. The child
+stays up between decodes, answering each stdin command with one ``RESULT_PREFIX`` line, so that
+the parent can interleave configurations decode by decode (``bench.launch``). The
+parent (``bench.ab``) picks the steady-state window from those records (``bench.window``): steps
+in which every request emits exactly one token, after prefill, minus a few transition steps and
+the final step. Driving ``step()`` directly works for every layout used here: in-process single
+rank, tensor parallel (multiprocess executor), and offline SPMD data parallel (one child per DP
+rank, ``VLLM_DP_*`` environment), where ranks step in lockstep.
+
+For AFD runs the FFN group's counters are read at the window's first and last step, so the
+parent gets the FFN service time and the number of FFN requests per layer and step (which tells
+whether microbatching is in effect). With ``instrument`` set, the core-attention modules and the
+routed experts are timed through wrappers (eager mode only), which is how ``vllm-afd profile``
+splits the colocated step into attention, MoE and the auxiliary rest D_V.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+RESULT_PREFIX = "VLLM_AFD_BENCH "
+
+
+def prompt_tokens(index: int, length: int, vocab: int, seed: int = 0) -> list[int]:
+    """Deterministic pseudo-random prompt ``index`` of ``length`` ids in ``[8, vocab - 8)``."""
+    import random
+
+    rng = random.Random(seed * 1_000_003 + index)
+    return [rng.randrange(8, max(9, vocab - 8)) for _ in range(length)]
+
+
+class StepTimers:
+    """Wall time spent in core attention and in routed experts during the current step."""
+
+    def __init__(self) -> None:
+        self.attention_s = 0.0
+        self.moe_s = 0.0
+        self.attention_calls = 0
+        self.moe_calls = 0
+
+    def take(self) -> dict[str, float]:
+        out = {"attn_s": self.attention_s, "moe_s": self.moe_s}
+        self.attention_s = self.moe_s = 0.0
+        return out
+
+
+def instrument(model, timers: StepTimers) -> int:
+    """Wrap core attention (``Attention`` modules) and routed experts (``forward_modular``).
+
+    Under AFD the routed experts are ``AFDRoutedExperts``, whose ``forward_modular`` is the
+    remote call (dispatch + FFN service + combine, as long as the attention rank waits for it).
+    """
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    try:
+        from vllm.model_executor.layers.attention import Attention
+    except ImportError:  # older layout
+        from vllm.attention.layer import Attention
+
+    wrapped = 0
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.forward = _timed(module.forward, timers, "attention")
+            wrapped += 1
+        elif isinstance(module, RoutedExperts):
+            module.forward_modular = _timed(module.forward_modular, timers, "moe")
+            wrapped += 1
+    return wrapped
+
+
+def _timed(fn, timers: StepTimers, kind: str):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        dt = time.perf_counter() - start
+        if kind == "attention":
+            timers.attention_s += dt
+            timers.attention_calls += 1
+        else:
+            timers.moe_s += dt
+            timers.moe_calls += 1
+        return out
+
+    return wrapper
+
+
+def _engine_kwargs(job: dict[str, Any]) -> dict[str, Any]:
+    kwargs = dict(
+        model=job["model"],
+        dtype=job.get("dtype", "float32"),
+        seed=0,
+        max_model_len=job.get("max_model_len", 512),
+        max_num_seqs=job["batch"],
+        enforce_eager=True,
+        tensor_parallel_size=job.get("tensor_parallel_size", 1),
+        enable_expert_parallel=job.get("enable_expert_parallel", False),
+        enable_prefix_caching=False,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=job.get("max_num_batched_tokens", 512),
+        disable_log_stats=True,
+    )
+    if job.get("dp"):
+        # One process per DP rank (TP1): vLLM would otherwise add a worker process per rank,
+        # whose idle polling competes for the two cores.
+        kwargs["distributed_executor_backend"] = "uni"
+    if job.get("afd"):
+        kwargs["additional_config"] = {"afd": job["afd"]}
+    return kwargs
+
+
+def _ffn_stats() -> list[dict] | None:
+    from vllm_afd.placement import current_group
+
+    group = current_group()
+    return None if group is None else group.stats()
+
+
+class Driver:
+    """One engine and the fixed-batch decode loop."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        from vllm import LLM
+
+        from vllm_afd import cpu_shims
+
+        cpu_shims.install()  # DP / wide EP on CPU (also installed by the plugin when wired)
+        self.job = job
+        start = time.perf_counter()
+        self.llm = LLM(**_engine_kwargs(job))
+        self.startup_s = time.perf_counter() - start
+        self.engine = self.llm.llm_engine
+        self.vocab = self.engine.model_config.get_vocab_size()
+        self.timers = StepTimers()
+        self.wrapped = 0
+        if job.get("instrument") and job.get("tensor_parallel_size", 1) == 1:
+            model = self.engine.model_executor.driver_worker.worker.model_runner.model
+            self.wrapped = instrument(model, self.timers)
+
+    def run(self, batch: int, prompt_len: int, output_len: int, first: int, tag: str) -> dict:
+        """Decode ``batch`` requests (indices ``first..first+batch-1``); per-step records."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=output_len,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        seed = self.job.get("seed", 0)
+        ids = [f"{tag}-{first + i}" for i in range(batch)]
+        for i, rid in enumerate(ids):
+            prompt = {"prompt_token_ids": prompt_tokens(first + i, prompt_len, self.vocab, seed)}
+            self.engine.add_request(rid, prompt, params)
+        return self._loop(ids, output_len)
+
+    def _loop(self, ids: list[str], output_len: int) -> dict:
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        steps: list[dict] = []
+        ffn: dict[str, Any] = {}
+        self.timers.take()
+        last = time.perf_counter()
+        while self.engine.has_unfinished_requests():
+            outputs = self.engine.step()
+            now = time.perf_counter()
+            record = self._record(outputs, tokens, now - last)
+            steps.append(record)
+            last = self._maybe_snapshot(record, tokens, output_len, len(steps) - 1, ffn)
+        return {"steps": steps, "tokens": [tokens[r] for r in ids], "ffn_window": ffn}
+
+    def _record(self, outputs, tokens: dict[str, list[int]], dt: float) -> dict:
+        before = {rid: len(t) for rid, t in tokens.items()}
+        for out in outputs:
+            if out.request_id in tokens:
+                tokens[out.request_id].extend(out.outputs[0].token_ids)
+        decoding = sum(
+            1 for rid, t in tokens.items() if before[rid] >= 1 and len(t) == before[rid] + 1
+        )
+        new = sum(len(t) for t in tokens.values()) - sum(before.values())
+        return {"dt": dt, "decoding": decoding, "new": new, **self.timers.take()}
+
+    def _maybe_snapshot(self, record, tokens, output_len, index, ffn) -> float:
+        """Read the FFN counters at the window edges; returns the time the next step starts.
+
+        The window starts after the ``skip``-th step in which every request decodes and ends
+        with the last step before the first request completes (that final step is excluded),
+        the same rule ``window.steady_window`` applies to the timestamps.
+        """
+        if record["decoding"] != len(tokens):
+            return time.perf_counter()
+        ffn["steady_seen"] = ffn.get("steady_seen", 0) + 1
+        edges = []
+        if ffn["steady_seen"] == self.job.get("skip", 2):
+            edges.append(("before", "first_step"))
+        if max(len(t) for t in tokens.values()) == output_len - 1:
+            edges.append(("after", "last_step"))
+        for key, step_key in edges:
+            stats = _ffn_stats()
+            if stats is not None and key not in ffn:
+                ffn[key], ffn[step_key] = stats, index
+        return time.perf_counter()
+
+
+def _param_bytes(worker) -> int:
+    model = worker.model_runner.model
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def ready_info(driver: Driver, first: int) -> dict[str, Any]:
+    """What the parent needs once: start-up time, threads, parameter bytes, FFN ranks."""
+    import torch
+
+    config = driver.engine.vllm_config
+    return {
+        "event": "ready",
+        "first_request": first,
+        "startup_s": driver.startup_s,
+        "threads": torch.get_num_threads(),
+        "pid": os.getpid(),
+        "instrumented_modules": driver.wrapped,
+        "async_scheduling": bool(getattr(config.scheduler_config, "async_scheduling", False)),
+        "attention_param_bytes": driver.llm.collective_rpc(_param_bytes)[0],
+        "ffn": _ffn_infos(),
+        "num_layers": config.model_config.hf_config.num_hidden_layers,
+    }
+
+
+def serve(job: dict[str, Any], commands, emit) -> None:
+    """Start the engine, warm up, report ready, then run one decode per ``run`` command.
+
+    ``commands`` yields JSON lines: ``{"cmd": "run", "tag": str}`` with optional ``batch``,
+    ``prompt_len``, ``output_len`` overrides (the engine's ``max_num_seqs`` stays the job's
+    batch), or ``{"cmd": "exit"}``. ``emit(dict)`` sends one result line to the parent.
+    """
+    driver = Driver(job)
+    first = job.get("first_request", 0)
+    driver.run(min(job["batch"], 2), job["prompt_len"], 4, first, "warmup")
+    emit(ready_info(driver, first))
+    for line in commands:
+        cmd = json.loads(line)
+        if cmd.get("cmd") != "run":
+            break
+        batch = cmd.get("batch", job["batch"])
+        plen, olen = (
+            cmd.get("prompt_len", job["prompt_len"]),
+            cmd.get("output_len", job["output_len"]),
+        )
+        run = driver.run(batch, plen, olen, first, cmd.get("tag", "run"))
+        emit({"event": "run", "batch": batch, "prompt_len": plen, "output_len": olen, **run})
+
+
+def _ffn_infos() -> list[dict]:
+    from vllm_afd.placement import current_group
+
+    group = current_group()
+    return [] if group is None else [dict(info) for info in group.infos]
+
+
+def stats_delta(before: list[dict], after: list[dict]) -> list[dict[str, Any]]:
+    """Per FFN rank: counters accumulated between two ``FFNGroup.stats()`` snapshots."""
+    out = []
+    for b, a in zip(before, after, strict=True):
+        per_layer = defaultdict(float)
+        calls = defaultdict(int)
+        for layer, value in a["per_layer_s"].items():
+            per_layer[str(layer)] = value - b["per_layer_s"].get(layer, 0.0)
+        for layer, value in a["per_layer_calls"].items():
+            calls[str(layer)] = value - b["per_layer_calls"].get(layer, 0)
+        out.append(
+            {
+                "requests": a["requests"] - b["requests"],
+                "tokens": a["tokens"] - b["tokens"],
+                "busy_s": a["busy_s"] - b["busy_s"],
+                "per_layer_s": dict(per_layer),
+                "per_layer_calls": dict(calls),
+            }
+        )
+    return out
+
+
+def _emit(message: dict[str, Any]) -> None:
+    print(RESULT_PREFIX + json.dumps(message), flush=True)
+
+
+def main() -> None:
+    serve(json.loads(sys.argv[1]), sys.stdin, _emit)
+
+
+if __name__ == "__main__":
+    main()
