@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,9 +22,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import psutil
 import pytest
 
+from tests.serverlib import free_port, session_processes
 from vllm_afd.runner import child_env, run_generation
 
 pytestmark = pytest.mark.slow
@@ -39,12 +38,6 @@ PROMPTS = [
 MAX_TOKENS = [24, 16, 20, 12]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _http(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, dict | str]:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -56,22 +49,9 @@ def _http(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[in
         return exc.code, exc.read().decode()
 
 
-def _session_processes(sid: int) -> list[psutil.Process]:
-    """Live processes of session ``sid``: the server and all it started (Ray's daemons and
-    workers, engine cores, FFN ranks stay in the session of the process that started them)."""
-    found = []
-    for proc in psutil.process_iter(["pid", "status"]):
-        try:
-            if os.getsid(proc.pid) == sid and proc.info["status"] != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (ProcessLookupError, PermissionError):
-            continue
-    return found
-
-
 class Server:
     def __init__(self, model: str, log: Path, extra: tuple[str, ...] = ("--afd-ratio", "2:1")):
-        self.model, self.log, self.port = model, log, _free_port()
+        self.model, self.log, self.port = model, log, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
             str(Path(sys.executable).with_name("vllm-afd")), "serve", model,
@@ -117,7 +97,7 @@ class Server:
         """Test hygiene only: kill whatever of the session is still alive."""
         if self.proc.poll() is None:
             self.proc.kill()
-        for proc in _session_processes(self.proc.pid):
+        for proc in session_processes(self.proc.pid):
             proc.kill()
 
 
@@ -177,6 +157,6 @@ def test_ffn_death_fails_requests_fast_and_leaves_nothing(server):
     assert health != 200
     server.terminate()
     deadline = time.monotonic() + 30
-    while (left := _session_processes(server.proc.pid)) and time.monotonic() < deadline:
+    while (left := session_processes(server.proc.pid)) and time.monotonic() < deadline:
         time.sleep(1)
     assert not left, [(p.pid, " ".join(p.cmdline())) for p in left]

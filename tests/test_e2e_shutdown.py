@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from tests.test_e2e_server import Server, _session_processes
+from tests.serverlib import session_processes
+from tests.test_e2e_server import Server
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ def test_sigterm_stops_everything(tiny_qwen3, tmp_path):
         assert server.proc.returncode == 0, server.log.read_text()[-3000:]
         assert time.monotonic() - started < 60
         deadline = time.monotonic() + 20
-        while (left := _session_processes(server.proc.pid)) and time.monotonic() < deadline:
+        while (left := session_processes(server.proc.pid)) and time.monotonic() < deadline:
             time.sleep(1)
         assert not left, [(p.pid, " ".join(p.cmdline())) for p in left]
     finally:

@@ -8,7 +8,6 @@ import multiprocessing as mp
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from tests.serverlib import free_port, session_processes
 from vllm_afd import metrics
 
 JOIN_TIMEOUT_S = 20.0
@@ -366,12 +366,6 @@ def test_ffn_executor_writes_its_block(tiny_qwen3):
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     import urllib.request
 
@@ -392,7 +386,7 @@ def _post(url: str, body: dict, timeout: float = 60.0) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_serve_exposes_afd_metrics(tiny_qwen3, tmp_path):
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {
         **os.environ,
@@ -455,27 +449,11 @@ def test_serve_exposes_afd_metrics(tiny_qwen3, tmp_path):
         try:
             proc.wait(90)
         finally:
-            for child in _session_processes(proc.pid):  # never leave any behind
+            for child in session_processes(proc.pid):  # never leave any behind
                 child.kill()
             log.close()
     left = [n for n in _stats_blocks() - before if _dead_writer(n)]
     assert not left, f"stats blocks left behind by the server: {left}"
-
-
-def _session_processes(sid: int) -> list:
-    """Live processes of session ``sid``: the server and everything it started."""
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter(["pid", "status"]):
-        try:
-            if os.getsid(proc.pid) == sid and proc.info["status"] != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (ProcessLookupError, PermissionError):
-            continue
-    return found
-
-
 
 
 def _dead_writer(name: str) -> bool:

@@ -63,7 +63,8 @@ def run_generation(job: dict[str, Any], timeout_s: float = 600.0) -> dict[str, A
     raise RuntimeError(f"vLLM child exited {proc.returncode} without a result:\n{tail}")
 
 
-def _param_bytes(worker) -> int:
+def param_bytes(worker) -> int:
+    """Bytes of the model parameters a worker holds (for `collective_rpc`)."""
     model = worker.model_runner.model
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -101,7 +102,7 @@ def _generate(job: dict[str, Any]) -> dict[str, Any]:
         "startup_s": startup_s,
         "generate_s": gen_s,
         "output_tokens": sum(len(t) for t in tokens),
-        "attention_param_bytes": llm.collective_rpc(_param_bytes)[0],
+        "attention_param_bytes": llm.collective_rpc(param_bytes)[0],
         "ffn": _ffn_report(),
     }
     return result

@@ -31,6 +31,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from vllm_afd.runner import param_bytes
+
 RESULT_PREFIX = "VLLM_AFD_BENCH "
 
 
@@ -214,11 +216,6 @@ class Driver:
         return time.perf_counter()
 
 
-def _param_bytes(worker) -> int:
-    model = worker.model_runner.model
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 def ready_info(driver: Driver, first: int) -> dict[str, Any]:
     """What the parent needs once: start-up time, threads, parameter bytes, FFN ranks."""
     import torch
@@ -232,7 +229,7 @@ def ready_info(driver: Driver, first: int) -> dict[str, Any]:
         "pid": os.getpid(),
         "instrumented_modules": driver.wrapped,
         "async_scheduling": bool(getattr(config.scheduler_config, "async_scheduling", False)),
-        "attention_param_bytes": driver.llm.collective_rpc(_param_bytes)[0],
+        "attention_param_bytes": driver.llm.collective_rpc(param_bytes)[0],
         "ffn": _ffn_infos(),
         "num_layers": config.model_config.hf_config.num_hidden_layers,
     }
