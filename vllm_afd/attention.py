@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
@@ -111,33 +112,40 @@ class AFDRemoteExpertsMethod(FusedMoEMethodBase):
 # --------------------------------------------------------------------------------------------
 
 _LOCK = threading.Lock()
-_SESSION: tuple[str, AttentionTransport] | None = None
 
 
-def _attention_rank() -> tuple[int, int, int]:
-    """(global attention rank, tensor-parallel rank, tensor-parallel size) of this worker."""
-    from vllm.distributed.parallel_state import get_dp_group, get_tp_group
+@dataclass(frozen=True)
+class _Session:
+    """This worker's connection to the running FFN group, with its place among the ranks."""
 
-    tp = get_tp_group()
-    dp_rank = get_dp_group().rank_in_group
-    return dp_rank * tp.world_size + tp.rank_in_group, tp.rank_in_group, tp.world_size
+    key: str  # the runtime spec it was made from
+    endpoint: AttentionTransport
+    tp_rank: int
+    tp_size: int
 
 
-def transport() -> AttentionTransport:
-    """This process's attention endpoint, (re)connected to the running FFN group."""
+_SESSION: _Session | None = None
+
+
+def _session() -> _Session:
+    """This process's session, (re)connected when the running FFN group changes."""
     global _SESSION
     from vllm_afd.placement import RUNTIME_ENV, runtime_spec
 
     key = os.environ.get(RUNTIME_ENV, "")
     session = _SESSION
-    if session is not None and session[0] == key:
-        return session[1]
+    if session is not None and session.key == key:
+        return session
+    from vllm.distributed.parallel_state import get_dp_group, get_tp_group
+
     with _LOCK:
         if _SESSION is not None:
-            _SESSION[1].close()
-        endpoint = create_attention_transport(runtime_spec(), _attention_rank()[0])
-        _SESSION = (key, endpoint)
-        return endpoint
+            _SESSION.endpoint.close()
+        tp = get_tp_group()
+        rank = get_dp_group().rank_in_group * tp.world_size + tp.rank_in_group
+        endpoint = create_attention_transport(runtime_spec(), rank)
+        _SESSION = _Session(key, endpoint, tp.rank_in_group, tp.world_size)
+        return _SESSION
 
 
 def remote_experts_impl(
@@ -148,14 +156,13 @@ def remote_experts_impl(
     Under tensor parallelism every TP rank holds the same tokens; each sends only its share
     of rows and leaves the others zero, and the runner's TP all-reduce completes the sum.
     """
-    _, tp_rank, tp_size = _attention_rank()
-    endpoint = transport()
-    if tp_size == 1:
-        return _round_trip(endpoint, layer, x, topk_ids, topk_weights)
-    rows = torch.arange(tp_rank, x.shape[0], tp_size)
+    session = _session()
+    if session.tp_size == 1:
+        return _round_trip(session.endpoint, layer, x, topk_ids, topk_weights)
+    rows = torch.arange(session.tp_rank, x.shape[0], session.tp_size)
     out = torch.zeros_like(x)
     out[rows] = _round_trip(
-        endpoint, layer, x[rows].contiguous(), topk_ids[rows], topk_weights[rows]
+        session.endpoint, layer, x[rows].contiguous(), topk_ids[rows], topk_weights[rows]
     )
     return out
 

@@ -477,7 +477,7 @@ _LAST_ENDPOINT: tuple[object, AttentionStatsBlock | None, int, int] | None = Non
 
 
 def _vllm_attention_rank() -> int:
-    """Global attention rank of this worker (as ``attention._attention_rank``), 0 outside vLLM."""
+    """Global attention rank of this worker (as ``attention._session``); 0 outside vLLM."""
     try:
         from vllm.distributed.parallel_state import get_dp_group, get_tp_group
 
