@@ -34,6 +34,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_afd import metrics
+from vllm_afd.config import afd_section
 from vllm_afd.microbatch import overlap_point
 from vllm_afd.transport import AttentionTransport, create_attention_transport
 
@@ -42,8 +43,7 @@ def afd_settings() -> dict | None:
     """``additional_config["afd"]`` of the current vLLM config, or None when AFD is off."""
     from vllm.config import get_current_vllm_config
 
-    extra = get_current_vllm_config().additional_config
-    return extra.get("afd") if isinstance(extra, dict) else None
+    return afd_section(get_current_vllm_config().additional_config)
 
 
 class AFDRoutedExperts(RoutedExperts):

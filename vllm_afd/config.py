@@ -16,6 +16,7 @@ Every error names the flag (and its ``additional_config`` key) and what is allow
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,13 @@ class AFDConfigError(ValueError):
 
 def _where(key: str) -> str:
     return f"{_KEY_FLAGS.get(key, key)} (additional_config.afd.{key})"
+
+
+def afd_section(additional_config: Any) -> dict[str, Any] | None:
+    """The raw ``additional_config["afd"]`` dict, or None when AFD is not configured."""
+    if not isinstance(additional_config, dict):
+        return None
+    return additional_config.get("afd") or None
 
 
 def parse_ratio(text: str) -> tuple[int, int] | None:
@@ -134,7 +142,7 @@ class AFDConfig:
             raise AFDConfigError(
                 f"{_where('ratio')}: {attn}:{ffn} does not divide the {attention_ranks} attention "
                 f"rank(s) (data parallel x tensor parallel); the attention rank count must be a "
-                f"multiple of {attn // _gcd(attn, ffn)}, e.g. --data-parallel-size {attn}"
+                f"multiple of {attn // math.gcd(attn, ffn)}, e.g. --data-parallel-size {attn}"
             )
         return attention_ranks * ffn // attn
 
@@ -164,12 +172,6 @@ class MoEModelInfo:
                 f"over {num_ffn_ranks} FFN ranks; the FFN rank count must divide "
                 f"{self.num_experts}"
             )
-
-
-def _gcd(a: int, b: int) -> int:
-    import math
-
-    return math.gcd(a, b)
 
 
 def _coerce(key: str, value: Any, typ: type) -> Any:

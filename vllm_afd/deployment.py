@@ -11,14 +11,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from vllm_afd.config import AFDConfig, AFDConfigError, moe_model_info
+from vllm_afd.config import AFDConfig, AFDConfigError, afd_section, moe_model_info
 
 logger = logging.getLogger("vllm.afd")
 
 
 def afd_config_of(vllm_config) -> AFDConfig | None:
-    extra = vllm_config.additional_config
-    raw = extra.get("afd") if isinstance(extra, dict) else None
+    raw = afd_section(vllm_config.additional_config)
     return AFDConfig.from_dict(raw) if raw else None
 
 
@@ -74,8 +73,7 @@ def prepare_engine_args(engine_args, usage_context) -> None:
     only for servers: vLLM's offline ``LLM`` class runs a single engine, where tensor
     parallelism is the way to get several attention ranks.
     """
-    extra = engine_args.additional_config
-    raw = extra.get("afd") if isinstance(extra, dict) else None
+    raw = afd_section(engine_args.additional_config)
     if not raw or engine_args.data_parallel_size != 1 or engine_args.tensor_parallel_size != 1:
         return
     from vllm.usage.usage_lib import UsageContext
@@ -84,9 +82,11 @@ def prepare_engine_args(engine_args, usage_context) -> None:
     if ratio is None or ratio[0] == 1 or usage_context == UsageContext.LLM_CLASS:
         return
     engine_args.data_parallel_size = ratio[0]
-    print(f"[vllm-afd] --afd-ratio {ratio[0]}:{ratio[1]}: {ratio[0]} data-parallel attention "
-          "ranks (set --data-parallel-size or --tensor-parallel-size to choose otherwise)",
-          flush=True)
+    print(
+        f"[vllm-afd] --afd-ratio {ratio[0]}:{ratio[1]}: {ratio[0]} data-parallel attention "
+        "ranks (set --data-parallel-size or --tensor-parallel-size to choose otherwise)",
+        flush=True,
+    )
 
 
 def setup_afd(vllm_config) -> None:
@@ -97,8 +97,9 @@ def setup_afd(vllm_config) -> None:
     _check_supported(vllm_config)
     info = moe_model_info(vllm_config.model_config.hf_config)
     ranks = attention_ranks(vllm_config)
+    model_dir = _model_dir(vllm_config.model_config.model)
     if afd.ratio is None:
-        afd = _resolve_auto(afd, info, ranks, vllm_config)
+        afd = _resolve_auto(afd, info, ranks, model_dir, vllm_config)
         vllm_config.additional_config["afd"] = afd.to_dict()
     info.check_ffn_ranks(afd.num_ffn_ranks(ranks))
     if afd.microbatches > 1:
@@ -110,7 +111,7 @@ def setup_afd(vllm_config) -> None:
     group = start_ffn_group(
         afd,
         info,
-        _model_dir(vllm_config.model_config.model),
+        model_dir,
         ranks,
         max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
         dtype=vllm_config.model_config.dtype,
@@ -124,7 +125,7 @@ def setup_afd(vllm_config) -> None:
     )
 
 
-def _resolve_auto(afd: AFDConfig, info, ranks: int, vllm_config) -> AFDConfig:
+def _resolve_auto(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config) -> AFDConfig:
     """``--afd-ratio auto``: the planner picks the FFN rank count; the prediction is printed."""
     import dataclasses
 
@@ -135,7 +136,7 @@ def _resolve_auto(afd: AFDConfig, info, ranks: int, vllm_config) -> AFDConfig:
     attn, ffn, line = recommend_for_deployment(
         info,
         ranks,
-        _model_dir(vllm_config.model_config.model),
+        model_dir,
         context=vllm_config.model_config.max_model_len,
         max_batch=vllm_config.scheduler_config.max_num_seqs,
         platform_is_cpu=current_platform.is_cpu(),
