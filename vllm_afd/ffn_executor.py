@@ -285,6 +285,11 @@ def _open_stats_block(address: str, rank: int, layers) -> FFNStatsBlock | None:
         return None
 
 
+def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The requests' rows stacked (no copy for a single request)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
 class FFNExecutor:
     """One FFN rank: its experts, its transport endpoint, and the serve loop."""
 
@@ -317,9 +322,9 @@ class FFNExecutor:
 
     def _serve_layer(self, layer: int, group: list[FFNRequest]) -> None:
         start = time.perf_counter()
-        x = group[0].x if len(group) == 1 else torch.cat([r.x for r in group])
-        ids = torch.cat([r.topk_ids for r in group]) if len(group) > 1 else group[0].topk_ids
-        w = torch.cat([r.topk_weights for r in group]) if len(group) > 1 else group[0].topk_weights
+        x = _rows([r.x for r in group])
+        ids = _rows([r.topk_ids for r in group])
+        w = _rows([r.topk_weights for r in group])
         local_ids, weights = localize_routing(ids, w, self.experts)
         out = self.kernel(layer, x, local_ids, weights) if x.shape[0] else x.new_empty(x.shape)
         offset = 0
