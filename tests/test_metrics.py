@@ -218,7 +218,7 @@ def test_module_recorder_follows_runtime_env(monkeypatch):
         assert metrics.read_block(name) is None
         assert metrics.read_block(metrics.attention_block_name(second, 1)).peers == [0.0, 4.0]
         monkeypatch.delenv(metrics.RUNTIME_ENV)
-        metrics.record_round_trip(0, [1, 1], 1, 1, 0.0)  # AFD not running here: a no-op
+        metrics.record_round_trip(0, [1, 1], 1, 1, 0.0, rank=1)  # AFD not running: a no-op
     finally:
         metrics.close_attention_block()
     assert _our_blocks(first) == [] and _our_blocks(second) == []

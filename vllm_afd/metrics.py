@@ -476,17 +476,6 @@ _RUNTIME: tuple[str, tuple[str, ...]] | None = None
 _LAST_ENDPOINT: tuple[object, AttentionStatsBlock | None, int, int] | None = None
 
 
-def _vllm_attention_rank() -> int:
-    """Global attention rank of this worker (as ``attention._session``); 0 outside vLLM."""
-    try:
-        from vllm.distributed.parallel_state import get_dp_group, get_tp_group
-
-        tp = get_tp_group()
-        return get_dp_group().rank_in_group * tp.world_size + tp.rank_in_group
-    except Exception:  # noqa: BLE001 - parallel state not initialised
-        return 0
-
-
 def attention_block_for(addresses: Sequence[str], rank: int) -> AttentionStatsBlock | None:
     """This process's block as attention rank ``rank`` of the deployment whose FFN ranks have
     these ``addresses``: created on first use; ``None`` if it cannot be (logged, metrics never
@@ -507,9 +496,8 @@ def attention_block_for(addresses: Sequence[str], rank: int) -> AttentionStatsBl
     return block
 
 
-def attention_block(rank: int | None = None) -> AttentionStatsBlock | None:
-    """``attention_block_for`` the deployment in ``VLLM_AFD_RUNTIME`` (``None`` while unset);
-    ``rank`` defaults to this worker's rank from vLLM's parallel state."""
+def attention_block(rank: int) -> AttentionStatsBlock | None:
+    """``attention_block_for`` the deployment in ``VLLM_AFD_RUNTIME`` (``None`` while unset)."""
     global _RUNTIME
     key = os.environ.get(RUNTIME_ENV)
     if not key:
@@ -521,9 +509,9 @@ def attention_block(rank: int | None = None) -> AttentionStatsBlock | None:
         except (ValueError, KeyError, TypeError):
             return None
     current = _ATTENTION
-    if current is not None and current[0] == runtime[1] and rank in (None, current[1]):
+    if current is not None and current[0] == runtime[1] and rank == current[1]:
         return current[2]
-    return attention_block_for(runtime[1], _vllm_attention_rank() if rank is None else rank)
+    return attention_block_for(runtime[1], rank)
 
 
 def record_round_trip(
@@ -532,9 +520,9 @@ def record_round_trip(
     bytes_sent: int,
     bytes_received: int,
     exposed_wait_s: float,
-    rank: int | None = None,
+    rank: int,
 ) -> None:
-    """Account one dispatch/combine of ``layer`` on this attention rank.
+    """Account one dispatch/combine of ``layer`` on attention rank ``rank``.
 
     Args:
         layer: MoE layer index (``handle.layer``).
@@ -542,7 +530,7 @@ def record_round_trip(
             ``handle.token_index``, or a list indexed by FFN rank).
         bytes_sent / bytes_received: payload bytes on the wire (``round_trip_bytes``).
         exposed_wait_s: seconds spent in ``combine`` (FFN time not hidden by overlap).
-        rank: global attention rank (``endpoint.rank``); default: from vLLM's parallel state.
+        rank: global attention rank (``endpoint.rank``).
     """
     block = attention_block(rank)
     if block is not None:
@@ -576,8 +564,8 @@ def record_combine(endpoint, handle, exposed_wait_s: float) -> None:
     )
 
 
-def record_error(kind: str, rank: int | None = None) -> None:
-    """Count a transport failure on this attention rank: ``timeout``, ``ffn_dead`` or
+def record_error(kind: str, rank: int) -> None:
+    """Count a transport failure on attention rank ``rank``: ``timeout``, ``ffn_dead`` or
     ``other`` (unknown kinds count as ``other``)."""
     block = attention_block(rank)
     if block is not None:
