@@ -22,11 +22,22 @@ STARTED_MARKERS = ("EngineCore", "FFN rank 0 up", "Started a local Ray instance"
 
 
 def _serve(model: str, *flags: str) -> tuple[int, str, float]:
-    argv = [str(Path(sys.executable).with_name("vllm-afd")), "serve", model,
-            "--host", "127.0.0.1", "--port", "1", "--dtype", "float32", *flags]
+    argv = [
+        str(Path(sys.executable).with_name("vllm-afd")),
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "1",
+        "--dtype",
+        "float32",
+        *flags,
+    ]
     start = time.monotonic()
-    proc = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=180,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        argv, env=child_env(), capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL
+    )
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 
@@ -40,8 +51,14 @@ def dense_model(tiny_qwen3, tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("dense")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(tiny_qwen3) / name, out / name)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, vocab_size=1024)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=1024,
+    )
     LlamaForCausalLM(config).save_pretrained(out)
     return str(out)
 
@@ -50,15 +67,24 @@ def _cases(qwen3: str, dense: str) -> list[tuple[str, tuple[str, ...], str]]:
     return [
         ("zero side", (qwen3, "--afd-ratio", "0:1"), "--afd-ratio"),
         ("not a ratio", (qwen3, "--afd-ratio", "a:b"), "--afd-ratio"),
-        ("ratio does not divide ranks",
-         (qwen3, "--afd-ratio", "3:1", "--data-parallel-size", "2"), "does not divide the 2"),
+        (
+            "ratio does not divide ranks",
+            (qwen3, "--afd-ratio", "3:1", "--data-parallel-size", "2"),
+            "does not divide the 2",
+        ),
         ("more FFN ranks than experts", (qwen3, "--afd-ratio", "1:16"), "only 8 routed experts"),
         ("experts not divisible", (qwen3, "--afd-ratio", "1:3"), "cannot be split evenly"),
         ("no routed experts", (dense, "--afd-ratio", "1:1"), "has no routed experts"),
-        ("unknown transport", (qwen3, "--afd-ratio", "1:1", "--afd-transport", "pigeon"),
-         "--afd-transport"),
-        ("unreachable Ray", (qwen3, "--afd-ratio", "1:1", "--afd-ray-address", "127.0.0.1:9"),
-         "cannot reach Ray at 127.0.0.1:9"),
+        (
+            "unknown transport",
+            (qwen3, "--afd-ratio", "1:1", "--afd-transport", "pigeon"),
+            "--afd-transport",
+        ),
+        (
+            "unreachable Ray",
+            (qwen3, "--afd-ratio", "1:1", "--afd-ray-address", "127.0.0.1:9"),
+            "cannot reach Ray at 127.0.0.1:9",
+        ),
         ("option without ratio", (qwen3, "--afd-transport", "tcp"), "--afd-ratio is required"),
     ]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -173,6 +174,47 @@ def test_build_configs_and_jobs():
     assert with_ray["afd"]["ray_address"] == "127.0.0.1:1"
 
 
+def test_core_plan_gives_every_rank_its_own_cpus():
+    from vllm_afd.bench.launch import core_plan
+
+    assert core_plan(1, 1, 1, cpus=[4, 5]) == ([[4]], [[5]])
+    assert core_plan(2, 1, 2, cpus=list(range(8))) == ([[0, 1], [2, 3]], [[4, 5]])
+    assert core_plan(2, 1, 1, cpus=[0, 1]) is None  # 3 ranks on 2 CPUs: left to the scheduler
+    assert core_plan(1, 0, 1, cpus=[3]) == ([[3]], [])
+
+
+def test_job_env_binds_what_the_plan_says():
+    from vllm_afd.bench.launch import job_env
+
+    tp1 = job_env({"cpus": [[0]], "ffn_cpus": [[1]]}, threads=1)
+    assert tp1["VLLM_AFD_BENCH_CPUS"] == "0" and tp1["VLLM_AFD_FFN_CPUS"] == "1"
+    dp = job_env({"cpus": [[0], [1]], "dp": {"size": 2, "port": 1}}, threads=1, dp_rank=1)
+    assert dp["VLLM_AFD_BENCH_CPUS"] == "1" and "VLLM_AFD_FFN_CPUS" not in dp
+    tp2 = job_env({"tensor_parallel_size": 2, "cpus": [[0, 1], [2, 3]], "ffn_cpus": [[4]]}, 2)
+    assert tp2["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3" and tp2["VLLM_AFD_FFN_CPUS"] == "4"
+    assert "VLLM_AFD_BENCH_CPUS" not in tp2  # vLLM binds its TP workers itself
+
+
+def test_ffn_cpu_lists_and_bind_process():
+    from vllm_afd.config import AFDConfigError
+    from vllm_afd.placement import ffn_cpu_lists
+    from vllm_afd.procs import bind_process
+
+    assert ffn_cpu_lists(None, 2) is None and ffn_cpu_lists("", 2) is None
+    assert ffn_cpu_lists("1", 1) == [[1]]
+    assert ffn_cpu_lists("0-2|4,6", 2) == [[0, 1, 2], [4, 6]]
+    for bad in ("1|2", "a", "1|", "3-"):
+        with pytest.raises(AFDConfigError, match="VLLM_AFD_FFN_CPUS"):
+            ffn_cpu_lists(bad, 1)
+    allowed = os.sched_getaffinity(0)
+    try:
+        bind_process([min(allowed)])
+        assert os.sched_getaffinity(0) == {min(allowed)}
+    finally:
+        bind_process(allowed)
+    assert os.sched_getaffinity(0) == allowed
+
+
 def test_pair_schedule_alternates_each_config_with_the_baseline():
     actions = ab.pair_schedule(3, 2)
     assert actions == [
@@ -270,6 +312,22 @@ def _rows() -> list[dict]:
     rows = build_rows([_m("colocated", "colocated", 4.0), afd])
     rows[1] |= {"predicted_ms": 3.3, "error_pct": 10.0}
     return rows
+
+
+def test_errors_scaled_to_the_baseline_remove_machine_drift():
+    rows = [
+        {"status": "baseline", "step_ms": 4.0, "predicted_ms": 3.2},  # machine 25% slower
+        {"status": "ok", "step_ms": 5.0, "predicted_ms": 4.0},
+        {"status": "ok", "step_ms": 9.0},  # no prediction (wide EP)
+    ]
+    ab.add_baseline_scaled_errors(rows)
+    assert rows[0]["error_scaled_pct"] == pytest.approx(0.0)
+    assert rows[1]["predicted_scaled_ms"] == pytest.approx(5.0)
+    assert rows[1]["error_scaled_pct"] == pytest.approx(0.0)
+    assert "error_scaled_pct" not in rows[2]
+    unscaled = [{"status": "ok", "step_ms": 5.0, "predicted_ms": 4.0}]
+    ab.add_baseline_scaled_errors(unscaled)  # no baseline prediction: nothing to scale by
+    assert "error_scaled_pct" not in unscaled[0]
 
 
 def test_plain_table_columns_and_markers():

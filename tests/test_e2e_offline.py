@@ -7,6 +7,8 @@ long prefix) submitted together.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from vllm_afd.runner import run_generation
@@ -67,12 +69,16 @@ def test_afd_2_1_two_tp_attention_ranks(tiny_qwen3, colocated_qwen3):
     assert len(result["ffn"]) == 1
 
 
-def test_afd_1_2_mixtral_two_ffn_ranks(tiny_mixtral):
+def test_afd_1_2_mixtral_two_ffn_ranks_bound_to_their_cpus(tiny_mixtral):
     colocated = run_generation(_job(tiny_mixtral, None))
-    result = run_generation(_job(tiny_mixtral, {"ratio": "1:2"}))
+    cpus = sorted(os.sched_getaffinity(0))
+    first, last = cpus[0], cpus[-1]
+    job = _job(tiny_mixtral, {"ratio": "1:2"}) | {"env": {"VLLM_AFD_FFN_CPUS": f"{first}|{last}"}}
+    result = run_generation(job)
     _assert_same_tokens(result, colocated)
     assert [f["experts"] for f in result["ffn"]] == [[0, 4], [4, 8]]
     assert all(f["tokens"] > 0 for f in result["ffn"])
+    assert [f["cpus"] for f in result["ffn"]] == [[first], [last]]
 
 
 def test_afd_tcp_transport_matches_colocated(tiny_qwen3, colocated_qwen3):

@@ -54,15 +54,33 @@ class Server:
         self.model, self.log, self.port = model, log, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
-            str(Path(sys.executable).with_name("vllm-afd")), "serve", model,
+            str(Path(sys.executable).with_name("vllm-afd")),
+            "serve",
+            model,
             *extra,
-            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-            "--max-model-len", "512", "--max-num-batched-tokens", "64", "--enforce-eager",
-            "--enable-prefix-caching", "--enable-chunked-prefill", "--seed", "0",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--max-num-batched-tokens",
+            "64",
+            "--enforce-eager",
+            "--enable-prefix-caching",
+            "--enable-chunked-prefill",
+            "--seed",
+            "0",
         ]
         self.proc = subprocess.Popen(
-            argv, env=child_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            argv,
+            env=child_env(),
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
 
     def wait_healthy(self, timeout: float = 300.0) -> None:
@@ -83,8 +101,14 @@ class Server:
         return int(match.group(1))
 
     def complete(self, prompt: str, max_tokens: int, timeout: float = 120.0):
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         return _http(self.url + "/v1/completions", body, timeout=timeout)
 
     def terminate(self) -> None:

@@ -17,8 +17,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_sigterm_stops_everything(tiny_qwen3, tmp_path):
-    server = Server(tiny_qwen3, tmp_path / "server.log",
-                    extra=("--afd-ratio", "2:1", "--data-parallel-size", "2"))
+    server = Server(
+        tiny_qwen3,
+        tmp_path / "server.log",
+        extra=("--afd-ratio", "2:1", "--data-parallel-size", "2"),
+    )
     try:
         server.wait_healthy()
         status, body = server.complete("hello world", 8)

@@ -81,3 +81,19 @@ def test_cpu_kernel_matches_reference_and_partials_sum(tiny_qwen3):
         )
         partial += kernel(1, x, *localize_routing(ids, w, experts))
     torch.testing.assert_close(partial, fast, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel_cls", [TorchExperts, VllmCpuExperts])
+def test_kernel_writes_into_out_when_given(tiny_qwen3, kernel_cls):
+    torch.manual_seed(1)
+    x = torch.randn(3, 128)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(3)])
+    w = torch.softmax(torch.randn(3, 2), dim=-1)
+    layers = load_routed_experts(tiny_qwen3, range(0, 8), torch.float32)
+    kernel = (
+        TorchExperts(layers) if kernel_cls is TorchExperts else kernel_cls(layers, torch.float32)
+    )
+    routing = localize_routing(ids, w, range(0, 8))
+    out = torch.full_like(x, float("nan"))
+    assert kernel(0, x, *routing, out) is out
+    torch.testing.assert_close(out, kernel(0, x, *routing), rtol=0, atol=0)

@@ -75,6 +75,13 @@ def test_step_components_split_the_step_into_attention_moe_and_aux():
     assert profiler.pooled_components(runs, 4, 2)["aux_s"] == pytest.approx(2e-3)
     with pytest.raises(ValueError, match="no steady"):
         profiler.step_components(_steps()[:1], batch=4, skip=2)
+    assert "layer_aux_s" not in c  # no decoder-layer timings in these steps
+
+
+def test_step_components_split_aux_at_the_decoder_layers():
+    steps = [dict(s, layers_s=s["attn_s"] + s["moe_s"] + 1.2e-3) for s in _steps()]
+    c = profiler.step_components(steps, batch=4, skip=2)
+    assert c["aux_s"] == pytest.approx(2e-3) and c["layer_aux_s"] == pytest.approx(1.2e-3)
 
 
 def test_sampler_interleaves_and_takes_medians():
@@ -101,6 +108,7 @@ def _points():
             attn = 2 * (40e-6 + 3e-6 * n + 2e-9 * n * mid)
             moe = 2 * (80e-6 + 2e-6 * n)
             aux = 1.5e-3 + 40e-6 * n
+            layer_aux = 2 * (300e-6 + 5e-6 * n)
             out.append(
                 {
                     "batch": n,
@@ -109,6 +117,7 @@ def _points():
                     "attention_s": attn,
                     "moe_s": moe,
                     "aux_s": aux,
+                    "layer_aux_s": layer_aux,
                     "step_s": attn + moe + aux,
                 }
             )
@@ -120,6 +129,7 @@ def test_profile_files_round_trip_through_the_planner(tmp_path):
     assert fits["attention"] == pytest.approx((40e-6, 3e-6, 2e-9), rel=1e-6)
     assert fits["kernel"] == pytest.approx((80e-6, 2e-6), rel=1e-6)
     assert fits["aux"] == pytest.approx((1.5e-3, 40e-6), rel=1e-6)
+    assert fits["layer_aux"] == pytest.approx((300e-6, 5e-6), rel=1e-6)
     kernel, remote = _synthetic()
     fit = profiler.fit_experts(kernel, remote, W_FULL, FLOPS, BW, P)
     hw = profiler.cpu_hardware({"read_bandwidth": BW, "flop_rate": P}, fit, threads=1)

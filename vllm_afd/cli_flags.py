@@ -101,8 +101,7 @@ def merge_afd_flags(args: argparse.Namespace, engine_args: Any) -> None:
         return
     if "ratio" not in flags:
         raise AFDConfigError(
-            f"--afd-ratio is required with {', '.join(_given_flags(flags))}; AFD is off "
-            "without it"
+            f"--afd-ratio is required with {', '.join(_given_flags(flags))}; AFD is off without it"
         )
     extra = dict(engine_args.additional_config or {})
     long_form = dict(extra.get("afd") or {})

@@ -89,8 +89,10 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"  prompt {i} differs:\n    colocated: {b!r}\n    {name}: {a!r}")
     print(f"\nsample (colocated): {PROMPTS[0]!r} -> {reference['texts'][0]!r}\n")
     _print_table(rows)
-    print("\n(tok/s: one short run on a possibly shared machine; `vllm-afd bench` follows the "
-          "paper's A/B protocol)")
+    print(
+        "\n(tok/s: one short run on a possibly shared machine; `vllm-afd bench` follows the "
+        "paper's A/B protocol)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

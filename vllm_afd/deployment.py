@@ -9,6 +9,7 @@ running; then the FFN group is started and its address exported to the attention
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from vllm_afd.config import AFDConfig, AFDConfigError, afd_section, moe_model_info
@@ -102,12 +103,13 @@ def setup_afd(vllm_config) -> None:
         afd = _resolve_auto(afd, info, ranks, model_dir, vllm_config)
         vllm_config.additional_config["afd"] = afd.to_dict()
     info.check_ffn_ranks(afd.num_ffn_ranks(ranks))
+    from vllm_afd.placement import FFN_CPUS_ENV, ffn_cpu_lists, start_ffn_group
+
+    ffn_cpu_lists(os.environ.get(FFN_CPUS_ENV), afd.num_ffn_ranks(ranks))
     if afd.microbatches > 1:
         from vllm_afd.microbatch import check_supported
 
         check_supported(vllm_config)
-    from vllm_afd.placement import start_ffn_group
-
     group = start_ffn_group(
         afd,
         info,

@@ -4,7 +4,9 @@ A token's journey on this side: ``transport.recv`` hands over every pending requ
 attention rank, any layer); requests of the same layer are concatenated so the experts run
 once for all attention ranks' tokens (the batching AFD exists for); the expert kernel computes
 ``sum_k w_k * expert_k(x)`` over this rank's experts only (the other experts' weights are
-masked to zero); ``transport.reply`` sends each request its rows back.
+masked to zero); ``transport.reply`` sends each request its rows back. A layer served for one
+request alone (decode with one attention rank) computes straight into the request's
+``reply_buffer`` when the transport has one (shm), so that ``reply`` copies nothing.
 
 Weights come straight from the checkpoint's safetensors, and only the routed-expert tensors of
 this rank's experts are read (shards are picked through ``model.safetensors.index.json``).
@@ -155,20 +157,26 @@ class TorchExperts:
         }
 
     def __call__(
-        self, layer: int, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor
+        self,
+        layer: int,
+        x: torch.Tensor,
+        local_ids: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``[N, H]`` in ``x.dtype``; written into ``out`` (and returned) when given."""
         if x.device != self.device:
-            out = self(layer, x.to(self.device), local_ids.to(self.device), weights.to(self.device))
-            return out.to(x.device)
+            y = self(layer, x.to(self.device), local_ids.to(self.device), weights.to(self.device))
+            return y.to(x.device) if out is None else out.copy_(y)
         experts = self.layers[layer]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(local_ids[weights != 0]).tolist():
             rows, slots = torch.nonzero((local_ids == e) & (weights != 0), as_tuple=True)
             h = x[rows].float() @ experts.w13[e].float().t()
             gate, up = h.chunk(2, dim=-1)
             y = (torch.nn.functional.silu(gate) * up) @ experts.w2[e].float().t()
-            out.index_add_(0, rows, y * weights[rows, slots, None])
-        return out.to(x.dtype)
+            acc.index_add_(0, rows, y * weights[rows, slots, None])
+        return acc.to(x.dtype) if out is None else out.copy_(acc)
 
 
 class VllmCpuExperts:
@@ -187,12 +195,19 @@ class VllmCpuExperts:
         }
 
     def __call__(
-        self, layer: int, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor
+        self,
+        layer: int,
+        x: torch.Tensor,
+        local_ids: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``[N, H]`` in ``x.dtype``; written into ``out`` (and returned) when given."""
         from vllm._custom_ops import cpu_fused_moe
 
         experts = self.layers[layer]
-        out = torch.empty_like(x)
+        if out is None:
+            out = torch.empty_like(x)
         cpu_fused_moe(
             out, x, experts.w13, experts.w2, None, None, weights, local_ids, "silu", self.isa
         )
@@ -305,6 +320,7 @@ class FFNExecutor:
         self._routing_bytes = spec.top_k * 8
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._threads = torch.get_num_threads()
 
     @property
     def address(self) -> str:
@@ -326,12 +342,18 @@ class FFNExecutor:
         ids = _rows([r.topk_ids for r in group])
         w = _rows([r.topk_weights for r in group])
         local_ids, weights = localize_routing(ids, w, self.experts)
-        out = self.kernel(layer, x, local_ids, weights) if x.shape[0] else x.new_empty(x.shape)
-        offset = 0
-        for request in group:
-            n = request.x.shape[0]
-            self.transport.reply(request, out[offset : offset + n])
-            offset += n
+        into = group[0].reply_buffer if len(group) == 1 else None
+        out = (
+            self.kernel(layer, x, local_ids, weights, into) if x.shape[0] else x.new_empty(x.shape)
+        )
+        if out is into:
+            self.transport.reply(group[0], out)  # already in place: reply copies nothing
+        else:
+            offset = 0
+            for request in group:
+                n = request.x.shape[0]
+                self.transport.reply(request, out[offset : offset + n])
+                offset += n
         self._account(layer, group, x, time.perf_counter() - start)
 
     def _account(self, layer: int, group: list[FFNRequest], x: torch.Tensor, dt: float) -> None:
@@ -349,6 +371,11 @@ class FFNExecutor:
             )
 
     def serve_forever(self) -> None:
+        # The expert kernels open OpenMP teams of this thread's size, which a new thread takes
+        # from OMP_NUM_THREADS or the CPUs it may run on, not from the creator's
+        # torch.set_num_threads: a team larger than the CPUs the rank is bound to time-slices
+        # one CPU (28 ms a call instead of 50 us, measured).
+        torch.set_num_threads(self._threads)
         while not self._stop.is_set():
             self.serve_once(timeout_s=0.2)
 
@@ -373,4 +400,5 @@ class FFNExecutor:
             "experts": [self.experts.start, self.experts.stop],
             "param_bytes": self.param_bytes,
             "address": self.address,
+            "cpus": sorted(os.sched_getaffinity(0)),
         }

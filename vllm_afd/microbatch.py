@@ -74,11 +74,16 @@ size (vLLM pads the last microbatch).
 Limits: V1 model runner only (the V2 runner is refused); no speculative decoding, LoRA,
 multimodal or M-RoPE models, pooling models; with DP > 1 an idle rank's dummy batch vetoes
 microbatching for that step. Costs on CPU: one thread hand-off per MoE layer and microbatch
-(about 13 us), smaller GEMMs on the attention side, and k requests per layer instead of one on
-the FFN side (its per-request cost does not shrink with the tokens when experts are few-token,
-memory-bound). Each microbatch thread drives its own OpenMP team; with several OpenMP threads
-per attention rank, an idle team spinning (KMP_BLOCKTIME, GOMP_SPINCOUNT) competes with the
-active one: prefer a passive wait policy there.
+(about 13 us), smaller GEMMs on the attention side, k requests per layer instead of one on the
+FFN side (its per-request cost does not shrink with the tokens when the experts are memory-
+bound), and, dominating on small models, a second pass of each layer's host work (vLLM's eager
+decoder layer costs about 0.35 ms of Python and op dispatch on the development machine, whatever
+the batch) plus per-microbatch attention metadata (about 0.4 ms per step). k = 2 therefore pays
+only when one microbatch's FFN stage is at least about as long as that attention stage
+(recipes/tiny_qwen3_ffn_heavy_cpu_1to1.py; numbers in docs/benchmarks.md). Each microbatch
+thread drives its own OpenMP team; with several OpenMP threads per attention rank, an idle team
+spinning (KMP_BLOCKTIME, GOMP_SPINCOUNT) competes with the active one: prefer a passive wait
+policy there.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from vllm_afd.config import AFDConfig, AFDConfigError, MoEModelInfo
-from vllm_afd.procs import pid_alive
+from vllm_afd.procs import bind_process, pid_alive
 from vllm_afd.transport import TransportSpec
 
 logger = logging.getLogger("vllm.afd")
@@ -34,6 +34,11 @@ START_TIMEOUT_S = 300.0
 #: (any process, e.g. an API server answering /health, can check they are alive).
 RUNTIME_ENV = "VLLM_AFD_RUNTIME"
 FFN_PIDS_ENV = "VLLM_AFD_FFN_PIDS"
+#: Optional CPU binding of the FFN ranks: one CPU list per rank, "|"-separated, in the syntax of
+#: vLLM's VLLM_CPU_OMP_THREADS_BIND ("1", "2-3|4-5"). On a CPU host the attention ranks' cores
+#: (vLLM binds those) and the FFN ranks' then stay apart: an FFN rank that waits for its next
+#: request on the core an attention rank works on slows both.
+FFN_CPUS_ENV = "VLLM_AFD_FFN_CPUS"
 
 
 class FFNRank:
@@ -42,8 +47,12 @@ class FFNRank:
     def __init__(self, spec_json: str, rank: int, model_dir: str, device: str) -> None:
         from vllm_afd.ffn_executor import FFNExecutor
 
+        spec = spec_from_json(spec_json)
+        cpus = ffn_cpu_lists(os.environ.get(FFN_CPUS_ENV), spec.num_ffn_ranks)
+        if cpus is not None:
+            bind_process(cpus[rank])
         torch.set_num_threads(max(1, int(os.environ.get("VLLM_AFD_FFN_THREADS", "1"))))
-        self.executor = FFNExecutor(spec_from_json(spec_json), rank, model_dir, device)
+        self.executor = FFNExecutor(spec, rank, model_dir, device)
         self.executor.start()
 
     def info(self) -> dict:
@@ -54,6 +63,28 @@ class FFNRank:
 
     def stop(self) -> None:
         self.executor.stop()
+
+
+def ffn_cpu_lists(text: str | None, num_ffn_ranks: int) -> list[list[int]] | None:
+    """The CPUs of each FFN rank from ``VLLM_AFD_FFN_CPUS``; ``None`` when unset (no binding).
+
+    Raises:
+        AFDConfigError: naming the variable, if it does not hold ``num_ffn_ranks`` CPU lists.
+    """
+    if not text:
+        return None
+    from vllm.utils.cpu_resource_utils import parse_id_list
+
+    try:
+        lists = [parse_id_list(part.strip()) for part in text.split("|")]
+    except ValueError:
+        lists = []
+    if len(lists) != num_ffn_ranks or not all(lists):
+        raise AFDConfigError(
+            f"{FFN_CPUS_ENV}={text!r}: need one CPU list per FFN rank ({num_ffn_ranks}), "
+            "'|'-separated, e.g. '1' or '2-3|4-5'"
+        )
+    return lists
 
 
 def spec_to_json(spec: TransportSpec) -> str:

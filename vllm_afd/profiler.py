@@ -20,7 +20,9 @@ describe a CPU. What is measured, with ``--threads`` threads per rank (one rank 
 4. the colocated engine (one rank, stock vLLM, eager) over batch n and context c with core
    attention and routed experts timed inside each step (``bench.decode``): per step
    T = L A(n, c) + L_moe K_V(n) + D_V(n), fitted as A = a0 + a1 n + a2 n c per layer,
-   K_V = k0 + k1 n per layer, D_V = d0 + d1 n.
+   K_V = k0 + k1 n per layer, D_V = d0 + d1 n; the decoder layers are timed too, which tells
+   how much of D_V is host work inside each layer, O = o0 + o1 n (``layer_aux``, reported in
+   the profile's measurements): the fixed cost every extra microbatch repeats.
 
 Steps 2 and 3 are sampled between the engine decodes of step 4, over several passes, so that a
 burst of load from other users of the machine (which multiplies a cross-process round trip by
@@ -35,6 +37,7 @@ terms that ``planner.cpu`` predicts CPU step periods from, and the raw measureme
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -164,6 +167,8 @@ def step_components(steps: list[dict], batch: int, skip: int, q: float = 0.5) ->
 
     D_V of a step is what is neither core attention nor routed experts (``dt - attn - moe``);
     a quantile keeps a preempted step (another user of the machine) out of every component.
+    With decoder-layer timings (``layers_s``), ``layer_aux_s`` is the part of D_V spent inside
+    the decoder layers (projections, norms, router, their host work), summed over the layers.
     """
     from vllm_afd.bench.window import steady_window
 
@@ -171,12 +176,17 @@ def step_components(steps: list[dict], batch: int, skip: int, q: float = 0.5) ->
     window = [steps[i] for i in idx]
     if not window:
         raise ValueError(f"no steady decode window at batch {batch}; raise --output-len")
-    return {
+    components = {
         "step_s": quantile((s["dt"] for s in window), q),
         "attention_s": quantile((s["attn_s"] for s in window), q),
         "moe_s": quantile((s["moe_s"] for s in window), q),
         "aux_s": quantile((s["dt"] - s["attn_s"] - s["moe_s"] for s in window), q),
     }
+    if all(s.get("layers_s") for s in window):
+        components["layer_aux_s"] = quantile(
+            (s["layers_s"] - s["attn_s"] - s["moe_s"] for s in window), q
+        )
+    return components
 
 
 # -- measurements --------------------------------------------------------------------------------
@@ -271,13 +281,18 @@ def kernel_sampler(model_dir: str, info, tokens: list[int], ffn_counts: list[int
     return Sampler(calls)
 
 
-def _ffn_child(spec_json: str, model_dir: str, threads: int, conn, stop_event) -> None:
+def _ffn_child(
+    spec_json: str, model_dir: str, threads: int, cpus: list[int] | None, conn, stop_event
+) -> None:
     """Process entry: one FFN rank (the product's executor) serving until told to stop."""
     import torch
 
     from vllm_afd.ffn_executor import FFNExecutor
     from vllm_afd.placement import spec_from_json
+    from vllm_afd.procs import bind_process
 
+    if cpus:
+        bind_process(cpus)
     torch.set_num_threads(threads)
     executor = FFNExecutor(spec_from_json(spec_json), 0, model_dir, "cpu")
     executor.start()
@@ -290,7 +305,15 @@ class RemoteFFN:
     """An ``FFNExecutor`` (all experts, shm transport) in a child process, and a Sampler of
     dispatch + remote experts + combine from this process, keyed by routed tokens m."""
 
-    def __init__(self, model_dir: str, info, tokens: list[int], dtype, threads: int) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        info,
+        tokens: list[int],
+        dtype,
+        threads: int,
+        cpus: list[int] | None = None,
+    ) -> None:
         from vllm_afd.placement import spec_to_json
         from vllm_afd.transport import TransportSpec
 
@@ -311,7 +334,7 @@ class RemoteFFN:
         self.proc = ctx.Process(
             target=_ffn_child,
             daemon=True,
-            args=(spec_to_json(self.spec), model_dir, threads, child, self.stop),
+            args=(spec_to_json(self.spec), model_dir, threads, cpus, child, self.stop),
         )
         self.endpoint = None
 
@@ -370,6 +393,7 @@ class EngineSweep:
         threads: int,
         dtype: str,
         skip: int = 2,
+        cpus: list[int] | None = None,
     ) -> None:
         from vllm_afd.bench.launch import ChildGroup
 
@@ -385,6 +409,8 @@ class EngineSweep:
             "max_num_batched_tokens": max(512, max(batches)),
             "instrument": True,
         }
+        if cpus:
+            job["cpus"] = [cpus]
         self.output_len, self.skip = output_len, skip
         self.group = ChildGroup(job, threads, Path(tempfile.mkdtemp(prefix="vllm_afd_profile_")))
         self.steps: dict[tuple[int, int], list[list[dict]]] = {
@@ -455,13 +481,19 @@ def cpu_hardware(hw: dict[str, float], fit: ExpertFit, threads: int):
 
 
 def fit_colocated(points: list[dict[str, float]], num_layers: int, num_moe_layers: int) -> dict:
-    """Attention (per layer), colocated MoE kernel (per layer) and D_V fits from engine points."""
+    """Attention (per layer), colocated MoE kernel (per layer), D_V and, with decoder-layer
+    timings, the per-layer part of D_V (``layer_aux``) fits from engine points."""
     attention = fit_attention(
         [(p["batch"], p["context_mid"], p["attention_s"] / num_layers) for p in points]
     )
     kernel = fit_line([p["batch"] for p in points], [p["moe_s"] / num_moe_layers for p in points])
     aux = fit_line([p["batch"] for p in points], [p["aux_s"] for p in points])
-    return {"attention": attention, "kernel": kernel, "aux": aux}
+    fits = {"attention": attention, "kernel": kernel, "aux": aux}
+    if all("layer_aux_s" in p for p in points):
+        fits["layer_aux"] = fit_line(
+            [p["batch"] for p in points], [p["layer_aux_s"] / num_layers for p in points]
+        )
+    return fits
 
 
 def build_profile(
@@ -550,6 +582,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from tqdm import tqdm
 
+    from vllm_afd.bench.launch import core_plan
     from vllm_afd.config import moe_model_info
     from vllm_afd.models.tiny import default_tiny_model
     from vllm_afd.planner.cpu import CpuFit, cpu_fit_to_dict
@@ -570,12 +603,24 @@ def main(argv: list[str] | None = None) -> None:
     kernel = kernel_sampler(model_dir, info, args.tokens, ffn_counts, dtype)
     slots = args.passes * len(args.batches) * len(args.contexts)
     per_slot = max(1, args.reps // slots)
-    ffn = RemoteFFN(model_dir, info, args.tokens, dtype, args.threads)
+    # one device per rank, as in `vllm-afd bench`: the engine and this process (the attention
+    # side of the remote samples) on the attention rank's CPUs, the FFN child on its own
+    plan = core_plan(1, 1, args.threads)
+    attention_cpus, ffn_cpus = (plan[0][0], plan[1][0]) if plan else (None, None)
+    ffn = RemoteFFN(model_dir, info, args.tokens, dtype, args.threads, ffn_cpus)
+    allowed = os.sched_getaffinity(0)
     with (
         ffn as remote,
         EngineSweep(
-            model_dir, args.batches, args.contexts, args.output_len, args.threads, args.dtype
+            model_dir,
+            args.batches,
+            args.contexts,
+            args.output_len,
+            args.threads,
+            args.dtype,
+            cpus=attention_cpus,
         ) as engine,
+        _bound(attention_cpus, allowed),
     ):
         bar.update()
         ffn.pause()
@@ -613,6 +658,7 @@ def main(argv: list[str] | None = None) -> None:
             "remote_median": remote_medians,
             "quantile": PROFILE_QUANTILE,
             "colocated": points,
+            "layer_aux": fits.get("layer_aux"),
         },
         "expert_fit": dataclasses_asdict(fit),
     }
@@ -620,6 +666,17 @@ def main(argv: list[str] | None = None) -> None:
     hw_out = Path(args.hardware_out or out.with_suffix("").as_posix() + ".hardware.json")
     write_outputs(out, hw_out, profile, section, hw)
     print_summary(out, hw_out, hw_meas, fit, fits, points)
+
+
+@contextlib.contextmanager
+def _bound(cpus: list[int] | None, allowed: set[int]):
+    """This process on ``cpus`` (if any) for the block, then back on ``allowed``."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
 
 
 def _sample(ffn: RemoteFFN, kernel: Sampler, remote: Sampler, reps: int) -> None:
@@ -656,6 +713,9 @@ def print_summary(out, hw_out, hw_meas, fit: ExpertFit, fits: dict, points: list
         f"colocated MoE/layer: {k0 * 1e6:.1f} us + {k1 * 1e6:.2f} us*n;  "
         f"D_V: {d0 * 1e3:.3f} ms + {d1 * 1e6:.1f} us*n"
     )
+    if "layer_aux" in fits:
+        o0, o1 = fits["layer_aux"]
+        print(f"  of which inside each layer: {o0 * 1e6:.1f} us + {o1 * 1e6:.2f} us*n")
     for note in fit.notes:
         print(f"note: {note}")
     print(f"{'n':>4} {'c':>5} {'step ms':>8} {'attn ms':>8} {'moe ms':>8} {'D_V ms':>8}")

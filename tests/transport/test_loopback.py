@@ -189,3 +189,70 @@ def test_misuse_is_reported(backend: str, loopback) -> None:
     att.combine(handle)
     with pytest.raises(ValueError, match="already combined"):
         att.combine(handle)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reply_buffer_shape_and_ownership(backend: str, loopback) -> None:
+    lb = loopback(make_spec(backend, 1, 1, dtype=torch.bfloat16))
+    att = lb.attention[0]
+    x, ids, weights = routing(5, lb.spec, seed=4)
+    handle = att.dispatch(2, x, ids, weights)
+    (request,) = recv_all(lb.ffn[0], 1)
+    buffer = request.reply_buffer
+    if backend == "tcp":
+        assert buffer is None  # tcp sends ``out`` itself: nothing to compute into
+    else:
+        assert buffer.shape == (5, lb.spec.hidden_size) and buffer.dtype == torch.bfloat16
+        assert buffer.data_ptr() != request.x.data_ptr()
+    forward = LocalMoE.for_rank(EXPERTS, lb.spec, 0)
+    out = forward(request.x, request.topk_ids, request.topk_weights, buffer)
+    assert buffer is None or out is buffer
+    lb.ffn[0].reply(request, out)
+    assert torch.equal(att.combine(handle), expected(lb.spec, x, ids, weights))
+
+
+def test_shm_reply_with_its_buffer_copies_nothing(loopback, monkeypatch) -> None:
+    lb = loopback(make_spec("shm", 1, 1))
+    att = lb.attention[0]
+    copies: list[torch.Tensor] = []
+    real_copy = torch.Tensor.copy_
+
+    def counting_copy(self, src, *args, **kwargs):
+        copies.append(self)
+        return real_copy(self, src, *args, **kwargs)
+
+    for into_buffer in (True, False):
+        inputs = routing(3, lb.spec, seed=int(into_buffer))
+        handle = att.dispatch(0, *inputs)
+        (request,) = recv_all(lb.ffn[0], 1)
+        answer = request.x * 2
+        if into_buffer:
+            request.reply_buffer.copy_(answer)
+            answer = request.reply_buffer
+        monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
+        lb.ffn[0].reply(request, answer)
+        monkeypatch.undo()
+        assert len(copies) == (0 if into_buffer else 1)
+        copies.clear()
+        assert torch.equal(att.combine(handle), inputs[0] * 2)
+
+
+def test_shm_superseded_request_computed_in_place_is_dropped(loopback) -> None:
+    """A late in-place answer to a timed-out request leaves the slot's next request intact."""
+    lb = loopback(make_spec("shm", 1, 1, timeout_s=0.2, num_slots=1))
+    att = lb.attention[0]
+    first = routing(4, lb.spec, seed=1)
+    handle = att.dispatch(0, *first)
+    (stale,) = recv_all(lb.ffn[0], 1)
+    with pytest.raises(TransportError, match="did not answer"):
+        att.combine(handle)
+    second = routing(4, lb.spec, seed=2)
+    handle = att.dispatch(1, *second)
+    forward = LocalMoE.for_rank(EXPERTS, lb.spec, 0)
+    out = forward(stale.x, stale.topk_ids, stale.topk_weights, stale.reply_buffer)
+    lb.ffn[0].reply(stale, out)  # superseded: dropped, seq not published
+    (fresh,) = recv_all(lb.ffn[0], 1)
+    assert fresh.layer == 1
+    out = forward(fresh.x, fresh.topk_ids, fresh.topk_weights, fresh.reply_buffer)
+    lb.ffn[0].reply(fresh, out)
+    assert torch.equal(att.combine(handle), expected(lb.spec, *second))

@@ -219,6 +219,11 @@ def job_for(config: BenchConfig, settings: dict[str, Any]) -> dict[str, Any]:
     }
     if config.data_parallel > 1:
         job["dp"] = {"size": config.data_parallel}
+    from vllm_afd.bench.launch import core_plan
+
+    plan = core_plan(config.attention_ranks, config.ffn_ranks, settings["threads"])
+    if plan is not None:
+        job["cpus"], job["ffn_cpus"] = plan
     if config.kind == "afd":
         job["afd"] = {"ratio": config.ratio, "microbatches": config.microbatches}
         if settings.get("ray_address"):
@@ -466,6 +471,26 @@ def add_predictions(rows: list[dict], settings: dict[str, Any], profile: str) ->
             pred = predict_colocated(fit, model, b, context)
         row |= pred.to_dict()
         row["error_pct"] = prediction_error(row["predicted_ms"], row["step_ms"])
+    add_baseline_scaled_errors(rows)
+
+
+def add_baseline_scaled_errors(rows: list[dict]) -> None:
+    """Errors of the predictions scaled by the colocated baseline's measured / predicted step.
+
+    A profile describes the machine when it ran; on a shared VM the same colocated engine is
+    10-20% slower or faster minutes later, and every configuration of a bench run moves with
+    it. Scaling by the baseline measured side by side in the same run removes that drift and
+    leaves the model's error on what the planner decides from, the step relative to colocated
+    (``predicted_scaled_ms``, ``error_scaled_pct``; the raw ``error_pct`` stays).
+    """
+    base = next((r for r in rows if r.get("status") == "baseline" and "predicted_ms" in r), None)
+    if base is None:
+        return
+    scale = base["step_ms"] / base["predicted_ms"]
+    for row in rows:
+        if "predicted_ms" in row:
+            row["predicted_scaled_ms"] = row["predicted_ms"] * scale
+            row["error_scaled_pct"] = prediction_error(row["predicted_scaled_ms"], row["step_ms"])
 
 
 def main(argv: list[str] | None = None) -> None:

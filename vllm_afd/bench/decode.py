@@ -31,9 +31,12 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from vllm_afd.procs import bind_process
 from vllm_afd.runner import param_bytes
 
 RESULT_PREFIX = "VLLM_AFD_BENCH "
+#: CPUs ("0,1") this child binds itself to before it starts anything (``launch.core_plan``).
+BENCH_CPUS_ENV = "VLLM_AFD_BENCH_CPUS"
 
 
 def prompt_tokens(index: int, length: int, vocab: int, seed: int = 0) -> list[int]:
@@ -45,22 +48,36 @@ def prompt_tokens(index: int, length: int, vocab: int, seed: int = 0) -> list[in
 
 
 class StepTimers:
-    """Wall time spent in core attention and in routed experts during the current step."""
+    """Wall time spent in core attention, in routed experts and in the decoder layers as a
+    whole during the current step (``layers_s`` minus the other two is the layers' own host
+    work; the step minus ``layers_s`` is the per-step work outside the layers)."""
 
     def __init__(self) -> None:
         self.attention_s = 0.0
         self.moe_s = 0.0
+        self.layers_s = 0.0
         self.attention_calls = 0
         self.moe_calls = 0
 
     def take(self) -> dict[str, float]:
-        out = {"attn_s": self.attention_s, "moe_s": self.moe_s}
-        self.attention_s = self.moe_s = 0.0
+        out = {"attn_s": self.attention_s, "moe_s": self.moe_s, "layers_s": self.layers_s}
+        self.attention_s = self.moe_s = self.layers_s = 0.0
         return out
 
 
+def decoder_layers(model) -> list:
+    """The decoder layers of a vLLM model: the children of its ``layers`` ModuleList."""
+    import torch
+
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "layers" and isinstance(module, torch.nn.ModuleList):
+            return list(module)
+    return []
+
+
 def instrument(model, timers: StepTimers) -> int:
-    """Wrap core attention (``Attention`` modules) and routed experts (``forward_modular``).
+    """Wrap core attention (``Attention`` modules), routed experts (``forward_modular``) and
+    the decoder layers.
 
     Under AFD the routed experts are ``AFDRoutedExperts``, whose ``forward_modular`` is the
     remote call (dispatch + FFN service + combine, as long as the attention rank waits for it).
@@ -80,6 +97,9 @@ def instrument(model, timers: StepTimers) -> int:
         elif isinstance(module, RoutedExperts):
             module.forward_modular = _timed(module.forward_modular, timers, "moe")
             wrapped += 1
+    for layer in decoder_layers(model):
+        layer.forward = _timed(layer.forward, timers, "layer")
+        wrapped += 1
     return wrapped
 
 
@@ -91,6 +111,8 @@ def _timed(fn, timers: StepTimers, kind: str):
         if kind == "attention":
             timers.attention_s += dt
             timers.attention_calls += 1
+        elif kind == "layer":
+            timers.layers_s += dt
         else:
             timers.moe_s += dt
             timers.moe_calls += 1
@@ -293,6 +315,9 @@ def _emit(message: dict[str, Any]) -> None:
 
 
 def main() -> None:
+    cpus = os.environ.get(BENCH_CPUS_ENV)
+    if cpus:
+        bind_process(int(c) for c in cpus.split(","))
     serve(json.loads(sys.argv[1]), sys.stdin, _emit)
 
 

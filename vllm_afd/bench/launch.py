@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_afd.bench.decode import RESULT_PREFIX
+from vllm_afd.bench.decode import BENCH_CPUS_ENV, RESULT_PREFIX
+from vllm_afd.placement import FFN_CPUS_ENV
 from vllm_afd.runner import child_env
 
 CHILD_TIMEOUT_S = 600.0
@@ -39,17 +40,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def core_plan(
+    attention_ranks: int, ffn_ranks: int, threads: int, cpus: list[int] | None = None
+) -> tuple[list[list[int]], list[list[int]]] | None:
+    """Disjoint CPUs for every rank of a configuration, ``threads`` each: attention ranks
+    first, then FFN ranks. ``None`` when ``cpus`` (default: this process's) are too few: the
+    scheduler then places the ranks.
+
+    A rank is a device: with its own cores, an attention rank never waits for an FFN rank (or
+    another attention rank) that the scheduler put on the same core, and the FFN rank's wait
+    for its next request never takes cycles from attention work.
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+    ranks = attention_ranks + ffn_ranks
+    if ranks * threads > len(cpus):
+        return None
+    blocks = [cpus[i * threads : (i + 1) * threads] for i in range(ranks)]
+    return blocks[:attention_ranks], blocks[attention_ranks:]
+
+
+def _ids(cpus: list[int]) -> str:
+    return ",".join(str(c) for c in cpus)
+
+
 def job_env(job: dict[str, Any], threads: int, dp_rank: int | None = None) -> dict[str, str]:
-    """Environment of one child: loopback, threads per rank, DP rank variables."""
+    """Environment of one child: loopback, threads per rank, CPU binding, DP rank variables."""
     tp = job.get("tensor_parallel_size", 1)
     extra = {
         "OMP_NUM_THREADS": str(threads),
         "VLLM_AFD_FFN_THREADS": str(threads),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if tp == 1 else "1",
     }
-    if tp > 1:
+    cpus = job.get("cpus")
+    if tp > 1:  # vLLM binds its TP workers itself
         cores = os.cpu_count() or 1
-        extra["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(tp))
+        binds = [_ids(c) for c in cpus] if cpus else [str(i % cores) for i in range(tp)]
+        extra["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(binds)
+    elif cpus:
+        extra[BENCH_CPUS_ENV] = _ids(cpus[dp_rank or 0])
+    if job.get("ffn_cpus"):
+        extra[FFN_CPUS_ENV] = "|".join(_ids(c) for c in job["ffn_cpus"])
     dp = job.get("dp")
     if dp and dp_rank is not None:
         extra |= {

@@ -4,7 +4,8 @@ Columns (one row per configuration; docs/benchmarks.md explains each):
 
     config, layout, dev (attention+FFN), b (per rank), T ms (median), p90, tok/s/dev (all
     devices), tok/s/att (attention devices), S_all, S_att, batch x overlap x r/(r+1), same
-    (greedy tokens identical to single-rank colocated), pred ms and err % with --profile, status.
+    (greedy tokens identical to single-rank colocated), pred ms, err % and err@V % (the error
+    with the prediction scaled to the colocated baseline's measured speed) with --profile, status.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ COLUMNS = (
     ("same", "_same", "{}"),
     ("pred ms", "predicted_ms", "{:.2f}"),
     ("err %", "error_pct", "{:+.1f}"),
+    ("err@V %", "error_scaled_pct", "{:+.1f}"),
     ("status", "_status", "{}"),
 )
 
@@ -59,7 +61,7 @@ def has_predictions(rows: list[dict[str, Any]]) -> bool:
 
 
 def _columns(rows: list[dict[str, Any]]) -> list[int]:
-    drop = set() if has_predictions(rows) else {"pred ms", "err %"}
+    drop = set() if has_predictions(rows) else {"pred ms", "err %", "err@V %"}
     return [i for i, (title, _, _) in enumerate(COLUMNS) if title not in drop]
 
 

@@ -1,27 +1,51 @@
-"""Transport micro-benchmark: per-layer dispatch + combine round trip beside the copy floor.
+"""Transport micro-benchmark: per-layer dispatch + combine round trip beside two copy floors.
 
     python -m vllm_afd.bench.transport_bench [--json out.json] [--tokens 1 8 64] [--hidden 4096]
 
 Setup. One attention rank (this process) and one FFN rank (a child process running the reference
-FFN loop with ``EchoForward``: ``out = x * 2``, no expert compute), ``F = 1`` so every token
-travels, ``top_k`` routing ids and weights riding along. Each process uses one PyTorch thread and,
-by default, its own CPU (``--no-pin`` leaves placement to the scheduler: on two cores it then
-often puts both on one CPU and every round trip pays for a context switch).
+FFN loop with ``EchoForward``: ``out = x * 2``, written straight into the reply buffer where the
+backend offers one, no expert compute), ``F = 1`` so every token travels, ``top_k`` routing ids
+and weights riding along. Each process uses one PyTorch thread and, by default, its own CPU
+(``--no-pin`` leaves placement to the scheduler: on two cores it then often puts both on one CPU
+and every round trip pays for a context switch). A third process, ``FFNCpuPeer``, lives on the
+FFN rank's CPU and blocks on a pipe except while it runs one of the measurements below.
 
-Measured. The wall time of ``combine(dispatch(layer, x, topk_ids, topk_weights))`` per iteration
-(median and p90 after a warm-up), and the ``dispatch`` part alone.
+Measured, per message size ``[T, H]``, in ``_ROUNDS`` rounds that each take every measurement in
+turn (the VM's CPUs change speed over time, by up to 2x, and the cost of a cross-core transfer
+by more: all numbers of a row then see the same mix of conditions):
 
-Memory-copy floor. The same bytes copied the same number of times, in this process, with no
-other work: four ``Tensor.copy_`` calls between preallocated uint8 buffers,
+* ``rt``: wall time of ``combine(dispatch(layer, x, topk_ids, topk_weights))`` (median, p90
+  after a warm-up), and ``dispatch`` alone.
+* ``echo``: the FFN's own compute, ``EchoForward`` into a preallocated tensor with hot caches,
+  timed by ``FFNCpuPeer`` on the FFN rank's CPU. No transport can avoid it, so the ratios
+  subtract it: ``transport`` = ``rt - echo`` is what the transport costs (if anything too
+  high: in the round trip the FFN rank's compute reads x from, and writes its answer to, lines
+  the other CPU touched last, which is slower than with hot caches).
+* Two memory-copy floors. Both move exactly the round trip's bytes with ``Tensor.copy_``
+  between preallocated uint8 buffers, four copies, and nothing else: no headers, sequence
+  numbers, liveness checks, routing or compute::
 
-    1. request in    x | topk_ids | topk_weights  -> request buffer   T * (H * itemsize + 8 K) B
-    2. request out   request buffer -> FFN-side tensor                 same
-    3. answer in     FFN answer -> response buffer                     T * H * itemsize B
-    4. answer out    response buffer -> result                          same
+      1. request in    x | topk_ids | topk_weights  -> request buffer   T * (H * itemsize + 8 K) B
+      2. request out   request buffer -> FFN-side tensor                 same
+      3. answer in     FFN answer -> response buffer                     T * H * itemsize B
+      4. answer out    response buffer -> result                          same
 
-It includes PyTorch's per-call overhead (about 1 us a copy here), as a transport's copies do, but
-no cross-process signalling, no cross-core cache-line transfers and no echo compute (reported on
-its own as ``echo``: ``x * 2`` in this process). ``ratio`` = round-trip median / floor median.
+  ``floor_hot`` (``hot_copy_floor``): all four copies in this one process. Every line stays in
+  this core's caches, so it holds per-call overhead (about 0.7 us a copy here) and bandwidth
+  only: no two-process transport can come near it for large messages.
+  ``floor_xcore`` (``FFNCpuPeer.cross_core_floor``): the same copies split over the two CPUs,
+  through a shared file in /dev/shm: this process does 1 and 4, ``FFNCpuPeer`` does 2 and 3,
+  and the hand-over is one flag word both sides spin on. It adds what every two-process
+  transport on these CPUs pays and nothing else: the flag's hand-over and the cross-core
+  cache-line transfers (lines written on one core and read on the other, or written after the
+  other read them). On the development VM a 260 KiB round trip takes 14 us hot and 38 us
+  cross-core, at times 170 us.
+
+``ratio_hot`` = ``(rt - echo) / floor_hot``: the transport against raw copying, everything of
+being two processes included. ``ratio_xcore`` = ``(rt - echo) / floor_xcore``: the transport
+against the cheapest exchange of the same bytes between the same two CPUs (1.0: as cheap as
+bare copies and a spin flag). It can drop below 1: the transport does two copies fewer (the FFN
+rank reads x where it lies and computes into the reply buffer).
 """
 
 from __future__ import annotations
@@ -29,9 +53,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import mmap
 import multiprocessing as mp
 import os
 import platform
+import secrets
 import statistics
 import sys
 import time
@@ -40,6 +66,7 @@ from collections.abc import Callable
 import torch
 
 from vllm_afd.transport import TransportSpec, create_attention_transport
+from vllm_afd.transport.common import WaitPolicy
 from vllm_afd.transport.reference import EchoForward, ffn_worker_main
 
 DEFAULT_TOKENS = (1, 4, 16, 64, 256, 512)
@@ -47,12 +74,14 @@ DEFAULT_HIDDEN = (128, 1024, 4096)
 #: Messages up to this many tokens count as decode-sized in the summary.
 DECODE_TOKENS = 64
 _START_TIMEOUT_S = 60.0
+#: The FFN rank's forward (what ``echo`` times).
+ECHO = EchoForward(2.0)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m vllm_afd.bench.transport_bench",
-        description=("Round-trip latency of the CPU AFD transports against the memory-copy floor."),
+        description="Round-trip latency of the CPU AFD transports against two memory-copy floors.",
     )
     p.add_argument("--backends", nargs="+", default=["shm", "tcp"], metavar="NAME")
     p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS), metavar="T")
@@ -96,12 +125,14 @@ def _timed(step: Callable[[], None], seconds: float, min_iters: int = 20) -> lis
     return samples
 
 
-def copy_floor(
-    num_tokens: int, hidden: int, dtype: torch.dtype, top_k: int, seconds: float
-) -> list[float]:
-    """Times of the four copies of one round trip (module docstring), in seconds."""
-    request = num_tokens * (hidden * dtype.itemsize + 8 * top_k)
+def _message_bytes(num_tokens: int, hidden: int, dtype: torch.dtype, top_k: int) -> tuple[int, int]:
+    """(request, response) bytes of one round trip: x | ids | weights out, [T, H] back."""
     response = num_tokens * hidden * dtype.itemsize
+    return response + num_tokens * 8 * top_k, response
+
+
+def hot_copy_floor(request: int, response: int, seconds: float) -> list[float]:
+    """Times (s) of the four copies of one round trip in this process (module docstring)."""
     src, req_buf, ffn_buf = (torch.ones(request, dtype=torch.uint8) for _ in range(3))
     answer, resp_buf, result = (torch.ones(response, dtype=torch.uint8) for _ in range(3))
 
@@ -111,13 +142,167 @@ def copy_floor(
         resp_buf.copy_(answer)
         result.copy_(resp_buf)
 
-    return _timed(round_trip, seconds / 2)
+    return _timed(round_trip, seconds)
+
+
+#: Flag value that ends a cross-core floor session (odd values: a request is ready).
+_STOP = -1
+_FLOOR_PREFIX = "vllm_afd_floor_"
+#: A spinning side checks that its peer still exists every this many polls (tens of ms).
+_POLLS_PER_CHECK = 1 << 20
+
+
+class _SharedBuffers:
+    """A mapped /dev/shm file: a flag page, then the request and the response buffer."""
+
+    def __init__(self, path: str, max_request: int, max_response: int, create: bool) -> None:
+        page = mmap.PAGESIZE
+        req_span = -(-max_request // page) * page
+        size = page + req_span + max_response
+        flags = (os.O_CREAT | os.O_EXCL | os.O_RDWR) if create else os.O_RDWR
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.words = memoryview(self.mm).cast("q")
+        self.request = torch.frombuffer(self.mm, dtype=torch.uint8, count=max_request, offset=page)
+        self.response = torch.frombuffer(
+            self.mm, dtype=torch.uint8, count=max_response, offset=page + req_span
+        )
+
+    def release(self) -> None:
+        del self.request, self.response
+        self.words.release()
+        self.mm.close()
+
+
+def echo_times(
+    num_tokens: int, hidden: int, dtype: torch.dtype, top_k: int, seconds: float
+) -> list[float]:
+    """Times (s) of the FFN rank's forward (``ECHO``) into a preallocated tensor, here."""
+    x = torch.randn(num_tokens, hidden).to(dtype)
+    ids = torch.zeros(num_tokens, top_k, dtype=torch.int32)
+    weights = torch.zeros(num_tokens, top_k)
+    out = torch.empty_like(x)
+    return _timed(lambda: ECHO(x, ids, weights, out), seconds)
+
+
+def _serve_floor(shared: _SharedBuffers, request: int, response: int, conn) -> None:
+    """Process B's side of one cross-core floor session: copy each request out and the answer
+    in, hand over through the flag, until ``_STOP``."""
+    src, dst = shared.request[:request], torch.empty(request, dtype=torch.uint8)
+    ans, out = torch.ones(response, dtype=torch.uint8), shared.response[:response]
+    words = shared.words
+    conn.send("serving")
+    polls = 0
+    while (flag := words[0]) != _STOP:
+        if flag & 1:
+            dst.copy_(src)
+            out.copy_(ans)
+            words[0] = flag + 1
+        else:
+            polls += 1
+            if not polls % _POLLS_PER_CHECK and conn.poll():
+                return  # A sends nothing mid-session: its end of the pipe closed
+    conn.send("idle")
+
+
+def _peer_main(path: str, max_request: int, max_response: int, cpu: int | None, conn) -> None:
+    """``FFNCpuPeer``'s process: runs the jobs ``conn`` brings (``("floor", request bytes,
+    response bytes)`` or ``("echo", *echo_times args)``), blocked on ``conn`` in between (no CPU
+    use); ``None`` or a closed pipe ends it."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    torch.set_num_threads(1)
+    shared = _SharedBuffers(path, max_request, max_response, create=False)
+    conn.send("ready")
+    while (job := conn.recv()) is not None:
+        if job[0] == "echo":
+            conn.send(echo_times(*job[1:]))
+        else:
+            _serve_floor(shared, *job[1:], conn)
+
+
+class FFNCpuPeer:
+    """A process on the FFN rank's CPU, idle between jobs: process B of the cross-core floor
+    (module docstring), and where the FFN's own compute (``echo``) is timed."""
+
+    def __init__(self, ctx, max_request: int, max_response: int, cpu: int | None) -> None:
+        path = os.path.join("/dev/shm", f"{_FLOOR_PREFIX}{os.getpid()}_{secrets.token_hex(4)}")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_peer_main, args=(path, max_request, max_response, cpu, child), daemon=True
+        )
+        self.shared = _SharedBuffers(path, max_request, max_response, create=True)
+        try:
+            self.proc.start()
+            child.close()
+            self._answer()
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            os.unlink(path)  # both sides have it mapped now (or never will)
+
+    def _answer(self):
+        if not self.conn.poll(_START_TIMEOUT_S):
+            raise RuntimeError("the FFN-CPU peer process did not answer")
+        return self.conn.recv()
+
+    def echo(
+        self, num_tokens: int, hidden: int, dtype: torch.dtype, top_k: int, seconds: float
+    ) -> list[float]:
+        """``echo_times`` run on the FFN rank's CPU."""
+        self.conn.send(("echo", num_tokens, hidden, dtype, top_k, seconds))
+        return self._answer()
+
+    def cross_core_floor(self, request: int, response: int, seconds: float) -> list[float]:
+        """Times (s) of: request in here, peer copies it out and the answer in, answer out."""
+        words = self.shared.words
+        words[0] = 0
+        self.conn.send(("floor", request, response))
+        self._answer()  # "serving"
+        src = torch.ones(request, dtype=torch.uint8)
+        result = torch.empty(response, dtype=torch.uint8)
+        req, resp = self.shared.request[:request], self.shared.response[:response]
+        flag = 0
+
+        def round_trip() -> None:
+            nonlocal flag
+            req.copy_(src)
+            words[0] = flag + 1
+            flag += 2
+            polls = 0
+            while words[0] != flag:
+                polls += 1
+                if not polls % _POLLS_PER_CHECK and not self.proc.is_alive():
+                    raise RuntimeError("the FFN-CPU peer process died")
+            result.copy_(resp)
+
+        try:
+            return _timed(round_trip, seconds)
+        finally:
+            words[0] = _STOP
+            self._answer()  # "idle"
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.conn.send(None)
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+        self.shared.release()
 
 
 def _ffn_main(spec: TransportSpec, cpu: int | None, conn, stop_event) -> None:
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
-    ffn_worker_main(spec, 0, EchoForward(2.0), conn, stop_event, num_threads=1)
+    ffn_worker_main(spec, 0, ECHO, conn, stop_event, num_threads=1)
 
 
 class EchoFFN:
@@ -144,8 +329,15 @@ class EchoFFN:
             self.proc.join(5)
 
 
-def measure_point(att, spec: TransportSpec, num_tokens: int, seconds: float) -> dict:
-    """Round trip, dispatch-only and floor timings for one ``[T, H]`` message size."""
+#: Rounds per point, each measuring ``rt``, ``floor_xcore``, ``floor_hot`` and ``echo`` in turn
+#: (module docstring).
+_ROUNDS = 4
+
+
+def measure_point(
+    att, spec: TransportSpec, num_tokens: int, seconds: float, peer: FFNCpuPeer
+) -> dict:
+    """Round trip, dispatch-only, echo and both floors for one ``[T, H]`` message size."""
     gen = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, spec.hidden_size, generator=gen).to(spec.dtype)
     ids = torch.randint(0, spec.num_experts, (num_tokens, spec.top_k), generator=gen)
@@ -161,28 +353,45 @@ def measure_point(att, spec: TransportSpec, num_tokens: int, seconds: float) -> 
         dispatch_times.append(time.perf_counter() - start)
         att.combine(handle)
 
-    rt = _timed(round_trip, seconds)
-    floor = copy_floor(num_tokens, spec.hidden_size, spec.dtype, spec.top_k, seconds)
-    echo = _timed(lambda: x * 2.0, seconds / 4)
+    request, response = _message_bytes(num_tokens, spec.hidden_size, spec.dtype, spec.top_k)
+    rt: list[float] = []
+    xcore: list[float] = []
+    hot: list[float] = []
+    echo: list[float] = []
+    share = seconds / _ROUNDS
+    for _ in range(_ROUNDS):
+        rt += _timed(round_trip, share)
+        time.sleep(2 * WaitPolicy().yield_s)  # the idle FFN rank is past its yield stage now
+        xcore += peer.cross_core_floor(request, response, share / 2)
+        hot += hot_copy_floor(request, response, share / 2)
+        echo += peer.echo(num_tokens, spec.hidden_size, spec.dtype, spec.top_k, share / 4)
     us = 1e6
-    return {
+    row = {
         "backend": spec.backend,
         "tokens": num_tokens,
         "hidden": spec.hidden_size,
         "dtype": str(spec.dtype).removeprefix("torch."),
-        "request_bytes": num_tokens * (spec.hidden_size * spec.dtype.itemsize + 8 * spec.top_k),
-        "response_bytes": num_tokens * spec.hidden_size * spec.dtype.itemsize,
+        "request_bytes": request,
+        "response_bytes": response,
         "iters": len(rt),
         "rt_median_us": statistics.median(rt) * us,
         "rt_p90_us": _percentile(rt, 0.9) * us,
         "dispatch_median_us": statistics.median(dispatch_times) * us,
-        "floor_median_us": statistics.median(floor) * us,
-        "floor_p90_us": _percentile(floor, 0.9) * us,
         "echo_median_us": statistics.median(echo) * us,
+        "floor_hot_median_us": statistics.median(hot) * us,
+        "floor_hot_p90_us": _percentile(hot, 0.9) * us,
+        "floor_xcore_median_us": statistics.median(xcore) * us,
+        "floor_xcore_p90_us": _percentile(xcore, 0.9) * us,
     }
+    row["transport_us"] = row["rt_median_us"] - row["echo_median_us"]
+    row["ratio_hot"] = row["transport_us"] / row["floor_hot_median_us"]
+    row["ratio_xcore"] = row["transport_us"] / row["floor_xcore_median_us"]
+    return row
 
 
-def run_backend(ctx, backend: str, args: argparse.Namespace, cpus: list[int] | None) -> list:
+def run_backend(
+    ctx, backend: str, args: argparse.Namespace, cpus: list[int] | None, peer: FFNCpuPeer
+) -> list:
     """Every (hidden, tokens) point of one backend, one FFN process per hidden size."""
     results = []
     for hidden in args.hidden:
@@ -202,8 +411,7 @@ def run_backend(ctx, backend: str, args: argparse.Namespace, cpus: list[int] | N
         att = create_attention_transport(ffn.spec, 0)
         try:
             for num_tokens in args.tokens:
-                row = measure_point(att, ffn.spec, num_tokens, args.seconds)
-                row["ratio"] = row["rt_median_us"] / row["floor_median_us"]
+                row = measure_point(att, ffn.spec, num_tokens, args.seconds, peer)
                 results.append(row)
                 print(format_row(row), flush=True)
         finally:
@@ -220,9 +428,11 @@ _COLUMNS = (
     "rt_med_us",
     "rt_p90_us",
     "dispatch_us",
-    "floor_us",
     "echo_us",
-    "ratio",
+    "hot_us",
+    "xcore_us",
+    "x_hot",
+    "x_xcore",
 )
 
 
@@ -236,24 +446,26 @@ def format_row(row: dict) -> str:
         f"{row['rt_median_us']:.1f}",
         f"{row['rt_p90_us']:.1f}",
         f"{row['dispatch_median_us']:.1f}",
-        f"{row['floor_median_us']:.1f}",
         f"{row['echo_median_us']:.1f}",
-        f"{row['ratio']:.2f}",
+        f"{row['floor_hot_median_us']:.1f}",
+        f"{row['floor_xcore_median_us']:.1f}",
+        f"{row['ratio_hot']:.2f}",
+        f"{row['ratio_xcore']:.2f}",
     )
     return "  ".join(f"{c:>11}" for c in cells)
 
 
 def summarize(results: list[dict]) -> dict:
-    """Per backend: worst and median ratio over decode-sized messages (T <= DECODE_TOKENS)."""
+    """Per backend: median and worst of both ratios over decode-sized messages
+    (T <= DECODE_TOKENS)."""
     summary = {}
     for backend in sorted({r["backend"] for r in results}):
-        ratios = [
-            r["ratio"] for r in results if r["backend"] == backend and r["tokens"] <= DECODE_TOKENS
-        ]
-        if ratios:
+        rows = [r for r in results if r["backend"] == backend and r["tokens"] <= DECODE_TOKENS]
+        if rows:
             summary[backend] = {
-                "decode_max_ratio": max(ratios),
-                "decode_median_ratio": statistics.median(ratios),
+                f"decode_{stat.__name__}_{key}": stat([r[key] for r in rows])
+                for key in ("ratio_hot", "ratio_xcore")
+                for stat in (statistics.median, max)
             }
     return summary
 
@@ -287,16 +499,23 @@ def main(argv: list[str] | None = None) -> int:
     ctx.set_forkserver_preload(["vllm_afd.transport.reference"])
     print("  ".join(f"{c:>11}" for c in _COLUMNS))
     results = []
+    largest = _message_bytes(
+        max(args.tokens), max(args.hidden), getattr(torch, args.dtype), args.top_k
+    )
+    peer = FFNCpuPeer(ctx, *largest, cpus[1] if cpus else None)
     try:
         for backend in args.backends:
-            results += run_backend(ctx, backend, args, cpus)
+            results += run_backend(ctx, backend, args, cpus, peer)
     finally:
+        peer.close()
         os.sched_setaffinity(0, allowed)
     summary = summarize(results)
     for backend, s in summary.items():
         print(
-            f"{backend}: decode-sized (T <= {DECODE_TOKENS}) ratio to copy floor: "
-            f"median {s['decode_median_ratio']:.2f}, worst {s['decode_max_ratio']:.2f}"
+            f"{backend}: decode-sized (T <= {DECODE_TOKENS}) (rt - echo) / floor: "
+            f"hot median {s['decode_median_ratio_hot']:.2f} worst {s['decode_max_ratio_hot']:.2f}"
+            f"; cross-core median {s['decode_median_ratio_xcore']:.2f} "
+            f"worst {s['decode_max_ratio_xcore']:.2f}"
         )
     if args.json:
         with open(args.json, "w") as fh:

@@ -104,6 +104,10 @@ class FFNRequest:
         topk_ids: ``[N, K]`` int32 *global* expert ids.
         topk_weights: ``[N, K]`` float32 routing weights.
         tag: backend-private, identifies the request for ``reply``.
+        reply_buffer: ``[N, H]`` ``spec.dtype`` where ``reply`` puts the answer, or ``None``
+            when the backend has no such buffer (tcp sends ``out`` itself). An FFN rank may
+            compute its answer straight into it and pass it to ``reply``, which then only
+            publishes it (shm: one copy less per request). Valid until ``reply``.
     """
 
     src_rank: int
@@ -112,6 +116,7 @@ class FFNRequest:
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     tag: object = None
+    reply_buffer: torch.Tensor | None = None
 
 
 class AttentionTransport(abc.ABC):
@@ -170,7 +175,8 @@ class FFNTransport(abc.ABC):
     @abc.abstractmethod
     def reply(self, request: FFNRequest, out: torch.Tensor) -> None:
         """Answer ``request`` with ``out``: ``[N, H]`` (``spec.dtype``), one row per token,
-        already weighted and summed over this rank's experts."""
+        already weighted and summed over this rank's experts. ``out`` may be
+        ``request.reply_buffer`` itself (then nothing is copied)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release buffers and connections."""

@@ -13,44 +13,58 @@ protocol:
 development machines have two cores shared by several processes.
 
 Decode-sized messages are dominated by per-call PyTorch overhead (a tensor slice costs about a
-microsecond on the development machines, as much as copying a few KiB), so ``RowViews`` caches the
-``[:n]`` views of preallocated buffers that the hot paths reuse on every call.
+microsecond on the development machines, as much as copying a few KiB), so ``ViewCache`` (and
+``RowViews``, its one-buffer case) caches the ``[:n]`` views of preallocated buffers that the hot
+paths reuse on every call.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
 from vllm_afd.transport.base import DispatchHandle, TransportSpec
 
-#: Cached ``[:n]`` views per buffer before the cache is dropped and rebuilt (bounds memory).
+#: Cached row counts per ``ViewCache`` before the cache is dropped and rebuilt (bounds memory).
 _MAX_CACHED_VIEWS = 1024
 
+V = TypeVar("V")
 
-class RowViews:
-    """Cached leading-row views ``buffer[:n]`` of one preallocated buffer.
+
+class ViewCache(Generic[V]):
+    """Views of preallocated buffers built once per row count ``n`` and reused: ``cache[n]``.
 
     Args:
-        buffer: ``[max_rows, ...]`` tensor; views share its storage.
+        make: ``make(n)`` builds the views for ``n`` rows (views share the buffers' storage).
     """
 
-    __slots__ = ("buffer", "_cache")
+    __slots__ = ("_make", "_cache")
 
-    def __init__(self, buffer: torch.Tensor) -> None:
-        self.buffer = buffer
-        self._cache: dict[int, torch.Tensor] = {}
+    def __init__(self, make: Callable[[int], V]) -> None:
+        self._make = make
+        self._cache: dict[int, V] = {}
 
-    def __getitem__(self, n: int) -> torch.Tensor:
-        view = self._cache.get(n)
-        if view is None:
+    def __getitem__(self, n: int) -> V:
+        views = self._cache.get(n)
+        if views is None:
             if len(self._cache) >= _MAX_CACHED_VIEWS:
                 self._cache.clear()
-            view = self._cache[n] = self.buffer[:n]
-        return view
+            views = self._cache[n] = self._make(n)
+        return views
+
+
+class RowViews(ViewCache[torch.Tensor]):
+    """Cached leading-row views ``buffer[:n]`` of one preallocated ``[max_rows, ...]`` buffer."""
+
+    __slots__ = ()
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        super().__init__(lambda n: buffer[:n])
 
 
 @dataclass(frozen=True)

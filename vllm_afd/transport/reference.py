@@ -11,8 +11,10 @@ starting from zero), so a transport whose FFN side runs ``local_moe_forward`` mu
 matmuls depend on the batch shape (``SiluMulExperts``).
 
 The FFN side of the tests and of the micro-benchmark is ``ffn_worker_main``: it computes nothing
-itself but calls a picklable ``forward(x, topk_ids, topk_weights) -> out`` (``LocalMoE`` with
-masked non-local experts, ``EchoForward``, ``DelayedForward`` for fault injection).
+itself but calls a picklable ``forward(x, topk_ids, topk_weights, out) -> out`` (``LocalMoE``
+with masked non-local experts, ``EchoForward``, ``DelayedForward`` for fault injection). ``out``
+is the request's ``reply_buffer`` (``None`` where the backend has none): every forward here writes
+its answer straight into it, which saves the shm backend its reply copy.
 """
 
 from __future__ import annotations
@@ -33,10 +35,15 @@ ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 
 class FFNForward(Protocol):
     """What an FFN rank runs on one request: ``[N, H]``, ``[N, K]`` int32, ``[N, K]`` float32
-    -> ``[N, H]`` (the request's dtype), already weighted and summed over local experts."""
+    -> ``[N, H]`` (the request's dtype), already weighted and summed over local experts.
+    Given ``out`` (``[N, H]``, the request's dtype), the answer is written there and returned."""
 
     def __call__(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -84,6 +91,7 @@ def weighted_expert_sum(
     expert_fn: ExpertFn,
     experts: range,
     id_offset: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_{e in experts} w_e * expert_fn(e - id_offset, x)`` over the tokens routed to ``e``.
 
@@ -93,10 +101,11 @@ def weighted_expert_sum(
         topk_weights: ``[N, K]`` float32 routing weights.
         expert_fn: called with the expert id minus ``id_offset`` (local ids on an FFN rank).
         experts: global ids to evaluate, summed in ascending order starting from zero.
+        out: optional ``[N, H]`` ``x.dtype`` tensor to sum into (overwritten) and return.
     Returns:
         ``[N, H]`` in ``x.dtype``; zero for tokens routed to none of ``experts``.
     """
-    out = torch.zeros_like(x)
+    out = torch.zeros_like(x) if out is None else out.zero_()
     for expert in experts:
         mask = topk_ids == expert
         rows = mask.any(dim=1).nonzero().squeeze(1)
@@ -155,11 +164,15 @@ class LocalMoE:
         return cls(experts.local(rank * per_rank, per_rank), rank * per_rank, per_rank)
 
     def __call__(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         experts = range(self.first_expert, self.first_expert + self.num_local)
         return weighted_expert_sum(
-            x, topk_ids, topk_weights, self.experts, experts, id_offset=self.first_expert
+            x, topk_ids, topk_weights, self.experts, experts, self.first_expert, out
         )
 
 
@@ -170,9 +183,13 @@ class EchoForward:
     scale: float = 2.0
 
     def __call__(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return x * self.scale
+        return torch.mul(x, self.scale, out=out)
 
 
 @dataclass
@@ -183,10 +200,14 @@ class DelayedForward:
     delay_s: float
 
     def __call__(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         time.sleep(self.delay_s)
-        return self.inner(x, topk_ids, topk_weights)
+        return self.inner(x, topk_ids, topk_weights, out)
 
 
 def serve_ffn(
@@ -206,7 +227,7 @@ def serve_ffn(
         if not requests and should_stop():
             return served
         for request in requests:
-            out = forward(request.x, request.topk_ids, request.topk_weights)
+            out = forward(request.x, request.topk_ids, request.topk_weights, request.reply_buffer)
             transport.reply(request, out)
         served += len(requests)
 
