@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 STARTED_MARKERS = ("EngineCore", "FFN rank 0 up", "Started a local Ray instance")
 
 
-def _serve(model: str, *flags: str) -> tuple[int, str, float]:
+def _serve(model: str, *flags: str, env: dict[str, str] | None = None) -> tuple[int, str, float]:
     argv = [
         str(Path(sys.executable).with_name("vllm-afd")),
         "serve",
@@ -36,7 +36,12 @@ def _serve(model: str, *flags: str) -> tuple[int, str, float]:
     ]
     start = time.monotonic()
     proc = subprocess.run(
-        argv, env=child_env(), capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL
+        argv,
+        env=child_env(extra=env),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
     )
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
@@ -63,8 +68,9 @@ def dense_model(tiny_qwen3, tmp_path_factory) -> str:
     return str(out)
 
 
-def _cases(qwen3: str, dense: str) -> list[tuple[str, tuple[str, ...], str]]:
-    return [
+def _cases(qwen3: str, dense: str) -> list[tuple[str, tuple[str, ...], str, dict | None]]:
+    """(name, serve arguments, expected message, extra environment)."""
+    flag_cases = [
         ("zero side", (qwen3, "--afd-ratio", "0:1"), "--afd-ratio"),
         ("not a ratio", (qwen3, "--afd-ratio", "a:b"), "--afd-ratio"),
         (
@@ -87,13 +93,17 @@ def _cases(qwen3: str, dense: str) -> list[tuple[str, tuple[str, ...], str]]:
         ),
         ("option without ratio", (qwen3, "--afd-transport", "tcp"), "--afd-ratio is required"),
     ]
+    bad_cpus = {"VLLM_AFD_FFN_CPUS": "0|1"}  # two CPU lists for one FFN rank
+    return [(*case, None) for case in flag_cases] + [
+        ("FFN CPU lists", (qwen3, "--afd-ratio", "1:1"), "VLLM_AFD_FFN_CPUS", bad_cpus)
+    ]
 
 
 def test_bad_inputs_fail_fast_with_the_flag_named(tiny_qwen3, dense_model):
     cases = _cases(tiny_qwen3, dense_model)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda case: _serve(*case[1]), cases))
-    for (name, _, expected), (code, output, elapsed) in zip(cases, results, strict=True):
+        results = list(pool.map(lambda case: _serve(*case[1], env=case[3]), cases))
+    for (name, _, expected, _env), (code, output, elapsed) in zip(cases, results, strict=True):
         assert code == 2, f"{name}: exit {code}\n{output[-2000:]}"
         assert expected in output, f"{name}: {expected!r} not in\n{output[-2000:]}"
         assert "Traceback" not in output, f"{name}: a traceback instead of a message"
