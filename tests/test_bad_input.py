@@ -94,8 +94,10 @@ def _cases(qwen3: str, dense: str) -> list[tuple[str, tuple[str, ...], str, dict
         ("option without ratio", (qwen3, "--afd-transport", "tcp"), "--afd-ratio is required"),
     ]
     bad_cpus = {"VLLM_AFD_FFN_CPUS": "0|1"}  # two CPU lists for one FFN rank
+    bad_poll = {"VLLM_AFD_POLL_MS": "-1"}
     return [(*case, None) for case in flag_cases] + [
-        ("FFN CPU lists", (qwen3, "--afd-ratio", "1:1"), "VLLM_AFD_FFN_CPUS", bad_cpus)
+        ("FFN CPU lists", (qwen3, "--afd-ratio", "1:1"), "VLLM_AFD_FFN_CPUS", bad_cpus),
+        ("poll window", (qwen3, "--afd-ratio", "1:1"), "VLLM_AFD_POLL_MS='-1'", bad_poll),
     ]
 
 

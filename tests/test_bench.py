@@ -315,11 +315,16 @@ def _rows() -> list[dict]:
 
 
 def test_errors_scaled_to_the_baseline_remove_machine_drift():
-    rows = [
-        {"status": "baseline", "step_ms": 4.0, "predicted_ms": 3.2},  # machine 25% slower
-        {"status": "ok", "step_ms": 5.0, "predicted_ms": 4.0},
-        {"status": "ok", "step_ms": 9.0},  # no prediction (wide EP)
-    ]
+    rows = build_rows(
+        [
+            _m("colocated", "colocated", 4.0),
+            _m("afd 1:1 k1", "afd", 5.0, ffn=1),
+            _m("wide EP2", "wide-ep", 9.0, dp=2),
+        ]
+    )
+    assert rows[0]["baseline"] and not rows[1]["baseline"]
+    rows[0] |= {"predicted_ms": 3.2, "error_pct": -20.0}  # the machine is 25% slower today
+    rows[1] |= {"predicted_ms": 4.0, "error_pct": -20.0}  # wide EP (rows[2]) has no prediction
     ab.add_baseline_scaled_errors(rows)
     assert rows[0]["error_scaled_pct"] == pytest.approx(0.0)
     assert rows[1]["predicted_scaled_ms"] == pytest.approx(5.0)
@@ -328,6 +333,31 @@ def test_errors_scaled_to_the_baseline_remove_machine_drift():
     unscaled = [{"status": "ok", "step_ms": 5.0, "predicted_ms": 4.0}]
     ab.add_baseline_scaled_errors(unscaled)  # no baseline prediction: nothing to scale by
     assert "error_scaled_pct" not in unscaled[0]
+
+
+def test_predictions_skip_the_error_where_ranks_share_cores(tmp_path):
+    from vllm_afd.planner.cpu import CpuFit, cpu_fit_to_dict
+    from vllm_afd.planner.hardware import Hardware
+
+    hw = Hardware("cpu-1t", 10e9, 8e9, 1, 10e9, 50e9, 50e9, 1.0, 0.5, 100e-6, 2, 2)
+    fit = CpuFit((50e-6, 2e-6, 1e-9), (2e-3, 50e-6), (80e-6, 3e-6), hw)
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"format": "x", "cpu": cpu_fit_to_dict(fit)}))
+    rows = build_rows(
+        [
+            _m("colocated", "colocated", 4.0),
+            _m("afd 1:1 k1", "afd", 5.0, ffn=1),
+            _m("afd 2:1 k1", "afd", 9.0, attn=2, ffn=1, tp=2),
+        ]
+    )
+    settings = {"model": "qwen3-235b-a22b", "prompt_len": 128, "output_len": 64, "threads": 1}
+    ab.add_predictions(rows, settings, str(profile), cpus=2)
+    assert all(r["predicted_ms"] > 0 for r in rows)
+    assert "error_pct" in rows[1] and "error_scaled_pct" in rows[1]
+    over = rows[2]
+    assert "error_pct" not in over and "error_scaled_pct" not in over
+    assert "3 ranks x 1 thread(s) on 2 CPUs" in over["prediction_note"]
+    assert "afd 2:1 k1: 3 ranks" in report.format_plain(rows)  # printed under the table
 
 
 def test_plain_table_columns_and_markers():

@@ -104,8 +104,10 @@ def setup_afd(vllm_config) -> None:
         vllm_config.additional_config["afd"] = afd.to_dict()
     info.check_ffn_ranks(afd.num_ffn_ranks(ranks))
     from vllm_afd.placement import FFN_CPUS_ENV, ffn_cpu_lists, start_ffn_group
+    from vllm_afd.transport.common import POLL_ENV, poll_window_s
 
     ffn_cpu_lists(os.environ.get(FFN_CPUS_ENV), afd.num_ffn_ranks(ranks))
+    poll_window_s(os.environ.get(POLL_ENV))
     if afd.microbatches > 1:
         from vllm_afd.microbatch import check_supported
 

@@ -77,7 +77,7 @@ microbatching for that step. Costs on CPU: one thread hand-off per MoE layer and
 (about 13 us), smaller GEMMs on the attention side, k requests per layer instead of one on the
 FFN side (its per-request cost does not shrink with the tokens when the experts are memory-
 bound), and, dominating on small models, a second pass of each layer's host work (vLLM's eager
-decoder layer costs about 0.35 ms of Python and op dispatch on the development machine, whatever
+decoder layer costs about 0.4-0.5 ms of Python and op dispatch on the development machine, whatever
 the batch) plus per-microbatch attention metadata (about 0.4 ms per step). k = 2 therefore pays
 only when one microbatch's FFN stage is at least about as long as that attention stage
 (recipes/tiny_qwen3_ffn_heavy_cpu_1to1.py; numbers in docs/benchmarks.md). Each microbatch

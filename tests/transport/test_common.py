@@ -1,4 +1,5 @@
-"""Pure functions: token split per FFN rank, combine of partials, the reference itself."""
+"""Pure functions: token split per FFN rank, combine of partials, staged waiting, the reference
+itself."""
 
 from __future__ import annotations
 
@@ -6,8 +7,17 @@ import pytest
 import torch
 from transport_testlib import make_spec, routing
 
-from vllm_afd.transport import DispatchHandle
-from vllm_afd.transport.common import combine_partials, split_by_ffn_rank
+from vllm_afd.config import AFDConfigError
+from vllm_afd.transport import DispatchHandle, common
+from vllm_afd.transport.common import (
+    DEFAULT_POLL_MS,
+    POLL_ENV,
+    Backoff,
+    WaitPolicy,
+    combine_partials,
+    poll_window_s,
+    split_by_ffn_rank,
+)
 from vllm_afd.transport.reference import (
     LocalMoE,
     ScaleExperts,
@@ -69,3 +79,29 @@ def test_local_moe_masks_non_local_experts() -> None:
     out = local(x, ids, torch.tensor([[0.5, 0.5]] * 2))
     assert out[0].unique().tolist() == [0.5 * 6.0]
     assert out[1].abs().sum() == 0
+
+
+def test_poll_window_comes_from_the_environment(monkeypatch) -> None:
+    assert poll_window_s(None) == poll_window_s(" ") == DEFAULT_POLL_MS * 1e-3
+    assert poll_window_s("5") == pytest.approx(5e-3) and poll_window_s("0") == 0.0
+    for bad in ("fast", "-1", "inf", "nan"):
+        with pytest.raises(AFDConfigError, match=f"{POLL_ENV}={bad!r}.*>= 0"):
+            poll_window_s(bad)
+    monkeypatch.setenv(POLL_ENV, "7.5")
+    assert WaitPolicy().yield_s == pytest.approx(7.5e-3)  # read when a policy is made
+
+
+def test_backoff_polls_through_the_window_then_sleeps_doubling(monkeypatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(common.time, "sleep", slept.append)
+    polling = Backoff(WaitPolicy(spin_s=0.0, yield_s=3600.0))
+    for _ in range(100):
+        polling.pause()
+    assert slept == []  # inside the poll window: never asleep
+    idle = Backoff(WaitPolicy(spin_s=0.0, yield_s=0.0, sleep_min_s=1e-4, sleep_max_s=3e-4))
+    for _ in range(4):
+        idle.pause()
+    assert slept == [1e-4, 2e-4, 3e-4, 3e-4]
+    idle.reset()
+    idle.pause()
+    assert slept[-1] == 1e-4  # a new wait starts from the shortest sleep again

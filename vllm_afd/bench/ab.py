@@ -451,17 +451,27 @@ def run_all(
     return [session.measurement(c) for c in configs]
 
 
-def add_predictions(rows: list[dict], settings: dict[str, Any], profile: str) -> None:
-    """The planner's CPU prediction and its error for every measured row."""
+def add_predictions(
+    rows: list[dict], settings: dict[str, Any], profile: str, cpus: int | None = None
+) -> None:
+    """The planner's CPU prediction and its error for every measured row.
+
+    The planner's unit is a device; here a rank with ``threads`` cores of its own. A
+    configuration with more rank cores than the ``cpus`` this bench may use (default: its
+    affinity) time-shares cores, which the model does not describe: such a row gets the
+    prediction for its layout with one device per rank and a ``prediction_note``, but no error.
+    """
     from vllm_afd.planner.cpu import load_cpu_fit, predict_afd, predict_colocated
     from vllm_afd.planner.models import get_model
 
     fit = load_cpu_fit(profile)
     model = get_model(settings["model"])
     context = settings["prompt_len"] + settings["output_len"] / 2
+    cpus = cpus or len(os.sched_getaffinity(0))
     for row in rows:
         if "step_ms" not in row or row["kind"] == "wide-ep":
             continue
+        cores = row["devices"] * settings["threads"]
         b = row["per_rank_batch"]
         if row["kind"] == "afd":
             k = 1 if row["status"].startswith("unsupported") else row["microbatches"]
@@ -470,6 +480,12 @@ def add_predictions(rows: list[dict], settings: dict[str, Any], profile: str) ->
         else:
             pred = predict_colocated(fit, model, b, context)
         row |= pred.to_dict()
+        if cores > cpus:
+            row["prediction_note"] = (
+                f"{row['devices']} ranks x {settings['threads']} thread(s) on {cpus} CPUs share "
+                "cores; the planner assumes a device per rank, so no error is given"
+            )
+            continue
         row["error_pct"] = prediction_error(row["predicted_ms"], row["step_ms"])
     add_baseline_scaled_errors(rows)
 
@@ -483,12 +499,12 @@ def add_baseline_scaled_errors(rows: list[dict]) -> None:
     leaves the model's error on what the planner decides from, the step relative to colocated
     (``predicted_scaled_ms``, ``error_scaled_pct``; the raw ``error_pct`` stays).
     """
-    base = next((r for r in rows if r.get("status") == "baseline" and "predicted_ms" in r), None)
+    base = next((r for r in rows if r.get("baseline") and "error_pct" in r), None)
     if base is None:
         return
     scale = base["step_ms"] / base["predicted_ms"]
     for row in rows:
-        if "predicted_ms" in row:
+        if "error_pct" in row:
             row["predicted_scaled_ms"] = row["predicted_ms"] * scale
             row["error_scaled_pct"] = prediction_error(row["predicted_scaled_ms"], row["step_ms"])
 

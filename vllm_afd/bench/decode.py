@@ -56,8 +56,6 @@ class StepTimers:
         self.attention_s = 0.0
         self.moe_s = 0.0
         self.layers_s = 0.0
-        self.attention_calls = 0
-        self.moe_calls = 0
 
     def take(self) -> dict[str, float]:
         out = {"attn_s": self.attention_s, "moe_s": self.moe_s, "layers_s": self.layers_s}
@@ -110,12 +108,10 @@ def _timed(fn, timers: StepTimers, kind: str):
         dt = time.perf_counter() - start
         if kind == "attention":
             timers.attention_s += dt
-            timers.attention_calls += 1
         elif kind == "layer":
             timers.layers_s += dt
         else:
             timers.moe_s += dt
-            timers.moe_calls += 1
         return out
 
     return wrapper

@@ -65,14 +65,19 @@ def _columns(rows: list[dict[str, Any]]) -> list[int]:
     return [i for i, (title, _, _) in enumerate(COLUMNS) if title not in drop]
 
 
+def footnotes(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per row whose prediction comes with a note (``ab.add_predictions``)."""
+    return [f"{r['name']}: {r['prediction_note']}" for r in rows if r.get("prediction_note")]
+
+
 def format_plain(rows: list[dict[str, Any]]) -> str:
-    """A fixed-width text table."""
+    """A fixed-width text table and its footnotes."""
     keep = _columns(rows)
     table = [[COLUMNS[i][0] for i in keep]] + [[cells(r)[i] for i in keep] for r in rows]
     widths = [max(len(line[j]) for line in table) for j in range(len(keep))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in table]
     lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(line.rstrip() for line in lines)
+    return "\n".join([line.rstrip() for line in lines] + footnotes(rows))
 
 
 def header(settings: dict[str, Any]) -> str:
@@ -99,7 +104,10 @@ def print_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> None:
     for row in rows:
         c = cells(row)
         table.add_row(*[c[i] for i in keep])
-    Console(width=220).print(table)
+    console = Console(width=220)
+    console.print(table)
+    for line in footnotes(rows):
+        console.print(line, highlight=False)
 
 
 def write_plot(rows: list[dict[str, Any]], path: str) -> None:

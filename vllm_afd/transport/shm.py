@@ -37,13 +37,14 @@ found in the segment (a restarted attention rank never repeats one), and tie a r
 request: combine waits for ``response.seq == request.seq``; a reply to a request that has since
 been superseded (its combine timed out and the slot was reused) is dropped.
 
-Waiting. Only two cores are shared by several processes, so waiting is staged (``WaitPolicy``):
-spin on the sequence word for ``spin_s``, then ``os.sched_yield()`` between polls until
-``yield_s``, then sleep with doubling intervals up to ``sleep_max_s``. The FFN side keeps its
-stage across consecutive empty ``recv`` calls and starts again from the spin stage after serving,
-so back-to-back layers are answered from the spin stage while an idle FFN rank costs almost no
-CPU. The spin stage is skipped when the peer last ran on this very CPU (``current_cpu``, written
-into the header by both sides): spinning would only keep the peer from running.
+Waiting is staged (``WaitPolicy``): spin on the sequence word for ``spin_s``, then
+``os.sched_yield()`` between polls until ``yield_s`` (the poll window, ``VLLM_AFD_POLL_MS``), then
+sleep with doubling intervals up to ``sleep_max_s``. The FFN side keeps its stage across
+consecutive empty ``recv`` calls and starts again from the spin stage after serving, so the
+layers of a decode are answered without a wake-up while an FFN rank idle past the window costs
+almost no CPU. The spin stage is skipped when the peer last ran on this very CPU
+(``current_cpu``, written into the header by both sides): spinning would only keep the peer from
+running.
 
 Liveness. The FFN side writes its pid; while waiting, combine checks every
 ``LIVENESS_INTERVAL_S`` that this process still exists, is not a zombie and has the start time it
