@@ -1,6 +1,6 @@
 """``vllm-afd profile``: measure the planner's inputs on the local vLLM backend (CPU here).
 
-    vllm-afd profile [--model DIR] [--out cpu_profile.json] [--threads 1]
+    vllm-afd profile [--model DIR] [--out cpu_profile.json] [--threads 1] [--ffn-gap-ms 2]
 
 FastAFD's model needs, per model and hardware, a colocated profile (D_V, the auxiliary time
 outside attention and routed experts) and fitted constants of the FFN service A2 (tau, u, u_c).
