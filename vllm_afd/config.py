@@ -51,6 +51,16 @@ def afd_section(additional_config: Any) -> dict[str, Any] | None:
     return additional_config.get("afd") or None
 
 
+def non_negative_number(text: str) -> float | None:
+    """``text`` as a finite number >= 0, or ``None`` when it is not one (callers name the
+    setting in their own error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 <= value < float("inf") else None
+
+
 def parse_ratio(text: str) -> tuple[int, int] | None:
     """Parse ``"A:F"`` into ``(A, F)``; ``"auto"`` into ``None`` (the planner decides)."""
     if isinstance(text, str) and text.strip().lower() == "auto":

@@ -599,11 +599,10 @@ def _ints(text: str) -> list[int]:
 
 
 def _milliseconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value < float("inf"):
+    from vllm_afd.config import non_negative_number
+
+    value = non_negative_number(text)
+    if value is None:
         raise argparse.ArgumentTypeError(f"expected milliseconds >= 0, got {text!r}")
     return value
 

@@ -35,7 +35,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from vllm_afd.config import AFDConfigError
+from vllm_afd.config import AFDConfigError, non_negative_number
 from vllm_afd.transport.base import DispatchHandle, TransportSpec
 
 #: Cached row counts per ``ViewCache`` before the cache is dropped and rebuilt (bounds memory).
@@ -88,11 +88,8 @@ def poll_window_s(text: str | None = None) -> float:
     """
     if text is None or not text.strip():
         return DEFAULT_POLL_MS * 1e-3
-    try:
-        ms = float(text)
-    except ValueError:
-        ms = float("nan")
-    if not 0 <= ms < float("inf"):
+    ms = non_negative_number(text)
+    if ms is None:
         raise AFDConfigError(
             f"{POLL_ENV}={text!r}: expected the milliseconds a waiting AFD endpoint polls "
             f"before it sleeps, a number >= 0 (default {DEFAULT_POLL_MS:g})"
