@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import sys
 
-#: Arguments of ``vllm_afd.models.tiny.default_tiny_model`` (the default tiny Qwen3-MoE).
+#: Arguments of ``vllm_afd.bench.tiny_models.default_tiny_model`` (the default tiny Qwen3-MoE).
 TINY_MODEL = {"arch": "qwen3_moe"}
 
 
 def model_dir() -> str:
-    from vllm_afd.models.tiny import default_tiny_model
+    from vllm_afd.bench.tiny_models import default_tiny_model
 
     return str(default_tiny_model(**TINY_MODEL))
 

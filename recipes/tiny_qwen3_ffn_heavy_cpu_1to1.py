@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 
-#: Arguments of ``vllm_afd.models.tiny.default_tiny_model``.
+#: Arguments of ``vllm_afd.bench.tiny_models.default_tiny_model``.
 TINY_MODEL = {
     "arch": "qwen3_moe",
     "hidden_size": 256,
@@ -35,7 +35,7 @@ BATCH = 64
 
 
 def model_dir() -> str:
-    from vllm_afd.models.tiny import default_tiny_model
+    from vllm_afd.bench.tiny_models import default_tiny_model
 
     return str(default_tiny_model(**TINY_MODEL))
 

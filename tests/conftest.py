@@ -12,13 +12,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> str:
-    from vllm_afd.models.tiny import default_tiny_model
+    from vllm_afd.bench.tiny_models import default_tiny_model
 
     return str(default_tiny_model(arch="qwen3_moe"))
 
 
 @pytest.fixture(scope="session")
 def tiny_mixtral(tmp_path_factory) -> str:
-    from vllm_afd.models.tiny import default_tiny_model
+    from vllm_afd.bench.tiny_models import default_tiny_model
 
     return str(default_tiny_model(arch="mixtral"))

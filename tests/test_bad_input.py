@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_afd.runner import child_env
+from vllm_afd.bench.offline_run import child_env
 
 pytestmark = pytest.mark.slow
 

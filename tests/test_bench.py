@@ -29,7 +29,7 @@ from vllm_afd.bench.window import (
     steady_window,
     window_intervals,
 )
-from vllm_afd.cpu_shims import (
+from vllm_afd.patches.cpu_comm import (
     localize_expert_ids,
     pack_rows,
     pad_rows,
@@ -198,7 +198,7 @@ def test_job_env_binds_what_the_plan_says():
 def test_ffn_cpu_lists_and_bind_process():
     from vllm_afd.config import AFDConfigError
     from vllm_afd.placement import ffn_cpu_lists
-    from vllm_afd.procs import bind_process
+    from vllm_afd.host import bind_process
 
     assert ffn_cpu_lists(None, 2) is None and ffn_cpu_lists("", 2) is None
     assert ffn_cpu_lists("1", 1) == [[1]]
@@ -439,7 +439,7 @@ class _GlooComm:
 
 
 def _shim_worker(rank: int, world: int, port: int, queue) -> None:
-    from vllm_afd import cpu_shims
+    from vllm_afd.patches import cpu_comm as cpu_shims
 
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
@@ -479,7 +479,7 @@ def test_install_is_idempotent_and_patches_the_cpu_classes():
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    from vllm_afd import cpu_shims
+    from vllm_afd.patches import cpu_comm as cpu_shims
 
     assert cpu_shims.install() and cpu_shims.install()
     assert CpuCommunicator.all_gatherv is cpu_shims._all_gatherv

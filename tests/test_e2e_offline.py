@@ -1,6 +1,6 @@
 """AFD through the offline ``LLM`` API: greedy outputs token-identical to colocated (float32).
 
-Each configuration runs in a fresh process (``vllm_afd.runner``), with chunked prefill and
+Each configuration runs in a fresh process (``vllm_afd.bench.offline_run``), with chunked prefill and
 prefix caching on, prompts of different lengths (one longer than the chunk size, two sharing a
 long prefix) submitted together.
 """
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from vllm_afd.runner import run_generation
+from vllm_afd.bench.offline_run import run_generation
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.serverlib import free_port, session_processes
-from vllm_afd.runner import child_env, run_generation
+from vllm_afd.bench.offline_run import child_env, run_generation
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_afd.ffn_executor import (
+from vllm_afd.ffn.executor import (
     TorchExperts,
     VllmCpuExperts,
     expert_range,
@@ -16,7 +16,7 @@ from vllm_afd.ffn_executor import (
 
 @pytest.fixture(scope="module")
 def sharded_model(tmp_path_factory) -> str:
-    from vllm_afd.models.tiny import build_tiny_model
+    from vllm_afd.bench.tiny_models import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("sharded"), shards=4))
 

@@ -321,7 +321,7 @@ def test_ffn_executor_writes_its_block(tiny_qwen3):
     """A real FFN executor (tiny model, shm transport) serving one dispatch."""
     import torch
 
-    from vllm_afd.ffn_executor import FFNExecutor
+    from vllm_afd.ffn.executor import FFNExecutor
     from vllm_afd.transport import TransportSpec, create_attention_transport
 
     config = json.loads((Path(tiny_qwen3) / "config.json").read_text())

@@ -227,7 +227,7 @@ def _job(model: str, afd: dict | None) -> dict:
 def test_two_microbatches_match_colocated(tiny_qwen3) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from vllm_afd.runner import run_generation
+    from vllm_afd.bench.offline_run import run_generation
 
     with ThreadPoolExecutor(2) as workers:  # two engines side by side halve the wall time
         colocated = workers.submit(run_generation, _job(tiny_qwen3, None))

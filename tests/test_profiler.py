@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from vllm_afd import profiler
+from vllm_afd.planner import calibrate as profiler
 from vllm_afd.planner.cpu import load_cpu_fit, predict_colocated
 from vllm_afd.planner.hardware import load_hardware
 from vllm_afd.planner.models import ModelSpec
@@ -127,7 +127,7 @@ def test_kernel_samples_take_the_moe_layers_in_turn(tiny_qwen3, monkeypatch):
     import torch
     from transformers import AutoConfig
 
-    from vllm_afd import ffn_executor
+    from vllm_afd.ffn import executor as ffn_executor
     from vllm_afd.config import moe_model_info
 
     calls = []

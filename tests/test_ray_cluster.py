@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from vllm_afd.runner import run_generation
+from vllm_afd.bench.offline_run import run_generation
 
 pytestmark = pytest.mark.slow
 

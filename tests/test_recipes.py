@@ -23,7 +23,7 @@ def test_there_are_recipes():
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_bench_config_is_complete_and_valid(path):
     from vllm_afd.bench.ab import DEFAULTS, build_configs, load_recipe
-    from vllm_afd.models.tiny import TinyModelSpec
+    from vllm_afd.bench.tiny_models import TinyModelSpec
 
     config = load_recipe(str(path))
     assert set(DEFAULTS) <= set(config), set(DEFAULTS) - set(config)

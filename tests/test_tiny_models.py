@@ -14,7 +14,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from vllm_afd.models import tiny
-from vllm_afd.models.tiny import (
+from vllm_afd.bench.tiny_models import (
     ARCHS,
     CHECKPOINT_NAMES,
     build_tiny_model,

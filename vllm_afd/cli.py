@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     if command == "serve":
         return _run_user_facing(serve, rest)
     if command == "demo":
-        from vllm_afd.demo import main as demo_main
+        from vllm_afd.bench.demo import main as demo_main
 
         return demo_main(rest)
     if command == "plan":
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
 
         return plan_main(rest)
     if command == "profile":
-        from vllm_afd.profiler import main as profile_main
+        from vllm_afd.planner.calibrate import main as profile_main
 
         return profile_main(rest)
     if command == "bench":
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
 
         return bench_main(rest)
     if command == "tiny-model":
-        from vllm_afd.models.tiny import main as tiny_main
+        from vllm_afd.bench.tiny_models import main as tiny_main
 
         return tiny_main(rest)
     print(__doc__)

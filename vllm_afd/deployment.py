@@ -104,7 +104,7 @@ def setup_afd(vllm_config) -> None:
         vllm_config.additional_config["afd"] = afd.to_dict()
     info.check_ffn_ranks(afd.num_ffn_ranks(ranks))
     from vllm_afd.placement import FFN_CPUS_ENV, ffn_cpu_lists, start_ffn_group
-    from vllm_afd.transport.common import POLL_ENV, poll_window_s
+    from vllm_afd.transport.p2p import POLL_ENV, poll_window_s
 
     ffn_cpu_lists(os.environ.get(FFN_CPUS_ENV), afd.num_ffn_ranks(ranks))
     poll_window_s(os.environ.get(POLL_ENV))
@@ -135,7 +135,7 @@ def _resolve_auto(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config)
 
     from vllm.platforms import current_platform
 
-    from vllm_afd.planner_bridge import recommend_for_deployment
+    from vllm_afd.planner.auto_ratio import recommend_for_deployment
 
     attn, ffn, line = recommend_for_deployment(
         info,

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from vllm_afd.config import AFDConfig, AFDConfigError, MoEModelInfo
-from vllm_afd.procs import bind_process, pid_alive
+from vllm_afd.host import bind_process, pid_alive
 from vllm_afd.transport import TransportSpec
 
 logger = logging.getLogger("vllm.afd")
@@ -45,7 +45,7 @@ class FFNRank:
     """The Ray actor: one FFN rank (wraps ``FFNExecutor``)."""
 
     def __init__(self, spec_json: str, rank: int, model_dir: str, device: str) -> None:
-        from vllm_afd.ffn_executor import FFNExecutor
+        from vllm_afd.ffn.executor import FFNExecutor
 
         spec = spec_from_json(spec_json)
         cpus = ffn_cpu_lists(os.environ.get(FFN_CPUS_ENV), spec.num_ffn_ranks)

@@ -15,7 +15,7 @@ from vllm_afd.transport.reference import FFNForward
 @pytest.fixture(scope="session")
 def mp_ctx():
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["vllm_afd.transport.reference"])
+    ctx.set_forkserver_preload(["vllm_afd.testing.ffn"])
     return ctx
 
 

@@ -9,7 +9,7 @@ from transport_testlib import make_spec, routing
 
 from vllm_afd.config import AFDConfigError
 from vllm_afd.transport import DispatchHandle, common
-from vllm_afd.transport.common import (
+from vllm_afd.transport.p2p import (
     DEFAULT_POLL_MS,
     POLL_ENV,
     Backoff,

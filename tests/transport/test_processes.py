@@ -15,8 +15,8 @@ import torch
 from transport_testlib import attach_and_exit, leftover_segments, make_spec, routing
 
 from vllm_afd.transport import TransportError
+from vllm_afd.testing.ffn import DelayedForward
 from vllm_afd.transport.reference import (
-    DelayedForward,
     LocalMoE,
     ScaleExperts,
     SiluMulExperts,

@@ -1,6 +1,6 @@
 """Helpers for transport tests: small specs, random routing, FFN ranks in child processes.
 
-FFN ranks run ``reference.ffn_worker_main`` in processes forked from a forkserver that has
+FFN ranks run ``testing.ffn.ffn_worker_main`` in processes forked from a forkserver that has
 imported torch once (see conftest), so that starting one costs tens of milliseconds instead of
 seconds. Every process is joined with a timeout and killed if it does not stop.
 """
@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from vllm_afd.transport import TransportSpec, create_attention_transport
-from vllm_afd.transport.reference import FFNForward, ffn_worker_main
+from vllm_afd.testing.ffn import ffn_worker_main
+from vllm_afd.transport.reference import FFNForward
 from vllm_afd.transport.shm import SHM_DIR, reap_stale_segments
 
 #: Segment-name prefix of this test run (the shm FFN side takes it from spec.addresses).

@@ -513,7 +513,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     settings = settings_from_args(args)
     if not settings["model"]:
-        from vllm_afd.models.tiny import default_tiny_model
+        from vllm_afd.bench.tiny_models import default_tiny_model
 
         settings["model"] = str(default_tiny_model(**settings.get("tiny_model", {})))
     configs = build_configs(settings)

@@ -31,8 +31,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from vllm_afd.procs import bind_process
-from vllm_afd.runner import param_bytes
+from vllm_afd.host import bind_process
+from vllm_afd.bench.offline_run import param_bytes
 
 RESULT_PREFIX = "VLLM_AFD_BENCH "
 #: CPUs ("0,1") this child binds itself to before it starts anything (``launch.core_plan``).
@@ -154,7 +154,7 @@ class Driver:
     def __init__(self, job: dict[str, Any]) -> None:
         from vllm import LLM
 
-        from vllm_afd import cpu_shims
+        from vllm_afd.patches import cpu_comm as cpu_shims
 
         cpu_shims.install()  # DP / wide EP on CPU (also installed by the plugin when wired)
         self.job = job

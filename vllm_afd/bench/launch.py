@@ -29,7 +29,7 @@ from typing import Any
 
 from vllm_afd.bench.decode import BENCH_CPUS_ENV, RESULT_PREFIX
 from vllm_afd.placement import FFN_CPUS_ENV
-from vllm_afd.runner import child_env
+from vllm_afd.bench.offline_run import child_env
 
 CHILD_TIMEOUT_S = 600.0
 

@@ -66,8 +66,8 @@ from collections.abc import Callable
 import torch
 
 from vllm_afd.transport import TransportSpec, create_attention_transport
-from vllm_afd.transport.common import WaitPolicy
-from vllm_afd.transport.reference import EchoForward, ffn_worker_main
+from vllm_afd.transport.p2p import WaitPolicy
+from vllm_afd.testing.ffn import EchoForward, ffn_worker_main
 
 DEFAULT_TOKENS = (1, 4, 16, 64, 256, 512)
 DEFAULT_HIDDEN = (128, 1024, 4096)
@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     if cpus:
         os.sched_setaffinity(0, {cpus[0]})
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["vllm_afd.transport.reference"])
+    ctx.set_forkserver_preload(["vllm_afd.testing.ffn"])
     print("  ".join(f"{c:>11}" for c in _COLUMNS))
     results = []
     largest = _message_bytes(

@@ -30,6 +30,8 @@ known dead (backends check liveness while waiting) or after ``TransportSpec.time
 from __future__ import annotations
 
 import abc
+import dataclasses
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +72,25 @@ class TransportSpec:
     @property
     def experts_per_ffn_rank(self) -> int:
         return self.num_experts // self.num_ffn_ranks
+
+    def expert_range(self, ffn_rank: int) -> range:
+        """Global expert ids held by ``ffn_rank`` (contiguous placement)."""
+        per_rank = self.experts_per_ffn_rank
+        return range(ffn_rank * per_rank, (ffn_rank + 1) * per_rank)
+
+    def to_json(self) -> str:
+        """The spec as JSON (the front-end hands it to every process it starts)."""
+        data = dataclasses.asdict(self)
+        data["dtype"] = str(self.dtype).removeprefix("torch.")
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> TransportSpec:
+        """Inverse of ``to_json``."""
+        data = json.loads(text)
+        data["dtype"] = getattr(torch, data["dtype"])
+        data["addresses"] = tuple(data["addresses"])
+        return cls(**data)
 
     def ffn_rank_of(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """FFN rank holding each global expert id (same shape as ``expert_ids``)."""

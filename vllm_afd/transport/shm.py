@@ -77,7 +77,13 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_afd.procs import process_start_time
+from vllm_afd.host import (
+    SHM_DIR,
+    pid_namespace,
+    process_start_time,
+    reap_segments,
+    unlink_segment,
+)
 from vllm_afd.transport.base import (
     AttentionTransport,
     DispatchHandle,
@@ -86,7 +92,7 @@ from vllm_afd.transport.base import (
     TransportError,
     TransportSpec,
 )
-from vllm_afd.transport.common import (
+from vllm_afd.transport.p2p import (
     Backoff,
     RowViews,
     ViewCache,
@@ -100,7 +106,6 @@ from vllm_afd.transport.common import (
 )
 
 DEFAULT_PREFIX = "vllm_afd_"
-SHM_DIR = "/dev/shm"
 #: How often a waiting combine checks that the FFN process is alive.
 LIVENESS_INTERVAL_S = 0.05
 
@@ -279,36 +284,10 @@ class _Segment:
             pass  # an FFNRequest view is still alive; the mapping goes when it does
 
 
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
 def _unlink_if_creator(name: str, creator_pid: int) -> None:
     """Finalizer of the FFN side: a forked child inherits it and must not unlink."""
     if os.getpid() == creator_pid:
-        _unlink(name)
-
-
-def _unlink(name: str) -> bool:
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def _read_header(name: str) -> tuple[int, ...] | None:
-    try:
-        with open(os.path.join(SHM_DIR, name), "rb") as fh:
-            raw = fh.read(8 * _G_LAYOUT)
-    except OSError:
-        return None
-    if len(raw) < 8 * _G_LAYOUT:
-        return None
-    return tuple(memoryview(raw).cast("q"))
+        unlink_segment(name)
 
 
 def reap_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
@@ -317,18 +296,15 @@ def reap_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
     Returns:
         The names unlinked.
     """
-    reaped = []
-    own_ns = _pid_namespace()
-    for name in os.listdir(SHM_DIR):
+    own_ns = pid_namespace()
+
+    def is_stale(name: str, header) -> bool:
         pid = name[len(prefix) :].split("_", 1)[0]
-        if not name.startswith(prefix) or not pid.isdigit():
-            continue
-        header = _read_header(name)
-        if header is None or header[_G_MAGIC] != _MAGIC or header[_G_PIDNS] != own_ns:
-            continue
-        if process_start_time(int(pid)) is None and _unlink(name):
-            reaped.append(name)
-    return reaped
+        if not pid.isdigit() or header[_G_MAGIC] != _MAGIC or header[_G_PIDNS] != own_ns:
+            return False
+        return process_start_time(int(pid)) is None
+
+    return reap_segments(prefix, _G_LAYOUT, is_stale)
 
 
 def _warn_if_not_tso() -> None:
@@ -384,7 +360,7 @@ class ShmAttentionTransport(AttentionTransport):
     def _creator(self, segment: _Segment) -> tuple[int, int | None]:
         """(pid, start time) of the FFN process; start time ``None`` = not checkable."""
         pid = segment.words[_G_PID]
-        if segment.words[_G_PIDNS] != _pid_namespace():
+        if segment.words[_G_PIDNS] != pid_namespace():
             return pid, None
         start = process_start_time(pid)
         if start is None:
@@ -537,7 +513,7 @@ class ShmFFNTransport(FFNTransport):
             words[_G_LAYOUT + i] = value
         words[_G_VERSION] = _VERSION
         words[_G_PID] = os.getpid()
-        words[_G_PIDNS] = _pid_namespace()
+        words[_G_PIDNS] = pid_namespace()
         words[_G_FFN_CPU] = -1
         for a in range(self.spec.num_attention_ranks):
             words[_G_ATTN_CPU + a] = -1

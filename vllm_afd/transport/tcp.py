@@ -55,7 +55,7 @@ from vllm_afd.transport.base import (
     TransportError,
     TransportSpec,
 )
-from vllm_afd.transport.common import (
+from vllm_afd.transport.p2p import (
     Backoff,
     RowViews,
     WaitPolicy,

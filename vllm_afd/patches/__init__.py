@@ -139,7 +139,7 @@ def _register_layers() -> None:
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-    from vllm_afd.attention import AFDRoutedExperts
+    from vllm_afd.remote_experts import AFDRoutedExperts
 
     if "RoutedExperts" not in op_registry_oot:
         RoutedExperts.register_oot(AFDRoutedExperts)
@@ -151,7 +151,8 @@ def apply_all() -> None:
     _patch_health()
     _patch_metrics()
     _register_layers()
-    from vllm_afd import cpu_shims, microbatch
+    from vllm_afd import microbatch
+    from vllm_afd.patches import cpu_comm as cpu_shims
 
     microbatch.install()
     cpu_shims.install()

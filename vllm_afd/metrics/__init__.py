@@ -61,14 +61,19 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from vllm_afd.procs import process_start_time
+from vllm_afd.host import (
+    SHM_DIR,
+    pid_namespace,
+    process_start_time,
+    reap_segments,
+    unlink_segment,
+)
 
 logger = logging.getLogger("vllm.afd")
 
 #: Same name as ``placement.RUNTIME_ENV`` (not imported: this module must stay light, it is
 #: imported by every vLLM process through the plugin).
 RUNTIME_ENV = "VLLM_AFD_RUNTIME"
-SHM_DIR = "/dev/shm"
 PREFIX = "vllm_afd_metrics_"
 
 #: Histogram upper bounds (seconds) for FFN service time and exposed FFN time per round trip.
@@ -135,25 +140,10 @@ def attention_block_name(addresses: Sequence[str], rank: int) -> str:
     return f"{PREFIX}{deployment_id(addresses)}_a{rank}"
 
 
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
 def _writer_alive(pid: int, start_time: int) -> bool:
     """Process ``pid`` runs and is the one that recorded ``start_time`` (0: not recorded)."""
     now = process_start_time(pid)
     return now is not None and (start_time == 0 or now == start_time)
-
-
-def _unlink(name: str) -> bool:
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-        return True
-    except FileNotFoundError:
-        return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,10 +218,10 @@ class _Writer:
             self._mm = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
-            _unlink(name)
+            unlink_segment(name)
             raise
         os.close(fd)
-        self._finalizer = weakref.finalize(self, _unlink, name)
+        self._finalizer = weakref.finalize(self, unlink_segment, name)
         self._q = memoryview(self._mm).cast("q")
         #: float64 words, the hot-path view.
         self.d = memoryview(self._mm).cast("d")
@@ -241,7 +231,7 @@ class _Writer:
         q[_H_VERSION], q[_H_ROLE], q[_H_RANK] = _VERSION, self.role, rank
         q[_H_PID] = pid = os.getpid()
         q[_H_START] = process_start_time(pid) or 0
-        q[_H_PIDNS] = _pid_namespace()
+        q[_H_PIDNS] = pid_namespace()
         q[_H_LAYERS], q[_H_PEERS], q[_H_BUCKETS] = layout.layers, layout.peers, layout.buckets
         q[_H_STATE] = _STATE_OPEN
         q[_H_MAGIC] = _MAGIC  # publish last
@@ -370,7 +360,7 @@ class BlockSnapshot:
         """Writer process still running (and block open); see module docstring."""
         if self.closed:
             return False
-        if self.pid_namespace != _pid_namespace():
+        if self.pid_namespace != pid_namespace():
             return True  # not checkable from here
         return _writer_alive(self.pid, self.start_time)
 
@@ -417,28 +407,14 @@ def read_block(name: str) -> BlockSnapshot | None:
 
 def reap_stale_blocks() -> list[str]:
     """Unlink stats blocks whose writer (in this pid namespace) is gone; returns their names."""
-    reaped = []
-    own_ns = _pid_namespace()
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return reaped
-    for name in names:
-        if not name.startswith(PREFIX):
-            continue
-        try:
-            with open(os.path.join(SHM_DIR, name), "rb") as fh:
-                raw = fh.read(8 * _HEADER_WORDS)
-        except OSError:
-            continue
-        if len(raw) < 8 * _HEADER_WORDS:
-            continue
-        q = memoryview(raw).cast("q")
+    own_ns = pid_namespace()
+
+    def is_stale(name: str, q) -> bool:
         if q[_H_MAGIC] != _MAGIC or q[_H_PIDNS] != own_ns:
-            continue
-        if not _writer_alive(q[_H_PID], q[_H_START]) and _unlink(name):
-            reaped.append(name)
-    return reaped
+            return False
+        return not _writer_alive(q[_H_PID], q[_H_START])
+
+    return reap_segments(PREFIX, _HEADER_WORDS, is_stale)
 
 
 def unlink_deployment_blocks(spec) -> list[str]:
@@ -447,7 +423,7 @@ def unlink_deployment_blocks(spec) -> list[str]:
     addresses, num_attention, _ = _spec_fields(spec)
     names = [ffn_block_name(a, f) for f, a in enumerate(addresses)]
     names += [attention_block_name(addresses, a) for a in range(num_attention)]
-    return [name for name in names if _unlink(name)]
+    return [name for name in names if unlink_segment(name)]
 
 
 def _spec_fields(spec) -> tuple[tuple[str, ...], int, int]:

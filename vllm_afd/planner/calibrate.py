@@ -284,7 +284,7 @@ def kernel_sampler(model_dir: str, info, tokens: list[int], ffn_counts: list[int
     """Sampler of the local expert kernel of one layer, keyed (m, W bytes), per FFN-rank share."""
     import torch
 
-    from vllm_afd.ffn_executor import load_routed_experts, make_expert_kernel
+    from vllm_afd.ffn.executor import load_routed_experts, make_expert_kernel
 
     calls = {}
     for f in ffn_counts:
@@ -325,14 +325,14 @@ def _ffn_child(
     """Process entry: one FFN rank (the product's executor) serving until told to stop."""
     import torch
 
-    from vllm_afd.ffn_executor import FFNExecutor
-    from vllm_afd.placement import spec_from_json
-    from vllm_afd.procs import bind_process
+    from vllm_afd.ffn.executor import FFNExecutor
+    from vllm_afd.host import bind_process
+    from vllm_afd.transport import TransportSpec
 
     if cpus:
         bind_process(cpus)
     torch.set_num_threads(threads)
-    executor = FFNExecutor(spec_from_json(spec_json), 0, model_dir, "cpu")
+    executor = FFNExecutor(TransportSpec.from_json(spec_json), 0, model_dir, "cpu")
     executor.start()
     conn.send(executor.address)
     stop_event.wait()
@@ -361,7 +361,6 @@ class RemoteFFN:
         cpus: list[int] | None = None,
         gap_s: float = 0.0,
     ) -> None:
-        from vllm_afd.placement import spec_to_json
         from vllm_afd.transport import TransportSpec
 
         self.info, self.tokens, self.dtype, self.gap_s = info, tokens, dtype, gap_s
@@ -381,7 +380,7 @@ class RemoteFFN:
         self.proc = ctx.Process(
             target=_ffn_child,
             daemon=True,
-            args=(spec_to_json(self.spec), model_dir, threads, cpus, child, self.stop),
+            args=(self.spec.to_json(), model_dir, threads, cpus, child, self.stop),
         )
         self.endpoint = None
 
@@ -647,7 +646,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from vllm_afd.bench.launch import core_plan
     from vllm_afd.config import moe_model_info
-    from vllm_afd.models.tiny import default_tiny_model
+    from vllm_afd.bench.tiny_models import default_tiny_model
     from vllm_afd.planner.cpu import CpuFit, cpu_fit_to_dict
     from vllm_afd.planner.models import get_model
 

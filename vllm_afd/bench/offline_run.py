@@ -6,7 +6,7 @@ process is also what a user's deployment is. The child prints one JSON line with
 token ids, timings, and the parameter bytes held by attention rank 0 and by each FFN rank, so
 that the demo, the A/B harness and the tests all compare like with like.
 
-    python -m vllm_afd.runner '{"model": "...", "prompts": [...], "afd": {"ratio": "1:1"}}'
+    python -m vllm_afd.bench.offline_run '{"model": "...", "prompts": [...], "afd": {"ratio": "1:1"}}'
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def run_generation(job: dict[str, Any], timeout_s: float = 600.0) -> dict[str, A
     """
     env = child_env(job.get("tensor_parallel_size", 1), job.get("env"))
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_afd.runner", json.dumps(job)],
+        [sys.executable, "-m", "vllm_afd.bench.offline_run", json.dumps(job)],
         env=env,
         capture_output=True,
         text=True,

@@ -669,7 +669,7 @@ def default_tiny_model(
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_afd.models.tiny",
+        prog="python -m vllm_afd.bench.tiny_models",
         description="Build a tiny random-weight MoE model and tokenizer offline.",
     )
     parser.add_argument("out_dir", help="directory to write (created if missing)")

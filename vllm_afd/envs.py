@@ -1,0 +1,174 @@
+"""Every ``VLLM_AFD_*`` environment variable, declared once: typed, validated, documented.
+
+The shape of vLLM's own ``vllm/envs.py``: ``environment_variables`` maps each name to a parser,
+and ``envs.VLLM_AFD_POLL_MS`` (module ``__getattr__``) reads and parses it at each access, so
+tests can change the environment (``monkeypatch.setenv``) and a value set by the front-end is
+seen by the processes it starts. A bad value raises one ``AFDConfigError`` naming the variable
+and what is allowed; ``check_all`` runs every check in the front-end before anything starts.
+
+Variables a user sets:
+
+``VLLM_AFD_FFN_CPUS``
+    CPU binding of the FFN ranks: one CPU list per FFN rank, ``|``-separated, in the syntax of
+    vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` (``"1"``, ``"2-3|4-5"``). Unset: no binding. On a CPU
+    host this keeps the FFN ranks off the cores vLLM binds the attention ranks to.
+``VLLM_AFD_FFN_THREADS``
+    PyTorch threads per FFN rank (integer >= 1, default 1).
+``VLLM_AFD_POLL_MS``
+    Milliseconds a waiting transport endpoint polls (spin, then yield the CPU) before it
+    sleeps (number >= 0, default 20); see ``transport/p2p.py``.
+``VLLM_AFD_PLAN_HARDWARE`` / ``VLLM_AFD_PLAN_PROFILE``
+    Planner inputs of ``--afd-ratio auto``: a hardware preset or file, and a profile file
+    written by ``vllm-afd profile`` (see docs/planner.md).
+``VLLM_AFD_BENCH_CPUS``
+    Comma-separated CPUs a ``vllm-afd bench`` rank process binds itself to (set by the bench).
+
+Variables the product sets (the front-end's hand-off to every process it starts afterwards):
+
+``VLLM_AFD_RUNTIME``
+    The running FFN group's ``TransportSpec`` as JSON (``TransportSpec.to_json``).
+``VLLM_AFD_FFN_PIDS``
+    ``host:pid`` of each FFN rank, comma-separated (``/health`` checks they are alive).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from vllm_afd.config import AFDConfigError
+
+RUNTIME = "VLLM_AFD_RUNTIME"
+FFN_PIDS = "VLLM_AFD_FFN_PIDS"
+FFN_CPUS = "VLLM_AFD_FFN_CPUS"
+FFN_THREADS = "VLLM_AFD_FFN_THREADS"
+POLL_MS = "VLLM_AFD_POLL_MS"
+PLAN_HARDWARE = "VLLM_AFD_PLAN_HARDWARE"
+PLAN_PROFILE = "VLLM_AFD_PLAN_PROFILE"
+BENCH_CPUS = "VLLM_AFD_BENCH_CPUS"
+DEFAULT_POLL_MS = 20.0
+
+
+def non_negative_number(text: str) -> float | None:
+    """``text`` as a finite number >= 0, or ``None`` when it is not one (callers name the
+    setting in their own error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 <= value < float("inf") else None
+
+
+def _text(name: str) -> str | None:
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def _poll_ms() -> float:
+    text = _text(POLL_MS)
+    if text is None:
+        return DEFAULT_POLL_MS
+    ms = non_negative_number(text)
+    if ms is None:
+        raise AFDConfigError(
+            f"{POLL_MS}={text!r}: expected the milliseconds a waiting AFD endpoint polls "
+            f"before it sleeps, a number >= 0 (default {DEFAULT_POLL_MS:g})"
+        )
+    return ms
+
+
+def _ffn_threads() -> int:
+    text = _text(FFN_THREADS)
+    if text is None:
+        return 1
+    if not text.isdigit() or int(text) < 1:
+        raise AFDConfigError(
+            f"{FFN_THREADS}={text!r}: expected the PyTorch threads of each FFN rank, "
+            "an integer >= 1 (default 1)"
+        )
+    return int(text)
+
+
+def _ffn_cpus() -> list[list[int]] | None:
+    text = _text(FFN_CPUS)
+    if text is None:
+        return None
+    from vllm.utils.cpu_resource_utils import parse_id_list
+
+    try:
+        lists = [parse_id_list(part.strip()) for part in text.split("|")]
+    except ValueError:
+        lists = []
+    if not lists or not all(lists):
+        raise AFDConfigError(_ffn_cpus_error(text, None))
+    return lists
+
+
+def _ffn_cpus_error(text: str, num_ffn_ranks: int | None) -> str:
+    count = "" if num_ffn_ranks is None else f" ({num_ffn_ranks})"
+    return (
+        f"{FFN_CPUS}={text!r}: need one CPU list per FFN rank{count}, '|'-separated, "
+        "e.g. '1' or '2-3|4-5'"
+    )
+
+
+def _ffn_pids() -> list[tuple[str, int]]:
+    out = []
+    for entry in filter(None, (_text(FFN_PIDS) or "").split(",")):
+        host, _, pid = entry.rpartition(":")
+        out.append((host, int(pid)))
+    return out
+
+
+def _bench_cpus() -> list[int] | None:
+    text = _text(BENCH_CPUS)
+    return None if text is None else [int(c) for c in text.split(",")]
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    RUNTIME: lambda: _text(RUNTIME),
+    FFN_PIDS: _ffn_pids,
+    FFN_CPUS: _ffn_cpus,
+    FFN_THREADS: _ffn_threads,
+    POLL_MS: _poll_ms,
+    PLAN_HARDWARE: lambda: _text(PLAN_HARDWARE),
+    PLAN_PROFILE: lambda: _text(PLAN_PROFILE),
+    BENCH_CPUS: _bench_cpus,
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)
+
+
+def ffn_cpu_lists(num_ffn_ranks: int) -> list[list[int]] | None:
+    """``VLLM_AFD_FFN_CPUS`` checked against the FFN rank count; ``None`` when unset."""
+    lists = _ffn_cpus()
+    if lists is not None and len(lists) != num_ffn_ranks:
+        raise AFDConfigError(_ffn_cpus_error(os.environ[FFN_CPUS], num_ffn_ranks))
+    return lists
+
+
+def runtime_json() -> str:
+    """``VLLM_AFD_RUNTIME``; raises a clear error in a process the front-end did not start."""
+    text = _text(RUNTIME)
+    if text is None:
+        raise RuntimeError(
+            f"AFD is configured but {RUNTIME} is unset: the FFN group was not started by "
+            "this deployment's front-end (use `vllm-afd serve` or `vllm serve --afd-ratio`)"
+        )
+    return text
+
+
+def check_all(num_ffn_ranks: int) -> None:
+    """Parse every user-set variable now (front-end, before anything starts)."""
+    ffn_cpu_lists(num_ffn_ranks)
+    for name in (FFN_THREADS, POLL_MS, BENCH_CPUS):
+        environment_variables[name]()

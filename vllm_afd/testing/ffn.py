@@ -1,0 +1,96 @@
+"""What the tests and the transport micro-benchmark run on an FFN rank instead of the product's
+executor: a reference serve loop (``serve_ffn``), its process entry (``ffn_worker_main``), and
+forwards that compute nothing or misbehave on purpose (``EchoForward``, ``DelayedForward``).
+
+A forward is any picklable ``forward(x, topk_ids, topk_weights, out) -> out`` (see
+``transport.reference.FFNForward``; ``LocalMoE`` is the one that computes experts). ``out`` is the
+request's ``reply_buffer`` (``None`` where the backend has none): every forward here writes its
+answer straight into it, which saves the shm backend its reply copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_afd.transport.base import FFNTransport, TransportSpec
+from vllm_afd.transport.reference import FFNForward
+
+
+@dataclass
+class EchoForward:
+    """Transport-only FFN: returns ``x * scale`` (no expert compute)."""
+
+    scale: float = 2.0
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return torch.mul(x, self.scale, out=out)
+
+
+@dataclass
+class DelayedForward:
+    """Fault injection: sleeps ``delay_s`` before running ``inner`` (a slow or hung FFN rank)."""
+
+    inner: FFNForward
+    delay_s: float
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        time.sleep(self.delay_s)
+        return self.inner(x, topk_ids, topk_weights, out)
+
+
+def serve_ffn(
+    transport: FFNTransport,
+    forward: FFNForward,
+    should_stop: Callable[[], bool],
+    poll_s: float = 0.05,
+) -> int:
+    """Reference FFN loop: answer every request until ``should_stop()`` (checked when idle).
+
+    Returns:
+        The number of requests answered.
+    """
+    served = 0
+    while True:
+        requests = transport.recv(poll_s)
+        if not requests and should_stop():
+            return served
+        for request in requests:
+            out = forward(request.x, request.topk_ids, request.topk_weights, request.reply_buffer)
+            transport.reply(request, out)
+        served += len(requests)
+
+
+def ffn_worker_main(
+    spec: TransportSpec, rank: int, forward: FFNForward, conn, stop_event, num_threads: int = 1
+) -> None:
+    """Process entry of a reference FFN rank (tests, micro-benchmark).
+
+    Creates the FFN endpoint, sends its ``address`` through ``conn`` (a ``multiprocessing``
+    connection), serves until ``stop_event`` is set, then closes the endpoint.
+    """
+    torch.set_num_threads(num_threads)
+    from vllm_afd.transport import create_ffn_transport
+
+    transport = create_ffn_transport(spec, rank)
+    try:
+        conn.send(transport.address)
+        serve_ffn(transport, forward, stop_event.is_set)
+    finally:
+        transport.close()
+        conn.close()
