@@ -1,9 +1,11 @@
 """AFD configuration: one frozen, self-validating dataclass, built at the edge.
 
-Two spellings land here: the flags (``--afd-ratio 2:1 --afd-transport shm ...``, added to vLLM's
-parser by ``patches.py``) and the long form ``--additional-config '{"afd": {...}}'``. Both end
-up as the dict ``VllmConfig.additional_config["afd"]``, which every vLLM process receives, and
-``AFDConfig.from_dict`` turns that dict into this dataclass wherever it is needed.
+Two spellings land here: the flags (``--afd-ratio 2:1 --afd-transport shm ...``, declared once
+as ``AFDConfig`` field metadata and added to vLLM's parser by patch P1) and the long form
+``--additional-config '{"afd": {...}}'``. Both end up as the dict
+``VllmConfig.additional_config["afd"]``, which every vLLM process receives, and
+``AFDConfig.of(vllm_config)`` turns it into this dataclass wherever it is needed.
+``check_supported`` is the one check of a vLLM config against what AFD can run.
 
 A:F semantics. A attention ranks per F FFN ranks. Attention ranks are vLLM's engine ranks
 (data parallel x tensor parallel); the FFN rank count is ``attention_ranks * F / A`` and must be
@@ -15,24 +17,14 @@ Every error names the flag (and its ``additional_config`` key) and what is allow
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
-#: Flag name -> additional_config key, for error messages and the CLI.
-FLAG_KEYS = {
-    "--afd-ratio": "ratio",
-    "--afd-transport": "transport",
-    "--afd-ffn-device": "ffn_device",
-    "--afd-timeout": "timeout_s",
-    "--afd-ray-address": "ray_address",
-    "--afd-microbatches": "microbatches",
-    "--afd-ffn-host": "ffn_host",
-}
-_KEY_FLAGS = {v: k for k, v in FLAG_KEYS.items()}
-FFN_DEVICES = ("auto", "cpu", "cuda")
+FFNDevice = Literal["auto", "cpu", "cuda"]
 _RATIO_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 
 
@@ -40,8 +32,9 @@ class AFDConfigError(ValueError):
     """Invalid AFD configuration. The message names the flag and what is allowed."""
 
 
-def _where(key: str) -> str:
-    return f"{_KEY_FLAGS.get(key, key)} (additional_config.afd.{key})"
+def _flag(name: str, help: str, metavar: str | None = None, **argparse_kwargs: Any) -> dict:
+    """Field metadata: the field's ``vllm serve`` flag and its help text (one source)."""
+    return {"flag": name, "help": help, "metavar": metavar, **argparse_kwargs}
 
 
 def afd_section(additional_config: Any) -> dict[str, Any] | None:
@@ -49,16 +42,6 @@ def afd_section(additional_config: Any) -> dict[str, Any] | None:
     if not isinstance(additional_config, dict):
         return None
     return additional_config.get("afd") or None
-
-
-def non_negative_number(text: str) -> float | None:
-    """``text`` as a finite number >= 0, or ``None`` when it is not one (callers name the
-    setting in their own error)."""
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return value if 0 <= value < float("inf") else None
 
 
 def parse_ratio(text: str) -> tuple[int, int] | None:
@@ -79,24 +62,87 @@ def parse_ratio(text: str) -> tuple[int, int] | None:
     return attn, ffn
 
 
+def _ratio_arg(text: str) -> str:
+    try:
+        parse_ratio(text)
+    except AFDConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
 @dataclass(frozen=True)
 class AFDConfig:
-    """User-facing AFD settings (what the flags say), validated on construction."""
+    """User-facing AFD settings (what the flags say), validated on construction.
+
+    Each field's metadata holds its ``vllm serve`` flag and help text: the argparse group
+    (``add_afd_flags``), ``FLAG_KEYS`` and the README's flag table all derive from it.
+    """
 
     #: ``(A, F)``: A attention ranks per F FFN ranks; ``None`` means "auto" (planner).
-    ratio: tuple[int, int] | None
+    ratio: tuple[int, int] | None = field(
+        metadata=_flag(
+            "--afd-ratio",
+            "Turn AFD on: A attention ranks (data parallel x tensor parallel engine ranks) per "
+            "F FFN ranks, e.g. 7:1. The FFN rank count is attention_ranks*F/A and must be "
+            "whole. 'auto' lets the planner pick the ratio.",
+            "A:F",
+            type=_ratio_arg,
+        )
+    )
     #: Transport backend name (see ``vllm_afd.transport.available_transports()``).
-    transport: str = "shm"
+    transport: str = field(
+        default="shm",
+        metadata=_flag(
+            "--afd-transport",
+            "Dispatch/combine backend between attention and FFN ranks: shm (one host, "
+            "shared memory), tcp (across hosts), deepep (GPUs, NVLink/RDMA).",
+        ),
+    )
     #: Device of the FFN executors: ``auto`` follows the attention ranks' platform.
-    ffn_device: str = "auto"
+    ffn_device: FFNDevice = field(
+        default="auto",
+        metadata=_flag(
+            "--afd-ffn-device",
+            "Device of the FFN executors (auto: the attention ranks' platform).",
+            choices=get_args(FFNDevice),
+        ),
+    )
     #: Bound on one FFN round trip before requests fail, in seconds.
-    timeout_s: float = 30.0
+    timeout_s: float = field(
+        default=30.0,
+        metadata=_flag(
+            "--afd-timeout",
+            "Bound on one FFN round trip; past it, in-flight requests fail.",
+            "SECONDS",
+            type=float,
+        ),
+    )
     #: Ray cluster address for the FFN group; ``None`` starts a local Ray instance.
-    ray_address: str | None = None
+    ray_address: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--afd-ray-address",
+            "Ray cluster for the FFN group (default: start Ray locally).",
+            "HOST:PORT",
+        ),
+    )
     #: Microbatches per step on attention ranks (ping-pong overlap); 1 disables.
-    microbatches: int = 2
+    microbatches: int = field(
+        default=2,
+        metadata=_flag(
+            "--afd-microbatches",
+            "Microbatches per decode step for ping-pong overlap of attention and FFN (1 disables).",
+            "K",
+            type=int,
+        ),
+    )
     #: Interface the FFN ranks listen on (tcp transport). Loopback by default.
-    ffn_host: str = "127.0.0.1"
+    ffn_host: str = field(
+        default="127.0.0.1",
+        metadata=_flag(
+            "--afd-ffn-host", "Interface the FFN ranks listen on with the tcp transport.", "IP"
+        ),
+    )
 
     def __post_init__(self) -> None:
         from vllm_afd.transport import available_transports
@@ -106,9 +152,10 @@ class AFDConfig:
                 f"{_where('transport')}: unknown backend {self.transport!r}; allowed: "
                 f"{', '.join(available_transports())}"
             )
-        if self.ffn_device not in FFN_DEVICES:
+        devices = get_args(FFNDevice)
+        if self.ffn_device not in devices:
             raise AFDConfigError(
-                f"{_where('ffn_device')}: {self.ffn_device!r}; allowed: {', '.join(FFN_DEVICES)}"
+                f"{_where('ffn_device')}: {self.ffn_device!r}; allowed: {', '.join(devices)}"
             )
         if not self.timeout_s > 0:
             raise AFDConfigError(
@@ -118,6 +165,16 @@ class AFDConfig:
             raise AFDConfigError(
                 f"{_where('microbatches')}: must be an integer in 1..8, got {self.microbatches}"
             )
+
+    @classmethod
+    def of(cls, vllm_config: Any) -> AFDConfig | None:
+        """The AFD settings of a ``VllmConfig`` (or ``EngineArgs``); ``None`` when AFD is off.
+
+        The one reader of ``additional_config["afd"]``: every process (front-end, engine
+        cores, workers) gets its settings through here.
+        """
+        raw = afd_section(vllm_config.additional_config)
+        return cls.from_dict(raw) if raw else None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> AFDConfig:
@@ -155,6 +212,88 @@ class AFDConfig:
                 f"multiple of {attn // math.gcd(attn, ffn)}, e.g. --data-parallel-size {attn}"
             )
         return attention_ranks * ffn // attn
+
+
+#: Flag name -> additional_config key (derived from the fields' metadata).
+FLAG_KEYS: dict[str, str] = {
+    f.metadata["flag"]: f.name for f in dataclasses.fields(AFDConfig) if "flag" in f.metadata
+}
+_KEY_FLAGS = {v: k for k, v in FLAG_KEYS.items()}
+
+
+def _where(key: str) -> str:
+    return f"{_KEY_FLAGS.get(key, key)} (additional_config.afd.{key})"
+
+
+def flag_table() -> list[tuple[str, str, str]]:
+    """``(flag and metavar, default, help)`` per AFD flag: the README table's rows."""
+    rows = []
+    for f in dataclasses.fields(AFDConfig):
+        meta = f.metadata
+        choices = _choices(f)
+        value = meta["metavar"] or ("{" + ",".join(choices) + "}" if choices else "")
+        default = "" if f.default is dataclasses.MISSING or f.default is None else str(f.default)
+        rows.append((f"{meta['flag']} {value}".strip(), default, meta["help"]))
+    return rows
+
+
+def _choices(f: dataclasses.Field) -> tuple[str, ...] | None:
+    if f.name == "transport":  # open set: backends register themselves
+        from vllm_afd.transport import available_transports
+
+        return available_transports()
+    return f.metadata.get("choices")
+
+
+def add_afd_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the "AFD" argument group to a vLLM engine-args parser (idempotent).
+
+    Every flag defaults to ``None`` (not given), so that only the flags a user gave reach
+    ``additional_config["afd"]``; the defaults live in ``AFDConfig`` and are shown in the help.
+    """
+    if any(getattr(a, "dest", None) == "afd_ratio" for a in parser._actions):
+        return
+    group = parser.add_argument_group(
+        "AFD", "Attention-FFN Disaggregation (vllm-afd). Off unless --afd-ratio is given."
+    )
+    for f in dataclasses.fields(AFDConfig):
+        meta = {k: v for k, v in f.metadata.items() if v is not None}
+        flag, help_text = meta.pop("flag"), meta.pop("help")
+        meta["choices"] = _choices(f)
+        if f.default not in (dataclasses.MISSING, None):
+            help_text += f" (default {f.default})"
+        group.add_argument(flag, default=None, help=help_text, **meta)
+
+
+def afd_flags_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The AFD flags that were given, as additional_config keys."""
+    out = {}
+    for flag, key in FLAG_KEYS.items():
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"), None)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def merge_afd_flags(args: argparse.Namespace, engine_args: Any) -> None:
+    """Fold the AFD flags into ``engine_args.additional_config["afd"]``."""
+    flags = afd_flags_from_args(args)
+    if not flags:
+        return
+    if "ratio" not in flags:
+        given = [flag for flag, key in FLAG_KEYS.items() if key in flags]
+        raise AFDConfigError(
+            f"--afd-ratio is required with {', '.join(given)}; AFD is off without it"
+        )
+    extra = dict(engine_args.additional_config or {})
+    long_form = dict(extra.get("afd") or {})
+    clash = sorted(set(long_form) & set(flags))
+    if clash:
+        raise AFDConfigError(
+            f"AFD setting(s) {clash} given both as flags and in --additional-config; give each once"
+        )
+    extra["afd"] = {**long_form, **flags}
+    engine_args.additional_config = extra
 
 
 @dataclass(frozen=True)
@@ -227,3 +366,55 @@ def _is_moe_layer(cfg: Any, i: int) -> bool:
         return False
     step = getattr(cfg, "decoder_sparse_step", None) or getattr(cfg, "moe_layer_freq", None) or 1
     return isinstance(step, int) and (i + 1) % step == 0
+
+
+def check_supported(vllm_config: Any) -> None:
+    """Raise ``AFDConfigError`` if AFD, as configured, cannot run with this vLLM config.
+
+    The one check of a vLLM config against AFD (front-end, before anything starts, and again
+    in each worker that microbatches). A no-op when AFD is off.
+    """
+    afd = AFDConfig.of(vllm_config)
+    if afd is None:
+        return
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise AFDConfigError(
+            "--afd-ratio: pipeline parallelism (--pipeline-parallel-size > 1) is not supported "
+            "with AFD; use data or tensor parallelism for the attention ranks"
+        )
+    if parallel.enable_eplb:
+        raise AFDConfigError("--afd-ratio: --enable-eplb is not supported with AFD")
+    hf = vllm_config.model_config.hf_text_config
+    act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None) or "silu"
+    if act not in ("silu", "swish"):
+        raise AFDConfigError(
+            f"--afd-ratio: the model's expert activation is {act!r}; the FFN ranks implement "
+            "SiLU-and-multiply experts only"
+        )
+    if vllm_config.model_config.quantization:
+        raise AFDConfigError(
+            f"--afd-ratio: quantized checkpoints ({vllm_config.model_config.quantization}) are "
+            "not supported yet; the FFN ranks load unquantized expert weights"
+        )
+    if afd.microbatches > 1:
+        _check_microbatching(vllm_config)
+
+
+def _check_microbatching(vllm_config: Any) -> None:
+    model = vllm_config.model_config
+    blockers = {
+        "the V2 model runner (VLLM_USE_V2_MODEL_RUNNER)": vllm_config.use_v2_model_runner,
+        "speculative decoding": vllm_config.speculative_config is not None,
+        "LoRA": vllm_config.lora_config is not None,
+        "multimodal models": model.supports_multimodal_inputs,
+        "M-RoPE models": model.uses_mrope,
+        "pooling models": model.runner_type == "pooling",
+        "pipeline parallelism": vllm_config.parallel_config.pipeline_parallel_size > 1,
+    }
+    found = [name for name, blocked in blockers.items() if blocked]
+    if found:
+        raise AFDConfigError(
+            f"--afd-microbatches (additional_config.afd.microbatches): microbatching is not "
+            f"supported with {', '.join(found)}; use --afd-microbatches 1"
+        )

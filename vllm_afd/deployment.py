@@ -9,45 +9,17 @@ running; then the FFN group is started and its address exported to the attention
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
-from vllm_afd.config import AFDConfig, AFDConfigError, afd_section, moe_model_info
+from vllm_afd import envs
+from vllm_afd.config import AFDConfig, check_supported, moe_model_info
 
 logger = logging.getLogger("vllm.afd")
-
-
-def afd_config_of(vllm_config) -> AFDConfig | None:
-    raw = afd_section(vllm_config.additional_config)
-    return AFDConfig.from_dict(raw) if raw else None
 
 
 def attention_ranks(vllm_config) -> int:
     parallel = vllm_config.parallel_config
     return parallel.data_parallel_size * parallel.tensor_parallel_size
-
-
-def _check_supported(vllm_config) -> None:
-    parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        raise AFDConfigError(
-            "--afd-ratio: pipeline parallelism (--pipeline-parallel-size > 1) is not supported "
-            "with AFD; use data or tensor parallelism for the attention ranks"
-        )
-    if parallel.enable_eplb:
-        raise AFDConfigError("--afd-ratio: --enable-eplb is not supported with AFD")
-    hf = vllm_config.model_config.hf_text_config
-    act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None) or "silu"
-    if act not in ("silu", "swish"):
-        raise AFDConfigError(
-            f"--afd-ratio: the model's expert activation is {act!r}; the FFN ranks implement "
-            "SiLU-and-multiply experts only"
-        )
-    if vllm_config.model_config.quantization:
-        raise AFDConfigError(
-            f"--afd-ratio: quantized checkpoints ({vllm_config.model_config.quantization}) are "
-            "not supported yet; the FFN ranks load unquantized expert weights"
-        )
 
 
 def _ffn_device(afd: AFDConfig) -> str:
@@ -74,28 +46,30 @@ def prepare_engine_args(engine_args, usage_context) -> None:
     only for servers: vLLM's offline ``LLM`` class runs a single engine, where tensor
     parallelism is the way to get several attention ranks.
     """
-    raw = afd_section(engine_args.additional_config)
-    if not raw or engine_args.data_parallel_size != 1 or engine_args.tensor_parallel_size != 1:
+    afd = AFDConfig.of(engine_args)
+    if afd is None or engine_args.data_parallel_size != 1 or engine_args.tensor_parallel_size != 1:
         return
     from vllm.usage.usage_lib import UsageContext
 
-    ratio = AFDConfig.from_dict(raw).ratio
+    ratio = afd.ratio
     if ratio is None or ratio[0] == 1 or usage_context == UsageContext.LLM_CLASS:
         return
     engine_args.data_parallel_size = ratio[0]
-    print(
-        f"[vllm-afd] --afd-ratio {ratio[0]}:{ratio[1]}: {ratio[0]} data-parallel attention "
-        "ranks (set --data-parallel-size or --tensor-parallel-size to choose otherwise)",
-        flush=True,
+    logger.info(
+        "--afd-ratio %d:%d: %d data-parallel attention ranks (set --data-parallel-size or "
+        "--tensor-parallel-size to choose otherwise)",
+        ratio[0],
+        ratio[1],
+        ratio[0],
     )
 
 
 def setup_afd(vllm_config) -> None:
     """Validate AFD settings against the model and layout, then start the FFN group."""
-    afd = afd_config_of(vllm_config)
+    afd = AFDConfig.of(vllm_config)
     if afd is None:
         return
-    _check_supported(vllm_config)
+    check_supported(vllm_config)
     info = moe_model_info(vllm_config.model_config.hf_config)
     ranks = attention_ranks(vllm_config)
     model_dir = _model_dir(vllm_config.model_config.model)
@@ -103,15 +77,9 @@ def setup_afd(vllm_config) -> None:
         afd = _resolve_auto(afd, info, ranks, model_dir, vllm_config)
         vllm_config.additional_config["afd"] = afd.to_dict()
     info.check_ffn_ranks(afd.num_ffn_ranks(ranks))
-    from vllm_afd.placement import FFN_CPUS_ENV, ffn_cpu_lists, start_ffn_group
-    from vllm_afd.transport.p2p import POLL_ENV, poll_window_s
+    envs.check_all(afd.num_ffn_ranks(ranks))
+    from vllm_afd.placement import start_ffn_group
 
-    ffn_cpu_lists(os.environ.get(FFN_CPUS_ENV), afd.num_ffn_ranks(ranks))
-    poll_window_s(os.environ.get(POLL_ENV))
-    if afd.microbatches > 1:
-        from vllm_afd.microbatch import check_supported
-
-        check_supported(vllm_config)
     group = start_ffn_group(
         afd,
         info,
@@ -130,7 +98,7 @@ def setup_afd(vllm_config) -> None:
 
 
 def _resolve_auto(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config) -> AFDConfig:
-    """``--afd-ratio auto``: the planner picks the FFN rank count; the prediction is printed."""
+    """``--afd-ratio auto``: the planner picks the FFN rank count; the prediction is logged."""
     import dataclasses
 
     from vllm.platforms import current_platform
@@ -145,7 +113,7 @@ def _resolve_auto(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config)
         max_batch=vllm_config.scheduler_config.max_num_seqs,
         platform_is_cpu=current_platform.is_cpu(),
     )
-    print(f"[vllm-afd] --afd-ratio auto -> {attn}:{ffn} ({line})", flush=True)
+    logger.info("--afd-ratio auto -> %d:%d (%s)", attn, ffn, line)
     return dataclasses.replace(afd, ratio=(attn, ffn))
 
 

@@ -123,7 +123,11 @@ def _ffn_pids() -> list[tuple[str, int]]:
 
 def _bench_cpus() -> list[int] | None:
     text = _text(BENCH_CPUS)
-    return None if text is None else [int(c) for c in text.split(",")]
+    if text is None:
+        return None
+    if not all(c.strip().isdigit() for c in text.split(",")):
+        raise AFDConfigError(f"{BENCH_CPUS}={text!r}: expected comma-separated CPU ids, e.g. '0,1'")
+    return [int(c) for c in text.split(",")]
 
 
 environment_variables: dict[str, Callable[[], Any]] = {

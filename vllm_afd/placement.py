@@ -13,32 +13,24 @@ so that the FFN ranks sit next to the attention ranks the way the ratio says.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
 import signal
 import socket
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
+from vllm_afd import envs
 from vllm_afd.config import AFDConfig, AFDConfigError, MoEModelInfo
 from vllm_afd.host import bind_process, pid_alive
 from vllm_afd.transport import TransportSpec
 
 logger = logging.getLogger("vllm.afd")
 START_TIMEOUT_S = 300.0
-#: Environment variables carrying the running group to every process started after it:
-#: the TransportSpec (attention ranks connect with it) and "host:pid" of each FFN rank
-#: (any process, e.g. an API server answering /health, can check they are alive).
-RUNTIME_ENV = "VLLM_AFD_RUNTIME"
-FFN_PIDS_ENV = "VLLM_AFD_FFN_PIDS"
-#: Optional CPU binding of the FFN ranks: one CPU list per rank, "|"-separated, in the syntax of
-#: vLLM's VLLM_CPU_OMP_THREADS_BIND ("1", "2-3|4-5"). On a CPU host the attention ranks' cores
-#: (vLLM binds those) and the FFN ranks' then stay apart: an FFN rank that waits for its next
-#: request on the core an attention rank works on slows both.
-FFN_CPUS_ENV = "VLLM_AFD_FFN_CPUS"
 
 
 class FFNRank:
@@ -47,11 +39,11 @@ class FFNRank:
     def __init__(self, spec_json: str, rank: int, model_dir: str, device: str) -> None:
         from vllm_afd.ffn.executor import FFNExecutor
 
-        spec = spec_from_json(spec_json)
-        cpus = ffn_cpu_lists(os.environ.get(FFN_CPUS_ENV), spec.num_ffn_ranks)
+        spec = TransportSpec.from_json(spec_json)
+        cpus = envs.ffn_cpu_lists(spec.num_ffn_ranks)
         if cpus is not None:
             bind_process(cpus[rank])
-        torch.set_num_threads(max(1, int(os.environ.get("VLLM_AFD_FFN_THREADS", "1"))))
+        torch.set_num_threads(envs.VLLM_AFD_FFN_THREADS)
         self.executor = FFNExecutor(spec, rank, model_dir, device)
         self.executor.start()
 
@@ -63,41 +55,6 @@ class FFNRank:
 
     def stop(self) -> None:
         self.executor.stop()
-
-
-def ffn_cpu_lists(text: str | None, num_ffn_ranks: int) -> list[list[int]] | None:
-    """The CPUs of each FFN rank from ``VLLM_AFD_FFN_CPUS``; ``None`` when unset (no binding).
-
-    Raises:
-        AFDConfigError: naming the variable, if it does not hold ``num_ffn_ranks`` CPU lists.
-    """
-    if not text:
-        return None
-    from vllm.utils.cpu_resource_utils import parse_id_list
-
-    try:
-        lists = [parse_id_list(part.strip()) for part in text.split("|")]
-    except ValueError:
-        lists = []
-    if len(lists) != num_ffn_ranks or not all(lists):
-        raise AFDConfigError(
-            f"{FFN_CPUS_ENV}={text!r}: need one CPU list per FFN rank ({num_ffn_ranks}), "
-            "'|'-separated, e.g. '1' or '2-3|4-5'"
-        )
-    return lists
-
-
-def spec_to_json(spec: TransportSpec) -> str:
-    data = asdict(spec)
-    data["dtype"] = str(spec.dtype).removeprefix("torch.")
-    return json.dumps(data)
-
-
-def spec_from_json(text: str) -> TransportSpec:
-    data = json.loads(text)
-    data["dtype"] = getattr(torch, data["dtype"])
-    data["addresses"] = tuple(data["addresses"])
-    return TransportSpec(**data)
 
 
 @dataclass
@@ -199,11 +156,12 @@ def start_ffn_group(
         dtype=dtype,
         num_slots=max(2, afd.microbatches),
         timeout_s=afd.timeout_s,
+        moe_layers=model.moe_layers,
         # What the FFN side is asked to listen on (tcp: interface, any free port); the
         # addresses it actually got replace these once it is up.
         addresses=(f"{afd.ffn_host}:0",) * num_ffn if afd.transport == "tcp" else (),
     )
-    key = json.dumps([spec_to_json(spec), model_dir, device, afd.ray_address, afd.ffn_host])
+    key = json.dumps([spec.to_json(), model_dir, device, afd.ray_address, afd.ffn_host])
     with _LOCK:
         if _GROUP is not None and key == _GROUP_KEY:
             return _GROUP
@@ -211,8 +169,9 @@ def start_ffn_group(
         check_ray_address(afd.ray_address)
         _GROUP = _launch(spec, afd, model_dir, device)
         _GROUP_KEY = key
-        os.environ[RUNTIME_ENV] = spec_to_json(_GROUP.spec)
-        os.environ[FFN_PIDS_ENV] = ",".join(f"{i['host']}:{i['pid']}" for i in _GROUP.infos)
+        # The hand-off to every process started from here on (engine cores, workers).
+        os.environ[envs.RUNTIME] = _GROUP.spec.to_json()
+        os.environ[envs.FFN_PIDS] = ",".join(f"{i['host']}:{i['pid']}" for i in _GROUP.infos)
         return _GROUP
 
 
@@ -232,7 +191,7 @@ def _launch(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) ->
         )
     actor_cls = ray.remote(FFNRank)
     env = {"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_"))}}
-    spec_json = spec_to_json(spec)
+    spec_json = spec.to_json()
     actors = [
         actor_cls.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -255,7 +214,7 @@ def _launch(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) ->
         if owns_ray:
             ray.shutdown()
         raise
-    spec = TransportSpec(**{**asdict(spec), "addresses": tuple(i["address"] for i in infos)})
+    spec = dataclasses.replace(spec, addresses=tuple(i["address"] for i in infos))
     for info in infos:
         logger.info(
             "AFD: FFN rank %d up: pid %d on %s, experts [%d, %d), %.2f MiB, address %s",
@@ -284,8 +243,8 @@ def stop_ffn_group() -> None:
     """Stop this process's FFN group (and the local Ray it started). Idempotent."""
     global _GROUP, _GROUP_KEY
     group, _GROUP, _GROUP_KEY = _GROUP, None, None
-    os.environ.pop(RUNTIME_ENV, None)
-    os.environ.pop(FFN_PIDS_ENV, None)
+    os.environ.pop(envs.RUNTIME, None)
+    os.environ.pop(envs.FFN_PIDS, None)
     if group is None:
         return
     import ray
@@ -301,7 +260,7 @@ def stop_ffn_group() -> None:
         remove_placement_group(group.placement_group)
     except Exception:  # noqa: BLE001
         pass
-    from vllm_afd.metrics import unlink_deployment_blocks
+    from vllm_afd.metrics.blocks import unlink_deployment_blocks
 
     unlink_deployment_blocks(group.spec)
     if group.owns_ray:
@@ -314,23 +273,8 @@ def dead_ffn_ranks() -> list[int]:
     Ranks on other hosts are not checked here: their death surfaces as a transport error.
     """
     here = socket.gethostname()
-    dead = []
-    for rank, entry in enumerate(filter(None, os.environ.get(FFN_PIDS_ENV, "").split(","))):
-        host, _, pid = entry.rpartition(":")
-        if host == here and not pid_alive(int(pid)):
-            dead.append(rank)
-    return dead
-
-
-def runtime_spec() -> TransportSpec:
-    """The running group's TransportSpec, as exported to attention ranks."""
-    text = os.environ.get(RUNTIME_ENV)
-    if not text:
-        raise RuntimeError(
-            f"AFD is configured but {RUNTIME_ENV} is unset: the FFN group was not started by "
-            "this deployment's front-end (use `vllm-afd serve` or `vllm serve --afd-ratio`)"
-        )
-    return spec_from_json(text)
+    pids = envs.VLLM_AFD_FFN_PIDS
+    return [rank for rank, (host, pid) in enumerate(pids) if host == here and not pid_alive(pid)]
 
 
 atexit.register(stop_ffn_group)

@@ -23,7 +23,6 @@ Dynamo (the CPU platform compiles the model by default) treats it as opaque.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -33,24 +32,22 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.utils import set_weight_attrs
 
-from vllm_afd import metrics
-from vllm_afd.config import afd_section
+from vllm_afd import envs
+from vllm_afd.config import AFDConfig
+from vllm_afd.metrics import recorder
+from vllm_afd.metrics.blocks import AttentionStatsBlock
 from vllm_afd.microbatch import overlap_point
-from vllm_afd.transport import AttentionTransport, create_attention_transport
-
-
-def afd_settings() -> dict | None:
-    """``additional_config["afd"]`` of the current vLLM config, or None when AFD is off."""
-    from vllm.config import get_current_vllm_config
-
-    return afd_section(get_current_vllm_config().additional_config)
+from vllm_afd.transport import AttentionTransport, TransportSpec, create_attention_transport
 
 
 class AFDRoutedExperts(RoutedExperts):
     """``RoutedExperts`` whose experts run on the FFN group when AFD is configured."""
 
     def _get_quant_method(self, prefix, quant_config, moe_config) -> FusedMoEMethodBase:
-        if afd_settings() is None:
+        # Overrides a private vLLM method: ledger entry P7 in vllm_afd/patches/__init__.py.
+        from vllm.config import get_current_vllm_config
+
+        if AFDConfig.of(get_current_vllm_config()) is None:
             return super()._get_quant_method(prefix, quant_config, moe_config)
         return AFDRemoteExpertsMethod(moe_config, layer_name=prefix)
 
@@ -68,6 +65,7 @@ class AFDRemoteExpertsMethod(FusedMoEMethodBase):
         from vllm.model_executor.models.utils import extract_layer_index
 
         self.layer_index = extract_layer_index(layer_name)
+        connect()  # layers are built in the worker, after the front-end started the FFN group
 
     def create_weights(
         self,
@@ -101,7 +99,27 @@ class AFDRemoteExpertsMethod(FusedMoEMethodBase):
     def is_monolithic(self) -> bool:
         return False
 
-    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: torch.nn.Module | None,
+        shared_experts_input: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The routing boundary: this layer's routed-expert output, computed by the FFN group.
+
+        Args:
+            layer: the ``RoutedExperts`` module (holds only zero-size placeholders).
+            x: ``[T, H]`` hidden states, the model dtype (this rank's tokens).
+            topk_weights: ``[T, K]`` float32 routing weights from vLLM's router.
+            topk_ids: ``[T, K]`` integer global expert ids from vLLM's router.
+            shared_experts, shared_experts_input: unused here; vLLM's ``MoERunner`` runs the
+                shared experts itself and adds their output.
+        Returns:
+            ``[T, H]`` in ``x.dtype``: ``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])``.
+        """
         if torch.compiler.is_compiling():
             return remote_experts(x, topk_weights, topk_ids, self.layer_index)
         return remote_experts_impl(x, topk_weights, topk_ids, self.layer_index)
@@ -122,29 +140,33 @@ class _Session:
     endpoint: AttentionTransport
     tp_rank: int
     tp_size: int
+    #: This rank's /metrics block (None if it could not be created: metrics never break serving).
+    stats: AttentionStatsBlock | None
 
 
 _SESSION: _Session | None = None
 
 
-def _session() -> _Session:
-    """This process's session, (re)connected when the running FFN group changes."""
-    global _SESSION
-    from vllm_afd.placement import RUNTIME_ENV, runtime_spec
+def connect() -> _Session:
+    """Connect this process to the deployment's running FFN group (``VLLM_AFD_RUNTIME``).
 
-    key = os.environ.get(RUNTIME_ENV, "")
-    session = _SESSION
-    if session is not None and session.key == key:
-        return session
+    Called while the model is built, so a token never pays for it: once per process, and
+    again only when the running group changed (another deployment built in the same process).
+    """
+    global _SESSION
+    key = envs.runtime_json()
     from vllm.distributed.parallel_state import get_dp_group, get_tp_group
 
     with _LOCK:
+        if _SESSION is not None and _SESSION.key == key:
+            return _SESSION
         if _SESSION is not None:
             _SESSION.endpoint.close()
         tp = get_tp_group()
         rank = get_dp_group().rank_in_group * tp.world_size + tp.rank_in_group
-        endpoint = create_attention_transport(runtime_spec(), rank)
-        _SESSION = _Session(key, endpoint, tp.rank_in_group, tp.world_size)
+        endpoint = create_attention_transport(TransportSpec.from_json(key), rank)
+        stats = recorder.endpoint_block(endpoint)
+        _SESSION = _Session(key, endpoint, tp.rank_in_group, tp.world_size, stats)
         return _SESSION
 
 
@@ -156,19 +178,21 @@ def remote_experts_impl(
     Under tensor parallelism every TP rank holds the same tokens; each sends only its share
     of rows and leaves the others zero, and the runner's TP all-reduce completes the sum.
     """
-    session = _session()
+    session = _SESSION
+    if session is None:
+        raise RuntimeError("AFD: no FFN group connected in this process (connect() not called)")
     if session.tp_size == 1:
-        return _round_trip(session.endpoint, layer, x, topk_ids, topk_weights)
+        return _round_trip(session, layer, x, topk_ids, topk_weights)
     rows = torch.arange(session.tp_rank, x.shape[0], session.tp_size)
     out = torch.zeros_like(x)
     out[rows] = _round_trip(
-        session.endpoint, layer, x[rows].contiguous(), topk_ids[rows], topk_weights[rows]
+        session, layer, x[rows].contiguous(), topk_ids[rows], topk_weights[rows]
     )
     return out
 
 
 def _round_trip(
-    endpoint: AttentionTransport,
+    session: _Session,
     layer: int,
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -176,15 +200,17 @@ def _round_trip(
 ) -> torch.Tensor:
     """dispatch -> (other microbatches run) -> combine, counted for /metrics: the wait in
     combine is the FFN time the overlap did not hide."""
+    endpoint = session.endpoint
     try:
         handle = endpoint.dispatch(layer, x, topk_ids, topk_weights)
         overlap_point()  # ping-pong microbatches: the next one runs while the FFN group works
         start = time.perf_counter()
         out = endpoint.combine(handle)
     except Exception as exc:
-        metrics.record_error(metrics.error_kind(exc), rank=endpoint.rank)
+        recorder.record_error(recorder.error_kind(exc), rank=endpoint.rank)
         raise
-    metrics.record_combine(endpoint, handle, time.perf_counter() - start)
+    if session.stats is not None:
+        session.stats.record_combine(handle, time.perf_counter() - start)
     return out
 
 

@@ -1,8 +1,10 @@
 """``vllm-afd bench``: A/B of AFD against colocated vLLM on one workload, in the paper's terms.
 
-    vllm-afd bench [--model DIR] [--ratios 1:1,2:1] [--microbatches 1,2] [--ep-sizes 2]
-                   [--batch 16] [--prompt-len 128] [--output-len 64] [--profile P.json]
-                   [--json out.json] [--plot out.png]
+    vllm-afd bench [--recipe NAME] [--model DIR] [--ratios 1:1,2:1] [--microbatches 1,2]
+                   [--ep-sizes 2] [--batch 16] [--prompt-len 128] [--output-len 64]
+                   [--profile P.json] [--json out.json] [--plot out.png]
+
+``--recipe`` names a complete configuration from ``bench.recipes``; flags override it.
 
 Configurations, each in fresh processes (``bench.launch``), run on the same workload:
 
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_afd.bench.metrics import BenchConfig, Measurement, build_rows, prediction_error
+from vllm_afd.bench.recipes import BenchRecipe, get_recipe, recipe_names
 from vllm_afd.bench.window import period_stats, window_intervals
 
 
@@ -82,6 +85,13 @@ def _ep_sizes(text: str) -> list[int]:
     return [] if text.strip().lower() == "none" else _list(_positive)(text)
 
 
+def _recipe(name: str) -> BenchRecipe:
+    try:
+        return get_recipe(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vllm-afd bench",
@@ -89,7 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", help="MoE model directory (default: the tiny Qwen3-MoE)")
-    p.add_argument("--recipe", help="recipe module or file returning a bench config (recipes/)")
+    p.add_argument(
+        "--recipe",
+        type=_recipe,
+        metavar="NAME",
+        help=f"named configuration (vllm_afd/bench/recipes.py): {', '.join(recipe_names())}",
+    )
     p.add_argument("--ratios", type=_list(_ratio), default=None, help="AFD A:F list (1:1,2:1)")
     p.add_argument("--microbatches", type=_list(_positive), default=None, help="k list (1,2)")
     p.add_argument(
@@ -139,7 +154,7 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Defaults < recipe < flags given on the command line."""
     settings = dict(DEFAULTS)
     if args.recipe:
-        settings |= load_recipe(args.recipe)
+        settings |= args.recipe.settings()
     for key in DEFAULTS:
         value = getattr(args, key, None)
         if value is not None:
@@ -147,26 +162,6 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     settings["model"] = args.model or settings.get("model")
     settings["afd_batch"] = settings["afd_batch"] or settings["batch"]
     return settings
-
-
-def load_recipe(ref: str) -> dict[str, Any]:
-    """A recipe's ``bench_config()`` (a dict of DEFAULTS keys, plus ``model`` / ``tiny_model``)."""
-    import importlib
-    import importlib.util
-
-    if ref.endswith(".py") or os.path.sep in ref:
-        spec = importlib.util.spec_from_file_location("vllm_afd_recipe", ref)
-        if spec is None or spec.loader is None:
-            raise SystemExit(f"vllm-afd bench: error: --recipe {ref!r}: not a Python file")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(ref)
-    config = dict(module.bench_config())
-    ratios = config.get("ratios")
-    if ratios and isinstance(ratios[0], str):
-        config["ratios"] = [_ratio(r) for r in ratios]
-    return config
 
 
 def build_configs(settings: dict[str, Any]) -> list[BenchConfig]:

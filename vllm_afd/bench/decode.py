@@ -31,12 +31,12 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from vllm_afd.host import bind_process
+from vllm_afd import envs
 from vllm_afd.bench.offline_run import param_bytes
+from vllm_afd.host import bind_process
 
 RESULT_PREFIX = "VLLM_AFD_BENCH "
 #: CPUs ("0,1") this child binds itself to before it starts anything (``launch.core_plan``).
-BENCH_CPUS_ENV = "VLLM_AFD_BENCH_CPUS"
 
 
 def prompt_tokens(index: int, length: int, vocab: int, seed: int = 0) -> list[int]:
@@ -154,9 +154,9 @@ class Driver:
     def __init__(self, job: dict[str, Any]) -> None:
         from vllm import LLM
 
-        from vllm_afd.patches import cpu_comm as cpu_shims
+        from vllm_afd.patches import cpu_comm
 
-        cpu_shims.install()  # DP / wide EP on CPU (also installed by the plugin when wired)
+        cpu_comm.apply()  # DP / wide EP on CPU (also installed by the plugin when wired)
         self.job = job
         start = time.perf_counter()
         self.llm = LLM(**_engine_kwargs(job))
@@ -311,9 +311,9 @@ def _emit(message: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    cpus = os.environ.get(BENCH_CPUS_ENV)
+    cpus = envs.VLLM_AFD_BENCH_CPUS
     if cpus:
-        bind_process(int(c) for c in cpus.split(","))
+        bind_process(cpus)
     serve(json.loads(sys.argv[1]), sys.stdin, _emit)
 
 

@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-tp2", action="store_true", help="skip the 2:1 (TP2) config")
     args = parser.parse_args(argv)
 
-    from vllm_afd.bench.tiny_models import default_tiny_model
     from vllm_afd.bench.offline_run import run_generation
+    from vllm_afd.bench.tiny_models import default_tiny_model
 
     model = args.model or str(default_tiny_model())
     print(f"[vllm-afd demo] model: {model}", flush=True)

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_afd.bench.decode import BENCH_CPUS_ENV, RESULT_PREFIX
-from vllm_afd.placement import FFN_CPUS_ENV
+from vllm_afd import envs
+from vllm_afd.bench.decode import RESULT_PREFIX
 from vllm_afd.bench.offline_run import child_env
 
 CHILD_TIMEOUT_S = 600.0
@@ -68,7 +68,7 @@ def job_env(job: dict[str, Any], threads: int, dp_rank: int | None = None) -> di
     tp = job.get("tensor_parallel_size", 1)
     extra = {
         "OMP_NUM_THREADS": str(threads),
-        "VLLM_AFD_FFN_THREADS": str(threads),
+        envs.FFN_THREADS: str(threads),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if tp == 1 else "1",
     }
     cpus = job.get("cpus")
@@ -77,9 +77,9 @@ def job_env(job: dict[str, Any], threads: int, dp_rank: int | None = None) -> di
         binds = [_ids(c) for c in cpus] if cpus else [str(i % cores) for i in range(tp)]
         extra["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(binds)
     elif cpus:
-        extra[BENCH_CPUS_ENV] = _ids(cpus[dp_rank or 0])
+        extra[envs.BENCH_CPUS] = _ids(cpus[dp_rank or 0])
     if job.get("ffn_cpus"):
-        extra[FFN_CPUS_ENV] = "|".join(_ids(c) for c in job["ffn_cpus"])
+        extra[envs.FFN_CPUS] = "|".join(_ids(c) for c in job["ffn_cpus"])
     dp = job.get("dp")
     if dp and dp_rank is not None:
         extra |= {

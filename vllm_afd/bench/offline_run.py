@@ -6,7 +6,8 @@ process is also what a user's deployment is. The child prints one JSON line with
 token ids, timings, and the parameter bytes held by attention rank 0 and by each FFN rank, so
 that the demo, the A/B harness and the tests all compare like with like.
 
-    python -m vllm_afd.bench.offline_run '{"model": "...", "prompts": [...], "afd": {"ratio": "1:1"}}'
+    python -m vllm_afd.bench.offline_run \\
+        '{"model": "...", "prompts": [...], "afd": {"ratio": "1:1"}}'
 """
 
 from __future__ import annotations

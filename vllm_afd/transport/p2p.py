@@ -1,7 +1,16 @@
-"""Helpers shared by the point-to-point transports (shm, tcp): token split, combine, waiting.
+"""The point-to-point transports' attention side, written once: ``PointToPointAttentionTransport``.
 
-The attention side of every point-to-point backend does the same two things around its wire
-protocol:
+shm and tcp run the same protocol around different wires. ``dispatch`` checks its arguments,
+splits the batch by FFN rank, takes a free slot, and sends each FFN rank its rows; ``combine``
+takes the handle's slot back, waits for every FFN rank's answer until one deadline, sums the
+answers into the original order and frees the slot. A backend supplies only the wire:
+
+* ``_send(ffn_rank, slot, layer, x, topk_ids, topk_weights, rows, deadline) -> seq`` puts one
+  request on the wire and returns its sequence number;
+* ``_wait(ffn_rank, slot, seq, deadline, awaited) -> [N, H]`` returns the answer to ``seq``;
+* optionally ``_begin_dispatch()``, run once per dispatch before the first send.
+
+Two pure functions define the protocol's arithmetic:
 
 * ``split_by_ffn_rank`` decides, per FFN rank, which rows of the batch must travel there (a token
   goes to every FFN rank that owns at least one of its top-k experts; contiguous placement).
@@ -10,33 +19,33 @@ protocol:
   one ``reference.reference_moe_combine`` uses, so that results can be compared exactly.
 
 ``WaitPolicy``/``Backoff`` stage every wait: short spin, then yield, then sleep. The first two
-stages together are the poll window (``VLLM_AFD_POLL_MS``, 20 ms by default): a waiting endpoint
-keeps its CPU that long, so that the gaps of a decode step (an FFN rank waiting for the next
-layer, an attention rank waiting for its experts) never put it to sleep. Sleeping there is not
-free on the development machine's vCPUs: in paired `vllm-afd bench` runs with a 2 ms window,
-the remote call of a k = 1 step took 0.67 ms instead of 0.42 ms (default tiny model) and
-3.60 instead of 3.30 ms (FFN-heavy recipe). Yielding hands the CPU to anything else runnable on
-it, so a shared core still serves its other users; past the window, an idle endpoint sleeps and
-costs almost nothing.
+stages together are the poll window (``VLLM_AFD_POLL_MS``, 20 ms by default, read through
+``vllm_afd.envs``): a waiting endpoint keeps its CPU that long, so that the gaps of a decode step
+(an FFN rank waiting for the next layer, an attention rank waiting for its experts) never put it
+to sleep, because waking up from a sleep there measurably slows the remote call of a decode step
+on the development machine's vCPUs (measured numbers: docs/benchmarks.md). Yielding hands the
+CPU to anything else runnable on it, so a shared core still serves its other users; past the
+window, an idle endpoint sleeps and costs almost nothing.
 
-Decode-sized messages are dominated by per-call PyTorch overhead (a tensor slice costs about a
-microsecond on the development machines, as much as copying a few KiB), so ``ViewCache`` (and
-``RowViews``, its one-buffer case) caches the ``[:n]`` views of preallocated buffers that the hot
-paths reuse on every call.
+Decode-sized messages are dominated by per-call PyTorch overhead (a tensor slice costs as much as
+copying a few KiB; measured numbers: docs/benchmarks.md), so ``ViewCache`` (and ``RowViews``, its
+one-buffer case) caches the ``[:n]`` views of preallocated buffers that the hot paths reuse on
+every call.
 """
 
 from __future__ import annotations
 
+import abc
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import torch
 
-from vllm_afd.config import AFDConfigError, non_negative_number
-from vllm_afd.transport.base import DispatchHandle, TransportSpec
+from vllm_afd import envs
+from vllm_afd.transport.base import AttentionTransport, DispatchHandle, TransportSpec
 
 #: Cached row counts per ``ViewCache`` before the cache is dropped and rebuilt (bounds memory).
 _MAX_CACHED_VIEWS = 1024
@@ -75,26 +84,9 @@ class RowViews(ViewCache[torch.Tensor]):
         super().__init__(lambda n: buffer[:n])
 
 
-#: Environment variable: the poll window of every transport wait, in milliseconds.
-POLL_ENV = "VLLM_AFD_POLL_MS"
-DEFAULT_POLL_MS = 20.0
-
-
-def poll_window_s(text: str | None = None) -> float:
-    """The poll window in seconds from ``VLLM_AFD_POLL_MS`` (``text``; unset: 20 ms).
-
-    Raises:
-        AFDConfigError: naming the variable, for anything but a finite number of ms >= 0.
-    """
-    if text is None or not text.strip():
-        return DEFAULT_POLL_MS * 1e-3
-    ms = non_negative_number(text)
-    if ms is None:
-        raise AFDConfigError(
-            f"{POLL_ENV}={text!r}: expected the milliseconds a waiting AFD endpoint polls "
-            f"before it sleeps, a number >= 0 (default {DEFAULT_POLL_MS:g})"
-        )
-    return ms * 1e-3
+def _poll_window_s() -> float:
+    """``VLLM_AFD_POLL_MS`` in seconds (raises ``AFDConfigError`` naming it on a bad value)."""
+    return envs.VLLM_AFD_POLL_MS * 1e-3
 
 
 @dataclass(frozen=True)
@@ -102,13 +94,15 @@ class WaitPolicy:
     """Staged waiting (seconds): spin, then yield the CPU, then sleep.
 
     shm uses all three stages and skips the spin when the peer last ran on the same CPU (there a
-    50 us spin turned a 26 us round trip into 125 us on the development machine). tcp polls its
-    sockets without blocking through the spin and yield stages, then blocks in ``epoll``.
-    ``yield_s`` is where the poll window ends (see the module docstring).
+    spin only keeps the peer from running and makes the round trip several times slower;
+    measured numbers: docs/benchmarks.md). tcp polls its sockets without blocking through the
+    spin and yield stages, then blocks in ``epoll``. ``yield_s`` is where the poll window ends
+    (see the module docstring); by default it is read from ``VLLM_AFD_POLL_MS`` when the policy
+    is made.
     """
 
     spin_s: float = 50e-6
-    yield_s: float = field(default_factory=lambda: poll_window_s(os.environ.get(POLL_ENV)))
+    yield_s: float = field(default_factory=_poll_window_s)
     sleep_min_s: float = 50e-6
     sleep_max_s: float = 200e-6
 
@@ -148,27 +142,6 @@ class Backoff:
         return time.perf_counter()
 
 
-def check_dispatch_args(spec: TransportSpec, x: torch.Tensor, topk_ids: torch.Tensor) -> int:
-    """Validate ``dispatch`` inputs cheaply and return the number of tokens ``T``.
-
-    Args:
-        x: ``[T, H]`` hidden states, ``spec.dtype``.
-        topk_ids: ``[T, K]`` global expert ids.
-    Raises:
-        ValueError: on a shape or dtype that does not match ``spec``.
-    """
-    num_tokens, hidden = x.shape
-    if num_tokens > spec.max_tokens:
-        raise ValueError(f"dispatch of {num_tokens} tokens exceeds max_tokens={spec.max_tokens}")
-    if hidden != spec.hidden_size or x.dtype != spec.dtype:
-        raise ValueError(
-            f"x must be [T, {spec.hidden_size}] {spec.dtype}, got {list(x.shape)} {x.dtype}"
-        )
-    if topk_ids.shape != (num_tokens, spec.top_k):
-        raise ValueError(f"topk_ids must be [{num_tokens}, {spec.top_k}], got {topk_ids.shape}")
-    return num_tokens
-
-
 def split_by_ffn_rank(
     spec: TransportSpec, topk_ids: torch.Tensor, all_rows: torch.Tensor | None = None
 ) -> dict[int, torch.Tensor]:
@@ -187,7 +160,7 @@ def split_by_ffn_rank(
     if spec.num_ffn_ranks == 1:
         rows = torch.arange(num_tokens) if all_rows is None else all_rows
         return {0: rows}
-    ranks = spec.ffn_rank_of(topk_ids).long()
+    ranks = spec.ffn_rank_table[topk_ids.long()]
     hit = torch.zeros(num_tokens, spec.num_ffn_ranks, dtype=torch.bool)
     hit.scatter_(1, ranks, True)
     split = {}
@@ -196,29 +169,6 @@ def split_by_ffn_rank(
         if rows.numel():
             split[rank] = rows
     return split
-
-
-def check_attention_rank(spec: TransportSpec, rank: int) -> None:
-    if not 0 <= rank < spec.num_attention_ranks:
-        raise ValueError(f"attention rank {rank} outside [0, {spec.num_attention_ranks})")
-
-
-def pop_free_slot(free: list[int], spec: TransportSpec) -> int:
-    """Take a free slot for a new dispatch; at most ``spec.num_slots`` may be outstanding."""
-    if not free:
-        raise RuntimeError(
-            f"more than num_slots={spec.num_slots} dispatches outstanding: "
-            "combine one before dispatching again"
-        )
-    return free.pop()
-
-
-def take_handle_slot(handle: DispatchHandle) -> int:
-    """The slot a point-to-point handle holds; a handle can be combined only once."""
-    slot = handle.state.pop("slot", None)
-    if slot is None:
-        raise ValueError(f"handle of layer {handle.layer} was already combined")
-    return slot
 
 
 def combine_partials(handle: DispatchHandle, partials: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -247,17 +197,157 @@ def combine_partials(handle: DispatchHandle, partials: dict[int, torch.Tensor]) 
     return out
 
 
-def as_wire_tensors(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Return the dispatch inputs in wire format (a no-op when they already are).
+@dataclass(slots=True)
+class P2PState:
+    """``DispatchHandle.state`` of the point-to-point backends.
 
-    Returns:
-        ``x`` contiguous; ``topk_ids`` ``[T, K]`` int32 contiguous; ``topk_weights`` ``[T, K]``
-        float32 contiguous.
+    Attributes:
+        slot: the slot the dispatch holds on every FFN rank it sent to, until ``combine``.
+        seqs: ``{ffn_rank: sequence number}`` of the requests sent, in ascending rank order.
     """
-    if topk_ids.dtype != torch.int32:
-        topk_ids = topk_ids.to(torch.int32)
-    if topk_weights.dtype != torch.float32:
-        topk_weights = topk_weights.to(torch.float32)
-    return x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
+
+    slot: int
+    seqs: dict[int, int]
+
+
+def _check_dispatch_args(spec: TransportSpec, x: torch.Tensor, topk_ids: torch.Tensor) -> int:
+    """Validate ``dispatch`` inputs cheaply and return the number of tokens ``T``.
+
+    Raises:
+        ValueError: on a shape or dtype that does not match ``spec``.
+    """
+    num_tokens, hidden = x.shape
+    if num_tokens > spec.max_tokens:
+        raise ValueError(f"dispatch of {num_tokens} tokens exceeds max_tokens={spec.max_tokens}")
+    if hidden != spec.hidden_size or x.dtype != spec.dtype:
+        raise ValueError(
+            f"x must be [T, {spec.hidden_size}] {spec.dtype}, got {list(x.shape)} {x.dtype}"
+        )
+    if topk_ids.shape != (num_tokens, spec.top_k):
+        raise ValueError(f"topk_ids must be [{num_tokens}, {spec.top_k}], got {topk_ids.shape}")
+    return num_tokens
+
+
+class PointToPointAttentionTransport(AttentionTransport):
+    """Attention endpoint of a point-to-point backend: ``dispatch``/``combine`` over ``_send``
+    and ``_wait`` (see the module docstring).
+
+    Args:
+        spec: the FFN group's spec; ``spec.addresses`` holds one address per FFN rank.
+        rank: this attention rank, ``0 <= rank < spec.num_attention_ranks``.
+        wait: how waits are staged (default: ``WaitPolicy()``, poll window from the environment).
+    """
+
+    #: Backend name in error messages.
+    backend_name = "point-to-point"
+
+    def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
+        super().__init__(spec, rank)
+        if not 0 <= rank < spec.num_attention_ranks:
+            raise ValueError(f"attention rank {rank} outside [0, {spec.num_attention_ranks})")
+        if len(spec.addresses) != spec.num_ffn_ranks:
+            raise ValueError(
+                f"{self.backend_name} transport needs one address per FFN rank "
+                f"({spec.num_ffn_ranks}), got {spec.addresses!r}"
+            )
+        self.wait = wait or WaitPolicy()
+        self._free = list(range(spec.num_slots - 1, -1, -1))
+        self._rows = RowViews(torch.arange(spec.max_tokens))
+
+    def dispatch(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> DispatchHandle:
+        """See ``AttentionTransport.dispatch``. Returns once every request is handed to the wire
+        (``x`` may be reused at once); a failed send frees the slot and raises."""
+        spec = self.spec
+        num_tokens = _check_dispatch_args(spec, x, topk_ids)
+        split = split_by_ffn_rank(spec, topk_ids, self._rows[num_tokens])
+        if not split:
+            return DispatchHandle(layer, num_tokens, spec.hidden_size, spec.dtype, split)
+        free = self._free
+        if not free:
+            raise RuntimeError(
+                f"more than num_slots={spec.num_slots} dispatches outstanding: "
+                "combine one before dispatching again"
+            )
+        slot = free.pop()
+        try:
+            self._begin_dispatch()
+            deadline = time.perf_counter() + spec.timeout_s
+            seqs = {
+                ffn_rank: self._send(
+                    ffn_rank, slot, layer, x, topk_ids, topk_weights, rows, deadline
+                )
+                for ffn_rank, rows in split.items()
+            }
+        except BaseException:
+            free.append(slot)
+            raise
+        state = P2PState(slot, seqs)
+        return DispatchHandle(layer, num_tokens, spec.hidden_size, spec.dtype, split, state)
+
+    def combine(self, handle: DispatchHandle) -> torch.Tensor:
+        """See ``AttentionTransport.combine``: ``[T, H]`` ``spec.dtype``, original order.
+
+        Raises:
+            ValueError: if ``handle`` was already combined.
+            TransportError: as ``_wait`` raises it (dead FFN rank, timeout).
+        """
+        if not handle.token_index:
+            return combine_partials(handle, {})
+        state: P2PState | None = handle.state
+        if state is None:
+            raise ValueError(f"handle of layer {handle.layer} was already combined")
+        handle.state = None
+        slot, seqs = state.slot, state.seqs
+        deadline = time.perf_counter() + self.spec.timeout_s
+        try:
+            partials = {
+                ffn_rank: self._wait(ffn_rank, slot, seq, deadline, seqs)
+                for ffn_rank, seq in seqs.items()
+            }
+            return combine_partials(handle, partials)
+        finally:
+            self._free.append(slot)
+
+    def _begin_dispatch(self) -> None:  # noqa: B027 - optional hook
+        """Runs once per dispatch that sends anything, before the first ``_send``."""
+
+    @abc.abstractmethod
+    def _send(
+        self,
+        ffn_rank: int,
+        slot: int,
+        layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        rows: torch.Tensor,
+        deadline: float,
+    ) -> int:
+        """Send FFN rank ``ffn_rank`` the rows ``rows`` of the batch in slot ``slot``.
+
+        Args:
+            x, topk_ids, topk_weights: the whole batch as ``dispatch`` got it (``topk_ids`` of
+                any integer dtype, converted to int32 on the way).
+            rows: ``[N]`` int64 row indices, ascending; ``N == T`` means every row.
+            deadline: ``time.perf_counter()`` value after which a blocked send must raise
+                ``TransportError``.
+        Returns:
+            The request's sequence number, which ``_wait`` gets back.
+        """
+
+    @abc.abstractmethod
+    def _wait(
+        self, ffn_rank: int, slot: int, seq: int, deadline: float, awaited: Collection[int]
+    ) -> torch.Tensor:
+        """Wait for FFN rank ``ffn_rank``'s answer to request ``seq`` in slot ``slot``.
+
+        Args:
+            deadline: ``time.perf_counter()`` value; past it, raise ``TransportError``.
+            awaited: every FFN rank this combine waits for; a backend that checks liveness
+                checks them all, so that any dead one fails the wait.
+        Returns:
+            ``[N, H]`` ``spec.dtype``, possibly a view of a transport buffer (read before the
+            slot is freed, never kept).
+        """

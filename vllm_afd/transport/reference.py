@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference semantics of dispatch/combine, and a reference FFN server.
+"""Pure-PyTorch reference semantics of dispatch/combine (the math only, no transport).
 
 What every transport must compute, without any transport: for each token ``t``
 
@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from vllm_afd.transport.base import TransportSpec
+from vllm_afd.transport.base import TransportSpec, expert_range
 
 #: ``expert_fn(expert_id, x) -> y``: ``x`` ``[n, H]`` -> ``y`` ``[n, H]``, same dtype.
 ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
@@ -132,10 +132,9 @@ def reference_moe_combine(
     Returns:
         ``[T, H]`` in ``x.dtype``: ``0 + sum_f (0 + sum_{e on f} w_e * expert_e(x))``.
     """
-    per_rank = num_experts // num_ffn_ranks
     out = torch.zeros_like(x)
     for rank in range(num_ffn_ranks):
-        experts = range(rank * per_rank, (rank + 1) * per_rank)
+        experts = expert_range(num_experts, num_ffn_ranks, rank)
         out += weighted_expert_sum(x, topk_ids, topk_weights, expert_fn, experts)
     return out
 
@@ -155,9 +154,12 @@ class LocalMoE:
     num_local: int
 
     @classmethod
-    def for_rank(cls, experts: SiluMulExperts | ScaleExperts, spec: TransportSpec, rank: int):
-        per_rank = spec.experts_per_ffn_rank
-        return cls(experts.local(rank * per_rank, per_rank), rank * per_rank, per_rank)
+    def for_rank(
+        cls, experts: SiluMulExperts | ScaleExperts, spec: TransportSpec, rank: int
+    ) -> LocalMoE:
+        """FFN rank ``rank``'s share of ``experts`` (``spec.expert_range(rank)``)."""
+        share = spec.expert_range(rank)
+        return cls(experts.local(share.start, len(share)), share.start, len(share))
 
     def __call__(
         self,

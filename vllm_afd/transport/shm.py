@@ -15,16 +15,15 @@ number on every FFN rank it sends to, so microbatches never share buffers::
       topk_weights    [max_tokens, K]  float32
       out             [max_tokens, H]  spec.dtype
 
-Headers are read and written through one ``memoryview.cast("q")`` of the segment (about 70 ns a
-word; a torch scalar index costs over a microsecond); payloads through ``torch.frombuffer`` views
-whose ``[:n]`` slices are cached per slot, all four at once (``ViewCache``).
+Headers are read and written through one ``memoryview.cast("q")`` of the segment (a word costs
+a fraction of a torch scalar index); payloads through ``torch.frombuffer`` views whose ``[:n]``
+slices are cached per slot, all four at once (``ViewCache``).
 
-Hot path. Every PyTorch call costs about a microsecond on the development machines, as much as
-copying a few KiB, so a decode-sized round trip is mostly call overhead. Per request: dispatch
-does one ``torch._foreach_copy_`` for x, ids and weights (one call instead of three, which also
-converts ids to int32: 0.7 us less), the FFN side computes into the slot's response buffer
-(``FFNRequest.reply_buffer``: ``reply`` then copies nothing; 10-17 % off the round trip for
-T <= 64 here), and combine does one ``clone``.
+Hot path. Every PyTorch call costs as much as copying a few KiB, so a decode-sized round trip is
+mostly call overhead. Per request: dispatch does one ``torch._foreach_copy_`` for x, ids and
+weights (one call instead of three, which also converts ids to int32), the FFN side computes
+into the slot's response buffer (``FFNRequest.reply_buffer``: ``reply`` then copies nothing),
+and combine does one ``clone`` (measured numbers: docs/benchmarks.md).
 
 Publish order. The writer stores the payload, then the other header words, then the sequence
 number; the reader loads the sequence number, then the rest. This relies on x86-64 total store
@@ -72,7 +71,7 @@ import secrets
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -85,8 +84,6 @@ from vllm_afd.host import (
     unlink_segment,
 )
 from vllm_afd.transport.base import (
-    AttentionTransport,
-    DispatchHandle,
     FFNRequest,
     FFNTransport,
     TransportError,
@@ -94,15 +91,9 @@ from vllm_afd.transport.base import (
 )
 from vllm_afd.transport.p2p import (
     Backoff,
-    RowViews,
+    PointToPointAttentionTransport,
     ViewCache,
     WaitPolicy,
-    check_attention_rank,
-    check_dispatch_args,
-    combine_partials,
-    pop_free_slot,
-    split_by_ffn_rank,
-    take_handle_slot,
 )
 
 DEFAULT_PREFIX = "vllm_afd_"
@@ -127,7 +118,8 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def _cpu_getter() -> Callable[[], int]:
-    """``sched_getcpu()`` through libc (about 0.2 us), or a stub returning -1."""
+    """``sched_getcpu()`` through libc (cheap enough for every dispatch), or a stub returning
+    -1."""
     try:
         getcpu = ctypes.CDLL(None).sched_getcpu
     except (OSError, AttributeError):
@@ -317,27 +309,20 @@ def _warn_if_not_tso() -> None:
         )
 
 
-class ShmAttentionTransport(AttentionTransport):
+class ShmAttentionTransport(PointToPointAttentionTransport):
     """Attention endpoint: attaches to every FFN rank's segment (``spec.addresses``)."""
 
+    backend_name = "shm"
+
     def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
-        super().__init__(spec, rank)
         _warn_if_not_tso()
-        check_attention_rank(spec, rank)
-        if len(spec.addresses) != spec.num_ffn_ranks:
-            raise ValueError(
-                f"shm transport needs one address per FFN rank ({spec.num_ffn_ranks}), "
-                f"got {spec.addresses!r}"
-            )
-        self.wait = wait or WaitPolicy()
+        super().__init__(spec, rank, wait)
         layout = _Layout.of(spec)
         self._segments = [self._attach(f, name, layout) for f, name in enumerate(spec.addresses)]
         self._slots = [[seg.slot(rank, s) for s in range(spec.num_slots)] for seg in self._segments]
         self._words = [seg.words for seg in self._segments]
         self._seq = [self._last_seq(f) for f in range(spec.num_ffn_ranks)]
         self._creators = [self._creator(seg) for seg in self._segments]
-        self._free = list(range(spec.num_slots - 1, -1, -1))
-        self._rows = RowViews(torch.arange(spec.max_tokens))
         self._cpu = -1
 
     def _attach(self, ffn_rank: int, name: str, layout: _Layout) -> _Segment:
@@ -371,42 +356,29 @@ class ShmAttentionTransport(AttentionTransport):
         words = self._words[ffn_rank]
         return max(max(words[s.req_seq], words[s.resp_seq]) for s in self._slots[ffn_rank])
 
-    def dispatch(
-        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> DispatchHandle:
-        """See ``AttentionTransport.dispatch``. Copies the payload into the shared slot before
-        returning, so ``x`` may be reused at once."""
-        spec = self.spec
-        num_tokens = check_dispatch_args(spec, x, topk_ids)
-        split = split_by_ffn_rank(spec, topk_ids, self._rows[num_tokens])
-        if not split:
-            return DispatchHandle(layer, num_tokens, spec.hidden_size, spec.dtype, split)
-        slot = pop_free_slot(self._free, spec)
+    def _begin_dispatch(self) -> None:
+        """Record the CPU this dispatch runs on (FFN ranks on it skip their spin stage)."""
         self._cpu = current_cpu()
-        seqs = {
-            ffn_rank: self._send(ffn_rank, slot, layer, x, topk_ids, topk_weights, rows)
-            for ffn_rank, rows in split.items()
-        }
-        state = {"slot": slot, "seqs": seqs}
-        return DispatchHandle(layer, num_tokens, spec.hidden_size, spec.dtype, split, state)
 
     def _send(
         self,
         ffn_rank: int,
-        slot_id: int,
+        slot: int,
         layer: int,
         x: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         rows: torch.Tensor,
+        deadline: float,
     ) -> int:
-        """Write one request into ``(ffn_rank, slot_id)`` and publish it; return its seq.
+        """Write one request into ``(ffn_rank, slot)`` and publish it; return its seq.
 
-        The copies convert ``topk_ids``/``topk_weights`` to int32/float32 on the way (cheaper
-        than converting first: no temporary)."""
-        slot = self._slots[ffn_rank][slot_id]
+        Never blocks (``deadline`` is unused): the slot is this dispatch's alone. The copies
+        convert ``topk_ids``/``topk_weights`` to int32/float32 on the way (cheaper than
+        converting first: no temporary)."""
+        buffers = self._slots[ffn_rank][slot]
         n = rows.shape[0]
-        dst_x, dst_ids, dst_weights, _ = slot.views[n]
+        dst_x, dst_ids, dst_weights, _ = buffers.views[n]
         if n == x.shape[0]:
             torch._foreach_copy_((dst_x, dst_ids, dst_weights), (x, topk_ids, topk_weights))
         else:
@@ -417,39 +389,23 @@ class ShmAttentionTransport(AttentionTransport):
         self._seq[ffn_rank] = seq
         words = self._words[ffn_rank]
         words[_G_ATTN_CPU + self.rank] = self._cpu
-        words[slot.req_layer] = layer
-        words[slot.req_ntok] = n
-        words[slot.req_seq] = seq  # publish last (x86-64 TSO)
+        words[buffers.req_layer] = layer
+        words[buffers.req_ntok] = n
+        words[buffers.req_seq] = seq  # publish last (x86-64 TSO)
         return seq
 
-    def combine(self, handle: DispatchHandle) -> torch.Tensor:
-        """See ``AttentionTransport.combine``: ``[T, H]`` ``spec.dtype``, original order."""
-        if not handle.token_index:
-            return combine_partials(handle, {})
-        slot = take_handle_slot(handle)
-        seqs = handle.state["seqs"]
-        deadline = time.perf_counter() + self.spec.timeout_s
-        try:
-            partials = {
-                ffn_rank: self._wait_answer(ffn_rank, slot, seq, seqs, deadline)
-                for ffn_rank, seq in seqs.items()
-            }
-            return combine_partials(handle, partials)
-        finally:
-            self._free.append(slot)
-
-    def _wait_answer(
-        self, ffn_rank: int, slot_id: int, seq: int, awaited: dict[int, int], deadline: float
+    def _wait(
+        self, ffn_rank: int, slot: int, seq: int, deadline: float, awaited: Collection[int]
     ) -> torch.Tensor:
-        """Wait until FFN rank ``ffn_rank`` answered ``seq`` in ``slot_id``; return ``[N, H]``
+        """Wait until FFN rank ``ffn_rank`` answered ``seq`` in ``slot``; return ``[N, H]``
         (a view of the response buffer, valid until the slot is reused). Meanwhile checks the
         liveness of every FFN rank in ``awaited``, so that any dead one fails the wait."""
-        slot = self._slots[ffn_rank][slot_id]
+        buffers = self._slots[ffn_rank][slot]
         words = self._words[ffn_rank]
-        if words[slot.resp_seq] != seq:
+        if words[buffers.resp_seq] != seq:
             backoff = Backoff(self.wait, spin=words[_G_FFN_CPU] != self._cpu)
             next_check = backoff.start + LIVENESS_INTERVAL_S
-            while words[slot.resp_seq] != seq:
+            while words[buffers.resp_seq] != seq:
                 now = backoff.pause()
                 if now >= next_check:
                     for rank in awaited:
@@ -461,7 +417,7 @@ class ShmAttentionTransport(AttentionTransport):
                             f"timeout_s={self.spec.timeout_s}"
                         )
                     next_check = now + LIVENESS_INTERVAL_S
-        return slot.views[words[slot.resp_ntok]][3]
+        return buffers.views[words[buffers.resp_ntok]][3]
 
     def _check_alive(self, ffn_rank: int) -> None:
         """Raise ``TransportError`` if FFN rank ``ffn_rank`` closed its endpoint or died."""

@@ -28,7 +28,7 @@ kernel holds all bytes of the request, so ``x`` may be reused at once.
 
 Waiting. Both sides first poll their sockets without blocking, through the spin and yield
 stages of ``WaitPolicy`` (as shm does), then block in ``epoll``: a wake-up from ``epoll`` costs
-tens of microseconds on the development VM.
+far more than a non-blocking poll (measured numbers: docs/benchmarks.md).
 
 Failure. A closed or reset connection raises ``TransportError`` naming the FFN rank at once
 (SIGKILL of an FFN process closes its sockets); a silent FFN rank raises after ``spec.timeout_s``.
@@ -43,13 +43,11 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
 from vllm_afd.transport.base import (
-    AttentionTransport,
-    DispatchHandle,
     FFNRequest,
     FFNTransport,
     TransportError,
@@ -57,14 +55,9 @@ from vllm_afd.transport.base import (
 )
 from vllm_afd.transport.p2p import (
     Backoff,
+    PointToPointAttentionTransport,
     RowViews,
     WaitPolicy,
-    check_attention_rank,
-    check_dispatch_args,
-    combine_partials,
-    pop_free_slot,
-    split_by_ffn_rank,
-    take_handle_slot,
 )
 
 DEFAULT_HOST = "127.0.0.1"
@@ -253,22 +246,15 @@ class _FFNPeer:
             raise TransportError(self.error) from None
 
 
-class TcpAttentionTransport(AttentionTransport):
+class TcpAttentionTransport(PointToPointAttentionTransport):
     """Attention endpoint: one TCP connection per FFN rank (``spec.addresses``)."""
 
+    backend_name = "tcp"
+
     def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
-        super().__init__(spec, rank)
-        self.wait = wait or WaitPolicy()
-        check_attention_rank(spec, rank)
-        if len(spec.addresses) != spec.num_ffn_ranks:
-            raise ValueError(
-                f"tcp transport needs one address per FFN rank ({spec.num_ffn_ranks}), "
-                f"got {spec.addresses!r}"
-            )
+        super().__init__(spec, rank, wait)
         self._selector = selectors.DefaultSelector()
         self._peers = [self._connect(f, address) for f, address in enumerate(spec.addresses)]
-        self._free = list(range(spec.num_slots - 1, -1, -1))
-        self._rows = RowViews(torch.arange(spec.max_tokens))
 
     def _connect(self, ffn_rank: int, address: str) -> _FFNPeer:
         try:
@@ -282,31 +268,24 @@ class TcpAttentionTransport(AttentionTransport):
         self._selector.register(sock, selectors.EVENT_READ, peer)
         return peer
 
-    def dispatch(
-        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> DispatchHandle:
-        """See ``AttentionTransport.dispatch``. Returns once the kernel holds every byte."""
-        num_tokens = check_dispatch_args(self.spec, x, topk_ids)
-        split = split_by_ffn_rank(self.spec, topk_ids, self._rows[num_tokens])
-        handle = DispatchHandle(layer, num_tokens, self.spec.hidden_size, self.spec.dtype, split)
-        if not split:
-            return handle
-        slot = pop_free_slot(self._free, self.spec)
-        deadline = time.perf_counter() + self.spec.timeout_s
-        try:
-            seqs = {}
-            for ffn_rank, rows in split.items():
-                peer = self._peers[ffn_rank]
-                parts = self._payload(peer, slot, x, topk_ids, topk_weights, rows)
-                peer.seq += 1
-                seqs[ffn_rank] = peer.seq
-                header = _HEADER.pack(_MAGIC, _REQUEST, slot, layer, rows.shape[0], peer.seq)
-                self._send(peer, [memoryview(header), *parts], deadline)
-        except BaseException:
-            self._free.append(slot)
-            raise
-        handle.state.update(slot=slot, seqs=seqs)
-        return handle
+    def _send(
+        self,
+        ffn_rank: int,
+        slot: int,
+        layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        rows: torch.Tensor,
+        deadline: float,
+    ) -> int:
+        """Send one REQUEST frame; return its seq once the kernel holds every byte."""
+        peer = self._peers[ffn_rank]
+        parts = self._payload(peer, slot, x, topk_ids, topk_weights, rows)
+        peer.seq += 1
+        header = _HEADER.pack(_MAGIC, _REQUEST, slot, layer, rows.shape[0], peer.seq)
+        self._send_frame(peer, [memoryview(header), *parts], deadline)
+        return peer.seq
 
     def _payload(
         self,
@@ -332,7 +311,7 @@ class TcpAttentionTransport(AttentionTransport):
             weights.rows[n].copy_(topk_weights.index_select(0, rows))
         return [xb, ids.wire(n), weights.wire(n)]
 
-    def _send(self, peer: _FFNPeer, views: list[memoryview], deadline: float) -> None:
+    def _send_frame(self, peer: _FFNPeer, views: list[memoryview], deadline: float) -> None:
         """Hand ``views`` to the kernel, reading responses from every FFN rank meanwhile."""
         try:
             views = _send_some(peer.sock, views)
@@ -364,28 +343,21 @@ class TcpAttentionTransport(AttentionTransport):
             if events & selectors.EVENT_READ:
                 key.data.read()
 
-    def combine(self, handle: DispatchHandle) -> torch.Tensor:
-        """See ``AttentionTransport.combine``: ``[T, H]`` ``spec.dtype``, original order."""
-        if not handle.token_index:
-            return combine_partials(handle, {})
-        slot = take_handle_slot(handle)
-        deadline = time.perf_counter() + self.spec.timeout_s
-        try:
-            partials = {}
-            for ffn_rank, seq in handle.state["seqs"].items():
-                peer = self._peers[ffn_rank]
-                self._spin(peer, slot, seq)
-                while peer.answered[slot] != seq:
-                    self._wait_events(deadline, peer)
-                partials[ffn_rank] = peer.out[slot].rows[peer.answer_rows[slot]]
-            return combine_partials(handle, partials)
-        finally:
-            self._free.append(slot)
+    def _wait(
+        self, ffn_rank: int, slot: int, seq: int, deadline: float, awaited: Collection[int]
+    ) -> torch.Tensor:
+        """Wait for the RESPONSE to ``seq`` in ``slot``, reading every FFN rank's responses
+        meanwhile; return ``[N, H]`` (a view of the slot's response buffer). A lost
+        connection raises at once, so ``awaited`` needs no liveness check here."""
+        peer = self._peers[ffn_rank]
+        self._spin(peer, slot, seq)
+        while peer.answered[slot] != seq:
+            self._wait_events(deadline, peer)
+        return peer.out[slot].rows[peer.answer_rows[slot]]
 
     def _spin(self, peer: _FFNPeer, slot: int, seq: int) -> None:
         """Poll ``peer`` without blocking through the spin and yield stages (an epoll wake-up
-        costs tens of microseconds: a blocking loopback ping-pong took 69 us here, a polling
-        one 9 us)."""
+        costs far more than a poll; measured numbers: docs/benchmarks.md)."""
         backoff = Backoff(self.wait)
         peer.read()
         while peer.answered[slot] != seq and backoff.poll_pause():

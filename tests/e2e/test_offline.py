@@ -1,0 +1,88 @@
+"""AFD through the offline ``LLM`` API: greedy outputs token-identical to colocated (float32).
+
+Each configuration runs in a fresh process (``vllm_afd.bench.offline_run``), with chunked
+prefill and prefix caching on, prompts of different lengths (one longer than the chunk size,
+two sharing a long prefix) submitted together.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vllm_afd.bench.offline_run import run_generation
+
+pytestmark = pytest.mark.slow
+
+SHARED = "In a distributed serving system the attention layers keep the KV cache while " * 3
+PROMPTS = [
+    "hello world",
+    SHARED + "the experts",
+    SHARED + "the router",
+    "def f(x):\n    return x * 2\n" * 12,  # longer than the 64-token prefill chunk
+    "1 2 3",
+]
+
+
+def _job(model: str, afd: dict | None, tp: int = 1) -> dict:
+    return {
+        "model": model,
+        "prompts": PROMPTS,
+        "max_tokens": 24,
+        "afd": afd,
+        "tensor_parallel_size": tp,
+        "max_num_batched_tokens": 64,
+    }
+
+
+@pytest.fixture(scope="module")
+def colocated_qwen3(tiny_qwen3):
+    return run_generation(_job(tiny_qwen3, None))
+
+
+def _assert_same_tokens(afd: dict, colocated: dict) -> None:
+    assert len(afd["token_ids"]) == len(PROMPTS)
+    for i, (a, c) in enumerate(zip(afd["token_ids"], colocated["token_ids"], strict=True)):
+        assert a == c, f"prompt {i}: AFD {a} != colocated {c}"
+
+
+def test_afd_1_1_matches_colocated_and_splits_weights(tiny_qwen3, colocated_qwen3):
+    result = run_generation(_job(tiny_qwen3, {"ratio": "1:1"}))
+    _assert_same_tokens(result, colocated_qwen3)
+    # The split: the attention rank holds no routed-expert bytes, the FFN rank holds all of them.
+    (ffn,) = result["ffn"]
+    assert ffn["experts"] == [0, 8]
+    expert_bytes = 2 * 8 * 3 * 128 * 64 * 4  # layers * experts * (gate, up, down) * H * I * fp32
+    assert ffn["param_bytes"] == expert_bytes
+    assert (
+        result["attention_param_bytes"] == colocated_qwen3["attention_param_bytes"] - expert_bytes
+    )
+    # The FFN rank served every layer of every step, prefill chunks included.
+    assert set(ffn["per_layer_calls"]) == {"0", "1"}
+    assert ffn["tokens"] >= sum(len(t) for t in result["token_ids"])
+
+
+def test_afd_2_1_two_tp_attention_ranks(tiny_qwen3, colocated_qwen3):
+    result = run_generation(_job(tiny_qwen3, {"ratio": "2:1"}, tp=2))
+    _assert_same_tokens(result, colocated_qwen3)
+    assert len(result["ffn"]) == 1
+
+
+def test_afd_1_2_mixtral_two_ffn_ranks_bound_to_their_cpus(tiny_mixtral):
+    colocated = run_generation(_job(tiny_mixtral, None))
+    cpus = sorted(os.sched_getaffinity(0))
+    first, last = cpus[0], cpus[-1]
+    job = _job(tiny_mixtral, {"ratio": "1:2"}) | {"env": {"VLLM_AFD_FFN_CPUS": f"{first}|{last}"}}
+    result = run_generation(job)
+    _assert_same_tokens(result, colocated)
+    assert [f["experts"] for f in result["ffn"]] == [[0, 4], [4, 8]]
+    assert all(f["tokens"] > 0 for f in result["ffn"])
+    assert [f["cpus"] for f in result["ffn"]] == [[first], [last]]
+
+
+def test_afd_tcp_transport_matches_colocated(tiny_qwen3, colocated_qwen3):
+    result = run_generation(_job(tiny_qwen3, {"ratio": "1:1", "transport": "tcp"}))
+    _assert_same_tokens(result, colocated_qwen3)
+    (ffn,) = result["ffn"]
+    assert ffn["address"].startswith("127.0.0.1:")

@@ -1,0 +1,65 @@
+"""FFN executor: its share of the experts, and its stats block for ``/metrics``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from tests.unit.metrics.metrics_testlib import scrape, value
+from vllm_afd.ffn.executor import FFNExecutor
+from vllm_afd.metrics.blocks import ffn_block_name, read_block
+from vllm_afd.transport import TransportSpec, create_attention_transport
+
+
+def test_expert_range_is_contiguous():
+    spec = TransportSpec(
+        "shm", 1, num_ffn_ranks=4, num_experts=8, hidden_size=8, top_k=2, max_tokens=1
+    )
+    assert [spec.expert_range(r) for r in range(4)] == [
+        range(0, 2),
+        range(2, 4),
+        range(4, 6),
+        range(6, 8),
+    ]
+
+
+def test_ffn_executor_writes_its_block(tiny_qwen3):
+    """A real FFN executor (tiny model, shm transport) serving one dispatch."""
+    config = json.loads((Path(tiny_qwen3) / "config.json").read_text())
+    spec = TransportSpec(
+        backend="shm",
+        num_attention_ranks=1,
+        num_ffn_ranks=1,
+        num_experts=8,
+        hidden_size=config["hidden_size"],
+        top_k=2,
+        max_tokens=16,
+        timeout_s=10.0,
+        addresses=(f"afdmetricstest{os.getpid()}_",),
+    )
+    executor = FFNExecutor(spec, 0, tiny_qwen3, "torch")
+    name = ffn_block_name(executor.address, 0)
+    endpoint = None
+    try:
+        assert read_block(name).layers == {0: (0, 0, 0), 1: (0, 0, 0)}
+        executor.start()
+        spec = TransportSpec(**{**spec.__dict__, "addresses": (executor.address,)})
+        endpoint = create_attention_transport(spec, 0)
+        x = torch.randn(5, spec.hidden_size)
+        ids = torch.tensor([[0, 7]] * 5, dtype=torch.int32)
+        weights = torch.full((5, 2), 0.5)
+        endpoint.combine(endpoint.dispatch(1, x, ids, weights))
+        snapshot = read_block(name)
+        assert snapshot.layers[1][0] == 1 and snapshot.layers[1][2] == 5
+        assert snapshot.scalars[:4] == [1, 5, 5 * (128 * 4 + 16), 5 * 128 * 4]
+        assert executor.stats.snapshot()["tokens"] == 5  # the in-process view still works
+        text = scrape(spec)
+        assert value(text, "vllm_afd_ffn_rank_alive", ffn_rank=0) == 1.0
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+        executor.stop()
+    assert read_block(name) is None

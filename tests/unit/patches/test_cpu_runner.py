@@ -1,0 +1,63 @@
+"""M1's configuration of a CPU model runner, on a stand-in runner (no engine)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_afd.config import AFDConfigError
+from vllm_afd.patches import cpu_runner
+
+
+def _runner(afd: dict | None, **overrides) -> SimpleNamespace:
+    model = SimpleNamespace(
+        hf_text_config=SimpleNamespace(hidden_act="silu"),
+        quantization=None,
+        supports_multimodal_inputs=False,
+        uses_mrope=False,
+        runner_type="generate",
+    )
+    parallel = SimpleNamespace(
+        pipeline_parallel_size=1,
+        enable_eplb=False,
+        ubatch_size=0,
+        dbo_decode_token_threshold=32,
+        dbo_prefill_token_threshold=512,
+    )
+    vllm_config = SimpleNamespace(
+        additional_config={"afd": afd} if afd else {},
+        model_config=model,
+        parallel_config=parallel,
+        use_v2_model_runner=False,
+        speculative_config=None,
+        lora_config=None,
+    )
+    for key, value in overrides.items():
+        setattr(vllm_config, key, value)
+    return SimpleNamespace(
+        vllm_config=vllm_config,
+        parallel_config=parallel,
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
+    )
+
+
+@pytest.mark.parametrize("afd", [None, {"ratio": "1:1", "microbatches": 1}])
+def test_m1_leaves_the_runner_alone_without_microbatches(afd):
+    runner = _runner(afd)
+    assert cpu_runner.configure_runner(runner) == 1
+    assert runner.parallel_config.ubatch_size == 0
+
+
+def test_m1_turns_vllm_microbatching_on_for_decode_steps():
+    runner = _runner({"ratio": "1:1", "microbatches": 3})
+    assert cpu_runner.configure_runner(runner) == 3
+    parallel = runner.parallel_config
+    assert parallel.ubatch_size == 3 and parallel.dbo_decode_token_threshold == 3
+    assert parallel.dbo_prefill_token_threshold == 65  # above max_num_batched_tokens
+
+
+def test_m1_refuses_what_microbatching_cannot_run():
+    runner = _runner({"ratio": "1:1", "microbatches": 2}, lora_config=object())
+    with pytest.raises(AFDConfigError, match="microbatching is not supported with LoRA"):
+        cpu_runner.configure_runner(runner)

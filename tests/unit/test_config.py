@@ -1,0 +1,124 @@
+"""AFD configuration: ratio parsing, validation messages, flag merging (no vLLM engine)."""
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_afd.config import (
+    AFDConfig,
+    AFDConfigError,
+    add_afd_flags,
+    merge_afd_flags,
+    moe_model_info,
+    parse_ratio,
+)
+
+
+@pytest.mark.parametrize("text", ["7", "a:b", "0:1", "7:0", "-1:1", "1:2:3", ""])
+def test_malformed_ratios_name_the_flag(text):
+    with pytest.raises(AFDConfigError, match="--afd-ratio"):
+        parse_ratio(text)
+
+
+def test_ratio_parsing():
+    assert parse_ratio("7:1") == (7, 1)
+    assert parse_ratio(" 2 : 1 ") == (2, 1)
+    assert parse_ratio("auto") is None
+
+
+def test_ffn_rank_count_must_be_whole():
+    cfg = AFDConfig(ratio=(2, 1))
+    assert cfg.num_ffn_ranks(2) == 1
+    assert cfg.num_ffn_ranks(4) == 2
+    with pytest.raises(AFDConfigError, match="does not divide the 1 attention"):
+        cfg.num_ffn_ranks(1)
+    assert AFDConfig(ratio=(1, 2)).num_ffn_ranks(1) == 2
+
+
+def test_unknown_transport_lists_allowed():
+    with pytest.raises(AFDConfigError, match="--afd-transport.*allowed: deepep, shm, tcp"):
+        AFDConfig(ratio=(1, 1), transport="carrier-pigeon")
+
+
+def test_from_dict_roundtrip_and_coercion():
+    cfg = AFDConfig.from_dict({"ratio": "3:1", "timeout_s": "2.5", "microbatches": "2"})
+    assert cfg.ratio == (3, 1) and cfg.timeout_s == 2.5 and cfg.microbatches == 2
+    assert AFDConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(AFDConfigError, match="unknown key"):
+        AFDConfig.from_dict({"ratio": "1:1", "ration": "2"})
+    with pytest.raises(AFDConfigError, match="--afd-timeout"):
+        AFDConfig.from_dict({"ratio": "1:1", "timeout_s": "soon"})
+    with pytest.raises(AFDConfigError, match="required"):
+        AFDConfig.from_dict({"transport": "shm"})
+
+
+def _hf(**kw):
+    base = dict(
+        architectures=["X"],
+        num_hidden_layers=2,
+        hidden_size=128,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+    )
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_model_without_routed_experts_is_refused():
+    with pytest.raises(AFDConfigError, match="no routed experts"):
+        moe_model_info(_hf(architectures=["LlamaForCausalLM"], intermediate_size=256))
+
+
+def test_expert_divisibility():
+    info = moe_model_info(_hf(num_experts=8))
+    assert info.num_experts == 8 and info.moe_layers == (0, 1)
+    info.check_ffn_ranks(4)
+    with pytest.raises(AFDConfigError, match="only 8 routed experts"):
+        info.check_ffn_ranks(16)
+    with pytest.raises(AFDConfigError, match="cannot be split evenly over 3"):
+        info.check_ffn_ranks(3)
+    mixtral = moe_model_info(
+        _hf(num_local_experts=4, moe_intermediate_size=None, intermediate_size=64)
+    )
+    assert mixtral.num_experts == 4 and mixtral.moe_intermediate_size == 64
+
+
+def _parser():
+    parser = argparse.ArgumentParser()
+    add_afd_flags(parser)
+    add_afd_flags(parser)  # idempotent
+    return parser
+
+
+def test_flags_merge_into_additional_config():
+    args = _parser().parse_args(["--afd-ratio", "2:1", "--afd-transport", "tcp"])
+    engine_args = SimpleNamespace(additional_config={"other": 1})
+    merge_afd_flags(args, engine_args)
+    assert engine_args.additional_config == {
+        "other": 1,
+        "afd": {"ratio": "2:1", "transport": "tcp"},
+    }
+
+
+def test_no_flag_means_stock_vllm():
+    engine_args = SimpleNamespace(additional_config=None)
+    merge_afd_flags(_parser().parse_args([]), engine_args)
+    assert engine_args.additional_config is None
+
+
+def test_bad_flag_values_exit_with_the_flag_named(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(["--afd-ratio", "0:1"])
+    assert exc.value.code == 2
+    assert "--afd-ratio" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--afd-ratio", "1:1", "--afd-transport", "smoke-signals"])
+
+
+def test_options_without_ratio_and_duplicates_are_errors():
+    engine_args = SimpleNamespace(additional_config=None)
+    with pytest.raises(AFDConfigError, match="--afd-ratio is required with --afd-transport"):
+        merge_afd_flags(_parser().parse_args(["--afd-transport", "tcp"]), engine_args)
+    engine_args = SimpleNamespace(additional_config={"afd": {"ratio": "1:1"}})
+    with pytest.raises(AFDConfigError, match="both as flags"):
+        merge_afd_flags(_parser().parse_args(["--afd-ratio", "2:1"]), engine_args)

@@ -1,0 +1,105 @@
+"""Helpers for transport tests: small specs, random routing, FFN ranks in child processes.
+
+FFN ranks run ``testing.ffn.ffn_worker_main`` in processes forked from a forkserver that has
+imported torch once (see conftest), so that starting one costs tens of milliseconds instead of
+seconds. Every process is joined with a timeout and killed if it does not stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+import torch
+
+from vllm_afd.testing.ffn import ffn_worker_main
+from vllm_afd.transport import TransportSpec, create_attention_transport
+from vllm_afd.transport.reference import FFNForward
+from vllm_afd.transport.shm import SHM_DIR, reap_stale_segments
+
+#: Segment-name prefix of this test run (the shm FFN side takes it from spec.addresses).
+SHM_PREFIX = f"afdtest{os.getpid()}_"
+JOIN_TIMEOUT_S = 5.0
+
+
+def leftover_segments() -> list[str]:
+    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(SHM_PREFIX))
+
+
+def make_spec(backend: str, num_attention: int, num_ffn: int, **overrides) -> TransportSpec:
+    """A small spec; the FFN side's ``addresses`` request a test prefix / loopback port."""
+    request = SHM_PREFIX if backend == "shm" else "127.0.0.1:0"
+    fields = dict(
+        backend=backend,
+        num_attention_ranks=num_attention,
+        num_ffn_ranks=num_ffn,
+        num_experts=8,
+        hidden_size=32,
+        top_k=2,
+        max_tokens=64,
+        timeout_s=10.0,
+        addresses=(request,) * num_ffn,
+    )
+    fields.update(overrides)
+    return TransportSpec(**fields)
+
+
+class FFNCluster:
+    """FFN ranks in child processes plus the attention endpoints the test creates."""
+
+    def __init__(self, ctx, spec: TransportSpec, forwards: Sequence[FFNForward]) -> None:
+        self.stop_event = ctx.Event()
+        self.procs = []
+        addresses = []
+        for rank, forward in enumerate(forwards):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=ffn_worker_main,
+                args=(spec, rank, forward, child, self.stop_event),
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            if not parent.poll(30):
+                raise TimeoutError(f"FFN rank {rank} did not report its address")
+            addresses.append(parent.recv())
+            self.procs.append(proc)
+        self.spec = dataclasses.replace(spec, addresses=tuple(addresses))
+        self.attention = []
+
+    def connect(self, rank: int, **overrides):
+        endpoint = create_attention_transport(dataclasses.replace(self.spec, **overrides), rank)
+        self.attention.append(endpoint)
+        return endpoint
+
+    def kill(self, rank: int) -> None:
+        self.procs[rank].kill()
+
+    def close(self) -> None:
+        for endpoint in self.attention:
+            endpoint.close()
+        self.stop_event.set()
+        for proc in self.procs:
+            proc.join(JOIN_TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(JOIN_TIMEOUT_S)
+        reap_stale_segments(SHM_PREFIX)  # segments of killed FFN ranks
+
+
+def routing(
+    num_tokens: int, spec: TransportSpec, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random ``x [T, H]`` (spec dtype), distinct ``topk_ids [T, K]`` int64, normalised
+    ``topk_weights [T, K]`` float32."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, spec.hidden_size, generator=gen).to(spec.dtype)
+    scores = torch.rand(num_tokens, spec.num_experts, generator=gen)
+    weights, ids = scores.topk(spec.top_k, dim=1)
+    return x, ids, weights / weights.sum(dim=1, keepdim=True)
+
+
+def attach_and_exit(spec: TransportSpec) -> None:
+    """Child-process body: attach an attention endpoint and exit without closing it."""
+    create_attention_transport(spec, 0)

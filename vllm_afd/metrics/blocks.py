@@ -1,0 +1,416 @@
+"""Stats blocks: their format, names, writers and reader.
+
+Why shared-memory blocks, how they are named, their lifetime and the liveness check: see the
+package docstring. A writer updates its words with plain ``memoryview`` item adds (no lock, no
+syscall); a reader copies the whole block with one ``read``.
+
+Block layout (words; ``int64`` header, ``float64`` data)::
+
+    header  [16]   magic, version, role, rank, writer pid, writer start time (clock ticks since
+                   boot), pid-namespace inode, state (open/closed), layer capacity L, peers P,
+                   buckets B, reserved
+    bounds  [B]    histogram upper bounds (seconds)
+    scalars [16]   role-specific totals (``_F_*`` / ``_A_*``)
+    peers   [P]    attention: tokens dispatched to each FFN rank
+    hist    [B+1]  per-bucket counts (not cumulative), last = above every bound (+Inf)
+    layer   [4L]   calls, seconds, tokens, known flag per layer index (model layer number)
+
+The header words and scalar indices are this package's block format: ``collector.py`` reads
+the scalars through them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import mmap
+import os
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from vllm_afd.host import (
+    SHM_DIR,
+    pid_namespace,
+    process_start_time,
+    reap_segments,
+    unlink_segment,
+)
+
+PREFIX = "vllm_afd_metrics_"
+
+#: Histogram upper bounds (seconds) for FFN service time and exposed FFN time per round trip.
+# fmt: off
+BUCKETS: tuple[float, ...] = (
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3,
+    250e-3, 500e-3, 1.0, 2.5,
+)
+# fmt: on
+#: Layer indices an attention block has room for (the model's layer numbers; larger ones are
+#: counted in the totals only).
+ATTENTION_LAYER_CAPACITY = 1024
+ERROR_KINDS = ("timeout", "ffn_dead", "other")
+
+_MAGIC = 0x3130_5354_4D44_4641  # b"AFDMST01" little-endian
+_VERSION = 1
+ROLE_ATTENTION, ROLE_FFN = 1, 2
+_STATE_OPEN, _STATE_CLOSED = 1, 2
+
+# Header words.
+(
+    _H_MAGIC,
+    _H_VERSION,
+    _H_ROLE,
+    _H_RANK,
+    _H_PID,
+    _H_START,
+    _H_PIDNS,
+    _H_STATE,
+    _H_LAYERS,
+    _H_PEERS,
+    _H_BUCKETS,
+) = range(11)
+_HEADER_WORDS = 16
+_SCALAR_WORDS = 16
+# FFN scalars.
+_F_REQUESTS, _F_TOKENS, _F_BYTES_IN, _F_BYTES_OUT, _F_SECONDS = range(5)
+# Attention scalars.
+_A_ROUND_TRIPS, _A_TOKENS, _A_BYTES_SENT, _A_BYTES_RECEIVED, _A_SECONDS = range(5)
+_A_ERRORS = 5  # one word per ERROR_KINDS entry
+
+
+# --------------------------------------------------------------------------------------------
+# Names, processes
+# --------------------------------------------------------------------------------------------
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def deployment_id(addresses: Sequence[str]) -> str:
+    """Short id of a running FFN group, from its transport addresses."""
+    return _digest("\n".join(addresses))
+
+
+def ffn_block_name(address: str, rank: int) -> str:
+    """Stats block of the FFN rank whose transport address is ``address``."""
+    return f"{PREFIX}{_digest(address)}_f{rank}"
+
+
+def attention_block_name(addresses: Sequence[str], rank: int) -> str:
+    """Stats block of attention rank ``rank`` of the deployment with these FFN addresses."""
+    return f"{PREFIX}{deployment_id(addresses)}_a{rank}"
+
+
+def _writer_alive(pid: int, start_time: int) -> bool:
+    """Process ``pid`` runs and is the one that recorded ``start_time`` (0: not recorded)."""
+    now = process_start_time(pid)
+    return now is not None and (start_time == 0 or now == start_time)
+
+
+# --------------------------------------------------------------------------------------------
+# Blocks: layout, writers, reader
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Layout:
+    layers: int
+    peers: int
+    buckets: int
+
+    @property
+    def bounds(self) -> int:
+        return _HEADER_WORDS
+
+    @property
+    def scalars(self) -> int:
+        return _HEADER_WORDS + self.buckets
+
+    @property
+    def peer(self) -> int:
+        return self.scalars + _SCALAR_WORDS
+
+    @property
+    def hist(self) -> int:
+        return self.peer + self.peers
+
+    @property
+    def calls(self) -> int:
+        return self.hist + self.buckets + 1
+
+    @property
+    def seconds(self) -> int:
+        return self.calls + self.layers
+
+    @property
+    def tokens(self) -> int:
+        return self.seconds + self.layers
+
+    @property
+    def known(self) -> int:
+        return self.tokens + self.layers
+
+    @property
+    def words(self) -> int:
+        return self.known + self.layers
+
+
+class _Writer:
+    """A block this process created and owns (lifetime: see the package docstring)."""
+
+    role: int
+
+    def __init__(self, name: str, rank: int, layers: int, peers: int) -> None:
+        reap_stale_blocks()
+        self.name = name
+        self.rank = rank
+        self.layout = layout = _Layout(max(1, layers), max(0, peers), len(BUCKETS))
+        size = 8 * layout.words
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except FileExistsError:
+            # Same address as a deployment whose writer is still alive: do not steal it.
+            raise RuntimeError(
+                f"AFD metrics block {name!r} exists and its writer is alive"
+            ) from None
+        try:
+            os.ftruncate(fd, size)
+            self._mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            unlink_segment(name)
+            raise
+        os.close(fd)
+        self._finalizer = weakref.finalize(self, unlink_segment, name)
+        self._q = memoryview(self._mm).cast("q")
+        #: float64 words, the hot-path view.
+        self.d = memoryview(self._mm).cast("d")
+        q, d = self._q, self.d
+        for i, bound in enumerate(BUCKETS):
+            d[layout.bounds + i] = bound
+        q[_H_VERSION], q[_H_ROLE], q[_H_RANK] = _VERSION, self.role, rank
+        q[_H_PID] = pid = os.getpid()
+        q[_H_START] = process_start_time(pid) or 0
+        q[_H_PIDNS] = pid_namespace()
+        q[_H_LAYERS], q[_H_PEERS], q[_H_BUCKETS] = layout.layers, layout.peers, layout.buckets
+        q[_H_STATE] = _STATE_OPEN
+        q[_H_MAGIC] = _MAGIC  # publish last
+        self._bounds = BUCKETS
+        self._o_scalars, self._o_peer, self._o_hist = layout.scalars, layout.peer, layout.hist
+        self._o_calls, self._o_seconds = layout.calls, layout.seconds
+        self._o_tokens, self._o_known = layout.tokens, layout.known
+        self._layers, self._peers = layout.layers, layout.peers
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Mark closed and unlink (idempotent). The mapping stays until this object is
+        collected, so a late ``record_*`` from another thread writes into memory that no one
+        reads, instead of failing."""
+        if not self._finalizer.alive:
+            return
+        self._q[_H_STATE] = _STATE_CLOSED
+        self._finalizer()
+
+    def _observe(self, layer: int, tokens: int, seconds: float) -> None:
+        d = self.d
+        d[self._o_hist + bisect.bisect_left(self._bounds, seconds)] += 1.0
+        if 0 <= layer < self._layers:
+            d[self._o_calls + layer] += 1.0
+            d[self._o_seconds + layer] += seconds
+            d[self._o_tokens + layer] += tokens
+
+
+class FFNStatsBlock(_Writer):
+    """The FFN rank's block: one ``record_layer`` per served layer batch."""
+
+    role = ROLE_FFN
+
+    def __init__(self, address: str, rank: int, layers: Iterable[int]) -> None:
+        layers = sorted(set(layers))
+        super().__init__(ffn_block_name(address, rank), rank, (layers[-1] + 1) if layers else 1, 0)
+        for layer in layers:
+            self.d[self._o_known + layer] = 1.0
+
+    def record_layer(
+        self,
+        layer: int,
+        requests: int,
+        tokens: int,
+        bytes_in: int,
+        bytes_out: int,
+        seconds: float,
+    ) -> None:
+        """One batched expert call of ``layer`` served ``requests`` requests in ``seconds``."""
+        d, s = self.d, self._o_scalars
+        d[s + _F_REQUESTS] += requests
+        d[s + _F_TOKENS] += tokens
+        d[s + _F_BYTES_IN] += bytes_in
+        d[s + _F_BYTES_OUT] += bytes_out
+        d[s + _F_SECONDS] += seconds
+        self._observe(layer, tokens, seconds)
+
+
+class AttentionStatsBlock(_Writer):
+    """An attention rank's block: one ``record_round_trip`` per dispatch/combine."""
+
+    role = ROLE_ATTENTION
+
+    def __init__(
+        self, addresses: Sequence[str], rank: int, layers: int = ATTENTION_LAYER_CAPACITY
+    ) -> None:
+        super().__init__(attention_block_name(addresses, rank), rank, layers, len(addresses))
+        #: (sent, received) wire bytes per token row; the recorder sets it from the spec.
+        self.bytes_per_token = (0, 0)
+
+    def record_combine(self, handle, exposed_wait_s: float) -> None:
+        """``record_round_trip`` for a combined ``DispatchHandle``: tokens per FFN rank from
+        ``handle.token_index``, bytes from ``bytes_per_token``. An empty batch is no round trip.
+        """
+        if not handle.token_index:
+            return
+        tokens = {f: rows.numel() for f, rows in handle.token_index.items()}
+        n = sum(tokens.values())
+        sent, received = self.bytes_per_token
+        self.record_round_trip(handle.layer, tokens, n * sent, n * received, exposed_wait_s)
+
+    def record_round_trip(
+        self,
+        layer: int,
+        tokens_per_ffn_rank: Mapping[int, int] | Sequence[int],
+        bytes_sent: int,
+        bytes_received: int,
+        exposed_wait_s: float,
+    ) -> None:
+        d, s, peer, peers = self.d, self._o_scalars, self._o_peer, self._peers
+        items = (
+            tokens_per_ffn_rank.items()
+            if isinstance(tokens_per_ffn_rank, dict)
+            else enumerate(tokens_per_ffn_rank)
+        )
+        total = 0
+        for ffn_rank, n in items:
+            if 0 <= ffn_rank < peers:
+                d[peer + ffn_rank] += n
+            total += n
+        d[s + _A_ROUND_TRIPS] += 1.0
+        d[s + _A_TOKENS] += total
+        d[s + _A_BYTES_SENT] += bytes_sent
+        d[s + _A_BYTES_RECEIVED] += bytes_received
+        d[s + _A_SECONDS] += exposed_wait_s
+        d[self._o_hist + bisect.bisect_left(self._bounds, exposed_wait_s)] += 1.0
+        if 0 <= layer < self._layers:
+            d[self._o_calls + layer] += 1.0
+            d[self._o_seconds + layer] += exposed_wait_s
+            d[self._o_tokens + layer] += total
+
+    def record_error(self, kind: str) -> None:
+        index = ERROR_KINDS.index(kind) if kind in ERROR_KINDS else len(ERROR_KINDS) - 1
+        self.d[self._o_scalars + _A_ERRORS + index] += 1.0
+
+
+@dataclass
+class BlockSnapshot:
+    """A copy of one block, as a reader sees it."""
+
+    name: str
+    role: int
+    rank: int
+    pid: int
+    start_time: int
+    pid_namespace: int
+    closed: bool
+    bounds: list[float]
+    scalars: list[float]
+    peers: list[float]
+    hist: list[float]
+    #: layer -> (calls, seconds, tokens) for layers known to the writer or already seen.
+    layers: dict[int, tuple[float, float, float]]
+
+    def alive(self) -> bool:
+        """Writer process still running (and block open); see the package docstring."""
+        if self.closed:
+            return False
+        if self.pid_namespace != pid_namespace():
+            return True  # not checkable from here
+        return _writer_alive(self.pid, self.start_time)
+
+
+def read_block(name: str) -> BlockSnapshot | None:
+    """Copy block ``name``; ``None`` if it does not exist or is not (yet) a valid block."""
+    try:
+        with open(os.path.join(SHM_DIR, name), "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    if len(raw) < 8 * _HEADER_WORDS:
+        return None
+    q = memoryview(raw).cast("q")
+    if q[_H_MAGIC] != _MAGIC or q[_H_VERSION] != _VERSION:
+        return None
+    layout = _Layout(q[_H_LAYERS], q[_H_PEERS], q[_H_BUCKETS])
+    if len(raw) < 8 * layout.words:
+        return None
+    d = memoryview(raw).cast("d")
+    calls = d[layout.calls : layout.seconds]
+    seconds = d[layout.seconds : layout.tokens]
+    tokens = d[layout.tokens : layout.known]
+    known = d[layout.known : layout.words]
+    return BlockSnapshot(
+        name=name,
+        role=q[_H_ROLE],
+        rank=q[_H_RANK],
+        pid=q[_H_PID],
+        start_time=q[_H_START],
+        pid_namespace=q[_H_PIDNS],
+        closed=q[_H_STATE] == _STATE_CLOSED,
+        bounds=list(d[layout.bounds : layout.scalars]),
+        scalars=list(d[layout.scalars : layout.peer]),
+        peers=list(d[layout.peer : layout.hist]),
+        hist=list(d[layout.hist : layout.calls]),
+        layers={
+            layer: (calls[layer], seconds[layer], tokens[layer])
+            for layer in range(layout.layers)
+            if known[layer] or calls[layer]
+        },
+    )
+
+
+def reap_stale_blocks() -> list[str]:
+    """Unlink stats blocks whose writer (in this pid namespace) is gone; returns their names."""
+    own_ns = pid_namespace()
+
+    def is_stale(name: str, q) -> bool:
+        if q[_H_MAGIC] != _MAGIC or q[_H_PIDNS] != own_ns:
+            return False
+        return not _writer_alive(q[_H_PID], q[_H_START])
+
+    return reap_segments(PREFIX, _HEADER_WORDS, is_stale)
+
+
+def unlink_deployment_blocks(spec) -> list[str]:
+    """Unlink every stats block of the deployment ``spec`` (a ``TransportSpec``, or its JSON
+    dict). For the front-end when it stops the FFN group; returns the names unlinked."""
+    addresses, num_attention, _ = spec_fields(spec)
+    names = [ffn_block_name(a, f) for f, a in enumerate(addresses)]
+    names += [attention_block_name(addresses, a) for a in range(num_attention)]
+    return [name for name in names if unlink_segment(name)]
+
+
+def spec_fields(spec) -> tuple[tuple[str, ...], int, int]:
+    """(addresses, attention ranks, FFN ranks) of a TransportSpec, its dict or its JSON."""
+    if isinstance(spec, str):
+        spec = json.loads(spec)
+    if isinstance(spec, Mapping):
+        return (
+            tuple(spec.get("addresses") or ()),
+            int(spec["num_attention_ranks"]),
+            int(spec["num_ffn_ranks"]),
+        )
+    return tuple(spec.addresses), spec.num_attention_ranks, spec.num_ffn_ranks

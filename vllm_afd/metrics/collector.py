@@ -1,0 +1,190 @@
+"""The reader side: a Prometheus collector of the running deployment's stats blocks.
+
+``/metrics`` is served by processes that produce none of the numbers (the front-end, or each
+API server), so ``AFDCollector`` reads every block of the deployment in ``VLLM_AFD_RUNTIME`` at
+scrape time and turns it into metric families; nothing is pushed or aggregated anywhere else.
+``register_collector`` adds it to a registry once; patch P6
+(``vllm_afd.patches.metrics_registry``) puts it in the registries vLLM's ``/metrics`` answers
+from.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from vllm_afd import envs
+from vllm_afd.metrics.blocks import (
+    _A_BYTES_RECEIVED,
+    _A_BYTES_SENT,
+    _A_ERRORS,
+    _A_SECONDS,
+    _F_BYTES_IN,
+    _F_BYTES_OUT,
+    _F_REQUESTS,
+    _F_SECONDS,
+    _SCALAR_WORDS,
+    BUCKETS,
+    ERROR_KINDS,
+    BlockSnapshot,
+    attention_block_name,
+    ffn_block_name,
+    read_block,
+    spec_fields,
+)
+
+
+def _histogram_buckets(snapshot: BlockSnapshot | None) -> list[tuple[str, float]]:
+    """Cumulative ``(le, count)`` pairs, as prometheus_client's own histograms label them."""
+    from prometheus_client.utils import floatToGoString
+
+    bounds = snapshot.bounds if snapshot else list(BUCKETS)
+    counts = snapshot.hist if snapshot else [0.0] * (len(bounds) + 1)
+    out, total = [], 0.0
+    for bound, count in zip([*bounds, float("inf")], counts, strict=True):
+        total += count
+        out.append((floatToGoString(bound), total))
+    return out
+
+
+class AFDCollector:
+    """Prometheus collector of the running deployment's stats blocks (read at scrape time).
+
+    Args:
+        runtime: the deployment's TransportSpec (object, dict or JSON); default: read
+            ``VLLM_AFD_RUNTIME`` at each scrape (nothing is reported while it is unset).
+    """
+
+    def __init__(self, runtime=None) -> None:
+        self._runtime = runtime
+
+    def describe(self):
+        return list(self._families().values())
+
+    def collect(self):
+        runtime = self._runtime if self._runtime is not None else envs.VLLM_AFD_RUNTIME
+        if not runtime:
+            return []
+        try:
+            addresses, num_attention, num_ffn = spec_fields(runtime)
+        except (ValueError, KeyError, TypeError):
+            return []
+        families = f = self._families()
+        ffn_blocks = [
+            read_block(ffn_block_name(addresses[r], r)) if r < len(addresses) else None
+            for r in range(num_ffn)
+        ]
+        for r, block in enumerate(ffn_blocks):
+            rank = str(r)
+            f["alive"].add_metric([rank], 1.0 if block is not None and block.alive() else 0.0)
+            scalars = block.scalars if block else [0.0] * _SCALAR_WORDS
+            f["ffn_requests"].add_metric([rank], scalars[_F_REQUESTS])
+            f["ffn_bytes"].add_metric([rank, "in"], scalars[_F_BYTES_IN])
+            f["ffn_bytes"].add_metric([rank, "out"], scalars[_F_BYTES_OUT])
+            f["ffn_service"].add_metric([rank], _histogram_buckets(block), scalars[_F_SECONDS])
+            for layer, (calls, seconds, tokens) in sorted((block.layers if block else {}).items()):
+                f["ffn_layer_service"].add_metric([rank, str(layer)], calls, seconds)
+                f["ffn_tokens"].add_metric([rank, str(layer)], tokens)
+        for a in range(num_attention):
+            block = read_block(attention_block_name(addresses, a))
+            rank = str(a)
+            scalars = block.scalars if block else [0.0] * _SCALAR_WORDS
+            peers = block.peers if block else []
+            for r in range(num_ffn):
+                f["dispatched"].add_metric([rank, str(r)], peers[r] if r < len(peers) else 0.0)
+            f["bytes"].add_metric([rank, "sent"], scalars[_A_BYTES_SENT])
+            f["bytes"].add_metric([rank, "received"], scalars[_A_BYTES_RECEIVED])
+            for i, kind in enumerate(ERROR_KINDS):
+                f["errors"].add_metric([rank, kind], scalars[_A_ERRORS + i])
+            f["exposed"].add_metric([rank], _histogram_buckets(block), scalars[_A_SECONDS])
+            for layer, (calls, seconds, _) in sorted((block.layers if block else {}).items()):
+                f["layer_exposed"].add_metric([rank, str(layer)], calls, seconds)
+        return list(families.values())
+
+    @staticmethod
+    def _families() -> dict:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+            SummaryMetricFamily,
+        )
+
+        return {
+            "alive": GaugeMetricFamily(
+                "vllm_afd_ffn_rank_alive",
+                "1 if the FFN rank's process is running, else 0 (same-host check).",
+                labels=["ffn_rank"],
+            ),
+            "ffn_service": HistogramMetricFamily(
+                "vllm_afd_ffn_service_seconds",
+                "FFN service time of one layer batch (experts of all attention ranks' "
+                "requests for that layer, replies included).",
+                labels=["ffn_rank"],
+            ),
+            "ffn_layer_service": SummaryMetricFamily(
+                "vllm_afd_ffn_layer_service_seconds",
+                "FFN service time per MoE layer (count = layer batches served).",
+                labels=["ffn_rank", "layer"],
+            ),
+            "ffn_tokens": CounterMetricFamily(
+                "vllm_afd_ffn_tokens",
+                "Token rows the FFN rank computed, per MoE layer.",
+                labels=["ffn_rank", "layer"],
+            ),
+            "ffn_requests": CounterMetricFamily(
+                "vllm_afd_ffn_requests",
+                "Requests (one per attention rank, layer and dispatch) the FFN rank answered.",
+                labels=["ffn_rank"],
+            ),
+            "ffn_bytes": CounterMetricFamily(
+                "vllm_afd_ffn_bytes",
+                "Payload bytes the FFN rank received (hidden states, expert ids and weights) "
+                "and sent back (outputs).",
+                labels=["ffn_rank", "direction"],
+            ),
+            "dispatched": CounterMetricFamily(
+                "vllm_afd_dispatched_tokens",
+                "Token rows the attention rank dispatched to each FFN rank.",
+                labels=["attention_rank", "ffn_rank"],
+            ),
+            "bytes": CounterMetricFamily(
+                "vllm_afd_transport_bytes",
+                "Payload bytes the attention rank sent to and received from the FFN ranks.",
+                labels=["attention_rank", "direction"],
+            ),
+            "errors": CounterMetricFamily(
+                "vllm_afd_transport_errors",
+                "Failed combines on the attention rank, by kind (timeout, ffn_dead, other).",
+                labels=["attention_rank", "kind"],
+            ),
+            "exposed": HistogramMetricFamily(
+                "vllm_afd_exposed_ffn_seconds",
+                "Time the attention rank waited in combine per round trip (FFN time not "
+                "hidden by overlap).",
+                labels=["attention_rank"],
+            ),
+            "layer_exposed": SummaryMetricFamily(
+                "vllm_afd_layer_exposed_ffn_seconds",
+                "Exposed FFN time per MoE layer (count = round trips).",
+                labels=["attention_rank", "layer"],
+            ),
+        }
+
+
+# Registries that already have a collector (a registry's collect would report it twice).
+_REGISTERED: weakref.WeakSet = weakref.WeakSet()
+
+
+def register_collector(registry=None) -> AFDCollector | None:
+    """Add an ``AFDCollector`` to ``registry`` (default: prometheus_client's global REGISTRY),
+    once per registry. Returns it, or ``None`` if the registry already has one."""
+    if registry is None:
+        from prometheus_client import REGISTRY
+
+        registry = REGISTRY
+    if registry in _REGISTERED:
+        return None
+    collector = AFDCollector()
+    registry.register(collector)
+    _REGISTERED.add(registry)
+    return collector

@@ -1,0 +1,157 @@
+"""The attention side's recorder: one stats block per attention process, behind functions.
+
+An attention rank (a vLLM worker process) records each MoE round trip from the hook at the
+routing boundary (``remote_experts.py``): the hook takes its block once (``endpoint_block``)
+and records each combine straight into it; ``record_error`` with ``error_kind`` counts a
+failure (``record_combine`` and ``record_round_trip`` record through this module). The module
+owns the process's block, created for the deployment in ``VLLM_AFD_RUNTIME`` (or the
+endpoint's spec) and replaced when the FFN group restarts; a block that cannot be created
+disables the metrics of this process (logged), never serving.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from collections.abc import Mapping, Sequence
+
+from vllm_afd import envs
+from vllm_afd.metrics.blocks import AttentionStatsBlock, spec_fields
+
+logger = logging.getLogger("vllm.afd")
+
+
+#: The current attention block of this process: (FFN addresses, rank, block or None when it
+#: could not be created). One at a time: a new deployment or rank closes the previous one.
+_ATTENTION: tuple[tuple[str, ...], int, AttentionStatsBlock | None] | None = None
+#: (VLLM_AFD_RUNTIME text, its addresses) last parsed by ``attention_block``.
+_RUNTIME: tuple[str, tuple[str, ...]] | None = None
+#: (endpoint, its block) last returned by ``endpoint_block``.
+_LAST_ENDPOINT: tuple[object, AttentionStatsBlock | None] | None = None
+
+
+def attention_block_for(addresses: Sequence[str], rank: int) -> AttentionStatsBlock | None:
+    """This process's block as attention rank ``rank`` of the deployment whose FFN ranks have
+    these ``addresses``: created on first use; ``None`` if it cannot be (logged, metrics never
+    break serving)."""
+    global _ATTENTION
+    addresses = tuple(addresses)
+    current = _ATTENTION
+    if current is not None and current[1] == rank and current[0] == addresses:
+        return current[2]
+    if current is not None and current[2] is not None:
+        current[2].close()
+    block = None
+    try:
+        block = AttentionStatsBlock(addresses, rank)
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("AFD metrics disabled for attention rank %d: %s", rank, exc)
+    _ATTENTION = (addresses, rank, block)
+    return block
+
+
+def attention_block(rank: int) -> AttentionStatsBlock | None:
+    """``attention_block_for`` the deployment in ``VLLM_AFD_RUNTIME`` (``None`` while unset)."""
+    global _RUNTIME
+    key = envs.VLLM_AFD_RUNTIME
+    if key is None:
+        return None
+    runtime = _RUNTIME
+    if runtime is None or runtime[0] != key:
+        try:
+            runtime = _RUNTIME = (key, spec_fields(key)[0])
+        except (ValueError, KeyError, TypeError):
+            return None
+    current = _ATTENTION
+    if current is not None and current[0] == runtime[1] and rank == current[1]:
+        return current[2]
+    return attention_block_for(runtime[1], rank)
+
+
+def record_round_trip(
+    layer: int,
+    tokens_per_ffn_rank: Mapping[int, int] | Sequence[int],
+    bytes_sent: int,
+    bytes_received: int,
+    exposed_wait_s: float,
+    rank: int,
+) -> None:
+    """Account one dispatch/combine of ``layer`` on attention rank ``rank``.
+
+    Args:
+        layer: MoE layer index (``handle.layer``).
+        tokens_per_ffn_rank: token rows sent to each FFN rank (``{f: rows.numel()}`` of
+            ``handle.token_index``, or a list indexed by FFN rank).
+        bytes_sent / bytes_received: payload bytes on the wire (``round_trip_bytes``).
+        exposed_wait_s: seconds spent in ``combine`` (FFN time not hidden by overlap).
+        rank: global attention rank (``endpoint.rank``).
+    """
+    block = attention_block(rank)
+    if block is not None:
+        block.record_round_trip(
+            layer, tokens_per_ffn_rank, bytes_sent, bytes_received, exposed_wait_s
+        )
+
+
+def endpoint_block(endpoint) -> AttentionStatsBlock | None:
+    """This process's block for ``endpoint`` (an ``AttentionTransport``), with the wire bytes
+    per token of its spec: the hook takes it once when it connects and records each combine
+    straight into it. A new endpoint (the FFN group restarted) gets the new deployment's block.
+    """
+    global _LAST_ENDPOINT
+    last = _LAST_ENDPOINT
+    if last is None or last[0] is not endpoint:
+        spec = endpoint.spec
+        block = attention_block_for(spec.addresses, endpoint.rank)
+        if block is not None:
+            block.bytes_per_token = round_trip_bytes(
+                1, spec.hidden_size, spec.dtype.itemsize, spec.top_k
+            )
+        last = _LAST_ENDPOINT = (endpoint, block)
+    return last[1]
+
+
+def record_combine(endpoint, handle, exposed_wait_s: float) -> None:
+    """Account ``handle`` (a ``DispatchHandle``) combined by ``endpoint``
+    (``AttentionStatsBlock.record_combine`` on ``endpoint_block(endpoint)``)."""
+    block = endpoint_block(endpoint)
+    if block is not None:
+        block.record_combine(handle, exposed_wait_s)
+
+
+def record_error(kind: str, rank: int) -> None:
+    """Count a transport failure on attention rank ``rank``: ``timeout``, ``ffn_dead`` or
+    ``other`` (unknown kinds count as ``other``)."""
+    block = attention_block(rank)
+    if block is not None:
+        block.record_error(kind)
+
+
+def error_kind(exc: BaseException) -> str:
+    """Classify a transport exception for ``record_error`` (by the transports' messages)."""
+    from vllm_afd.transport.base import TransportError
+
+    if not isinstance(exc, TransportError):
+        return "other"
+    text = str(exc)
+    if "did not answer within" in text or "timeout" in text.lower():
+        return "timeout"
+    return "ffn_dead"
+
+
+def round_trip_bytes(tokens: int, hidden_size: int, itemsize: int, top_k: int) -> tuple[int, int]:
+    """(sent, received) payload bytes for ``tokens`` token rows: hidden states plus int32 ids
+    and float32 weights out, hidden states back."""
+    hidden = tokens * hidden_size * itemsize
+    return hidden + tokens * top_k * 8, hidden
+
+
+def close_attention_block() -> None:
+    """Close (and unlink) this process's attention block, if any."""
+    global _ATTENTION, _LAST_ENDPOINT
+    current, _ATTENTION, _LAST_ENDPOINT = _ATTENTION, None, None
+    if current is not None and current[2] is not None:
+        current[2].close()
+
+
+atexit.register(close_attention_block)

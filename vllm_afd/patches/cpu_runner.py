@@ -1,0 +1,227 @@
+"""Worker, M1-M5: ping-pong microbatching on vLLM's CPU model runner (ledger in ``__init__``).
+
+vLLM cuts a decode step into k microbatches with its own machinery once ``ubatch_size`` is set
+(M1) and ``should_ubatch`` is decided (M2): ``maybe_create_ubatch_slices`` and, through
+``split_attn_metadata``, one attention metadata and slot mapping per microbatch. M4 then runs
+the stock ``_model_forward`` once per token slice, each on a ``vllm_afd.microbatch.PingPong``
+thread with its own ``ForwardContext`` (written into vLLM's global at every hand-off, M5), and
+concatenates the outputs. M3 keeps dummy runs whole. The scheme itself, and which steps are
+split, is described in vllm_afd/microbatch.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import Any
+
+from vllm_afd.microbatch import PingPong
+from vllm_afd.patches.base import MODEL_INPUTS, check_unwrapped, wrap
+
+logger = logging.getLogger("vllm.afd")
+
+
+def configure_runner(runner) -> int:
+    """M1: turn vLLM's microbatching on for this worker; returns k (1: off)."""
+    from vllm_afd.config import AFDConfig, check_supported
+
+    afd = AFDConfig.of(runner.vllm_config)
+    k = 1 if afd is None else afd.microbatches
+    if k <= 1:
+        return 1
+    check_supported(runner.vllm_config)
+    parallel = runner.parallel_config
+    parallel.ubatch_size = k
+    parallel.dbo_decode_token_threshold = k
+    parallel.dbo_prefill_token_threshold = runner.scheduler_config.max_num_batched_tokens + 1
+    logger.info("AFD: decode steps of >= %d tokens run as %d ping-pong microbatches", k, k)
+    return k
+
+
+def _microbatching(runner) -> bool:
+    return runner.__dict__.get("_afd_microbatches", 1) > 1
+
+
+def _should_ubatch(runner, args: dict) -> bool:
+    """M2's decision for data_parallel_size 1."""
+    from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds
+
+    if not args["allow_microbatching"]:
+        return False
+    uniform = runner._is_uniform_decode(
+        max_num_scheduled_tokens=args["max_num_scheduled_tokens"],
+        uniform_decode_query_len=runner.uniform_decode_query_len,
+        num_tokens=args["num_tokens"],
+        num_reqs=args["num_reqs"],
+        force_uniform_decode=args["force_uniform_decode"],
+    )
+    return check_ubatch_thresholds(runner.parallel_config, args["num_tokens"], uniform)
+
+
+# --------------------------------------------------------------------------------------------
+# The wrappers (M1-M4).
+# --------------------------------------------------------------------------------------------
+
+
+def _patch_init(original):
+    def wrapper(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self._afd_microbatches = configure_runner(self)
+
+    return wrapper
+
+
+def _patch_batch_execution(original):
+    signature = inspect.signature(original)
+
+    def wrapper(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if not _microbatching(self) or self.parallel_config.data_parallel_size > 1:
+            return result
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        mode, descriptor, _, across_dp, stats = result
+        return mode, descriptor, _should_ubatch(self, bound.arguments), across_dp, stats
+
+    return wrapper
+
+
+def _patch_dummy_run(original):
+    signature = inspect.signature(original)
+
+    def wrapper(self, *args, **kwargs):
+        if _microbatching(self):
+            bound = signature.bind(self, *args, **kwargs)
+            bound.arguments["allow_microbatching"] = False
+            return original(*bound.args, **bound.kwargs)
+        return original(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _patch_model_forward(original):
+    signature = inspect.signature(original)
+
+    def wrapper(self, *args, **kwargs):
+        from vllm.forward_context import get_forward_context
+
+        context = get_forward_context()
+        if context.ubatch_slices is None:
+            return original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        return _forward_microbatches(self, original, context, bound.arguments)
+
+    return wrapper
+
+
+# --------------------------------------------------------------------------------------------
+# The microbatched forward (M4, M5).
+# --------------------------------------------------------------------------------------------
+
+
+def _forward_microbatches(runner, original, parent, arguments: dict) -> Any:
+    """M4: the stock forward once per microbatch, ping-pong, outputs concatenated."""
+    import torch
+    from vllm.forward_context import override_forward_context
+
+    inputs = {name: arguments.get(name) for name in MODEL_INPUTS}
+    if arguments.get("model_kwargs"):
+        raise RuntimeError(f"AFD microbatching: cannot split model kwargs {arguments}")
+    slices = parent.ubatch_slices
+    inference = torch.is_inference_mode_enabled()
+    jobs = [
+        functools.partial(_run_slice, runner, original, s.token_slice, inputs, inference)
+        for s in slices
+    ]
+    contexts = [_slice_context(runner, parent, i, s) for i, s in enumerate(slices)]
+    resume = [functools.partial(_set_forward_context, c) for c in contexts]
+    with override_forward_context(None):
+        outputs = _pingpong(runner, len(slices)).run(jobs, resume)
+    if isinstance(outputs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*outputs, strict=True))
+    return torch.cat(outputs)
+
+
+def _run_slice(runner, original, tokens: slice, inputs: dict, inference: bool) -> Any:
+    import torch
+
+    sliced = {name: _slice_tokens(name, value, tokens) for name, value in inputs.items()}
+    with torch.inference_mode(inference):
+        return original(runner, **sliced)
+
+
+def _slice_tokens(name: str, value, tokens: slice):
+    if value is None:
+        return None
+    if name == "positions" and value.ndim == 2:  # M-RoPE positions are [3, T]
+        return value[:, tokens]
+    return value[tokens]
+
+
+def _slice_context(runner, parent, index: int, ubatch):
+    """The ``ForwardContext`` of microbatch ``index``: its share of every per-step input."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import create_forward_context
+
+    slot_mapping = parent.slot_mapping
+    is_padding = parent.is_padding
+    return create_forward_context(
+        parent.attn_metadata[index],
+        runner.vllm_config,
+        dp_metadata=_slice_dp_metadata(runner, parent, ubatch.num_tokens),
+        cudagraph_runtime_mode=CUDAGraphMode.NONE,
+        batch_descriptor=parent.batch_descriptor,
+        slot_mapping=slot_mapping[index] if isinstance(slot_mapping, list) else None,
+        additional_kwargs=parent.additional_kwargs,
+        skip_compiled=parent.skip_compiled,
+        is_padding=None if is_padding is None else is_padding[ubatch.token_slice],
+    )
+
+
+def _slice_dp_metadata(runner, parent, num_tokens: int):
+    """Per-microbatch DP metadata, as vLLM's UBatchWrapper builds it (equal split per rank)."""
+    if parent.dp_metadata is None:
+        return None
+    import torch
+    from vllm.forward_context import DPMetadata
+
+    parallel = runner.parallel_config
+    across_dp = torch.full((parallel.data_parallel_size,), num_tokens, dtype=torch.int32)
+    return DPMetadata.make(parallel, num_tokens, across_dp)
+
+
+def _set_forward_context(context) -> None:
+    """M5: make ``context`` vLLM's current forward context (a private module global)."""
+    from vllm import forward_context
+
+    forward_context._forward_context = context
+
+
+def _pingpong(runner, size: int) -> PingPong:
+    pool = runner.__dict__.get("_afd_pingpong")
+    if pool is None or pool.size < size:
+        if pool is not None:
+            pool.close()
+        pool = runner._afd_pingpong = PingPong(size)
+    return pool
+
+
+_WRAPPERS = {
+    "M1": _patch_init,
+    "M2": _patch_batch_execution,
+    "M3": _patch_dummy_run,
+    "M4": _patch_model_forward,
+}
+
+
+def apply() -> None:
+    """M1-M5 on vLLM's CPU model runner (idempotent); nothing on other platforms."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for patch in (*_WRAPPERS, "M5"):  # everything M1-M5 reads or writes, before any wrap
+        check_unwrapped(patch)
+    for patch, make_wrapper in _WRAPPERS.items():
+        wrap(patch, make_wrapper)
