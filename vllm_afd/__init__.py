@@ -1,19 +1,19 @@
 """vllm-afd: Attention-FFN Disaggregation as a one-flag deployment mode of vLLM.
 
-Read the package in data-path order:
+Start-up, in the front-end: ``config`` (``AFDConfig``: the flags, declared once;
+``check_supported``) and ``envs`` (every ``VLLM_AFD_*`` variable) -> ``deployment`` (validate,
+then start the FFN group before vLLM's engines) -> ``placement`` (the FFN ranks as Ray actors).
 
-- ``envs``: every ``VLLM_AFD_*`` variable, typed and read lazily.
-- ``config``: ``AFDConfig`` (the flags), ``AFDConfig.of(vllm_config)``, ``check_supported``.
-- ``deployment``: front-end glue, validate and start the FFN group before vLLM's engines.
-- ``placement``: the FFN group of Ray actors.
-- ``transport/``: dispatch and combine between attention and FFN ranks (shm, tcp, deepep).
-- ``ffn/``: the FFN ranks: expert weights, kernels, the serve loop.
-- ``remote_experts``: the hook at the routing boundary on attention ranks.
-- ``microbatch``: ping-pong microbatches overlapping attention with the FFN stage.
-- ``metrics/``: per-layer stats blocks and the ``/metrics`` collector.
-- ``patches/``: every touch of a vLLM internal, by process, with its ledger.
-- ``planner/``: the A:F ratio model (pure; no vLLM).
-- ``bench/``: A/B harness, demo and offline runs (tools).
+One token, on the data path: ``remote_experts`` (the hook at the routing boundary on attention
+ranks) -> ``microbatch`` (ping-pong overlap point) -> ``transport/`` (``p2p`` dispatch and
+combine over ``shm``/``tcp``, or ``deepep``) -> ``ffn/`` (``executor`` serve loop, ``kernels``;
+``weights`` at start-up) -> back through ``transport/`` into the model. ``metrics/`` is the sink
+both sides record into.
+
+Around it: ``patches/`` (every touch of a vLLM internal, by process, with its ledger),
+``planner/`` (the A:F model; ``calibrate`` and ``auto_ratio`` connect it to running vLLM),
+``bench/`` (demo, offline runs, A/B harness, tiny models), ``cli`` (``vllm-afd``), ``host``
+(processes, CPUs and ``/dev/shm`` segments of this host), ``testing/`` (reference FFN ranks).
 
 ``register`` is the ``vllm.general_plugins`` entry point: vLLM calls it in every process,
 possibly many times.

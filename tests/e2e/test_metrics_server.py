@@ -85,7 +85,7 @@ def test_serve_exposes_afd_metrics(tiny_qwen3, tmp_path):
         assert value(text, "vllm_afd_ffn_service_seconds_sum", ffn_rank=0) > 0
         assert value(text, "vllm_afd_ffn_layer_service_seconds_sum", ffn_rank=0, layer=1) > 0
         assert value(text, "vllm_afd_ffn_bytes_total", ffn_rank=0, direction="in") > 0
-        # Attention-side series exist; they count once attention.py records round trips.
+        # Attention-side series exist; they count once remote_experts.py records round trips.
         sent = value(text, "vllm_afd_dispatched_tokens_total", attention_rank=0, ffn_rank=0)
         if sent:
             assert sent == tokens  # 1:1: every token row went to the only FFN rank

@@ -31,15 +31,14 @@ by more: all numbers of a row then see the same mix of conditions):
       4. answer out    response buffer -> result                          same
 
   ``floor_hot`` (``hot_copy_floor``): all four copies in this one process. Every line stays in
-  this core's caches, so it holds per-call overhead (about 0.7 us a copy here) and bandwidth
-  only: no two-process transport can come near it for large messages.
+  this core's caches, so it holds per-call overhead and bandwidth only: no two-process
+  transport can come near it for large messages.
   ``floor_xcore`` (``FFNCpuPeer.cross_core_floor``): the same copies split over the two CPUs,
   through a shared file in /dev/shm: this process does 1 and 4, ``FFNCpuPeer`` does 2 and 3,
   and the hand-over is one flag word both sides spin on. It adds what every two-process
   transport on these CPUs pays and nothing else: the flag's hand-over and the cross-core
   cache-line transfers (lines written on one core and read on the other, or written after the
-  other read them). On the development VM a 260 KiB round trip takes 14 us hot and 38 us
-  cross-core, at times 170 us.
+  other read them). Measured floors: docs/benchmarks.md.
 
 ``ratio_hot`` = ``(rt - echo) / floor_hot``: the transport against raw copying, everything of
 being two processes included. ``ratio_xcore`` = ``(rt - echo) / floor_xcore``: the transport

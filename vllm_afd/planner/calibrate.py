@@ -9,9 +9,10 @@ describe a CPU. What is measured, with ``--threads`` threads per rank (one rank 
 
 1. hardware: streaming read bandwidth (a large ``sum``) and the float32 GEMM rate (a large
    ``matmul``), written as a planner hardware file (``Hardware`` fields, SI units);
-2. the expert kernel alone (``ffn_executor.load_routed_experts`` + ``make_expert_kernel``, no
-   engine), over routed tokens m and over the weight bytes W an FFN rank holds (1, 2, 4 FFN
-   ranks' shares), the MoE layers taking turns as in a decode (``layer_turns``):
+2. the expert kernel alone (``ffn.weights.load_routed_experts`` +
+   ``ffn.kernels.make_expert_kernel``, no engine), over routed tokens m and over the weight
+   bytes W an FFN rank holds (1, 2, 4 FFN ranks' shares), the MoE layers taking turns as in a
+   decode (``layer_turns``):
    K(m, W) = k0 + W / (u BW) + m c_k  ->  u (bandwidth efficiency) and the GEMM efficiency
    u_c,kernel = 6 H I K / (c_k P);
 3. the remote FFN service: an ``FFNExecutor`` in a child process behind the real transport,

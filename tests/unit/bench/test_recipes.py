@@ -39,7 +39,7 @@ EXPECTED = {
             "microbatches": 1,
         },
         {"data_parallel_size": 7, "tensor_parallel_size": 1},
-        {"host": "0.0.0.0", "dtype": "bfloat16"},
+        {"host": "127.0.0.1", "dtype": "bfloat16"},
     ),
 }
 

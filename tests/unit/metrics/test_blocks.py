@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 
 from tests.unit.metrics.metrics_testlib import (
@@ -16,11 +14,6 @@ from tests.unit.metrics.metrics_testlib import (
     value,
 )
 from vllm_afd.metrics import blocks
-
-
-@pytest.fixture
-def ctx():
-    return mp.get_context("spawn")
 
 
 def test_counters_cross_processes_and_writer_unlinks(ctx):

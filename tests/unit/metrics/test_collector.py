@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 
@@ -21,11 +20,6 @@ from tests.unit.metrics.metrics_testlib import (
 )
 from vllm_afd import envs
 from vllm_afd.metrics import blocks, collector
-
-
-@pytest.fixture
-def ctx():
-    return mp.get_context("spawn")
 
 
 def test_collector_output_and_alive_flips_when_ffn_process_dies(ctx):
