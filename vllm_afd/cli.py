@@ -4,7 +4,7 @@
     vllm-afd demo                                                # the README's main job
     vllm-afd plan ...                                            # planner (vllm_afd.planner)
     vllm-afd bench ...                                           # A/B harness
-    vllm-afd tiny-model OUT_DIR                                  # build a tiny MoE checkpoint
+    vllm-afd tiny-model OUT_DIR [--real]                         # build a tiny MoE checkpoint
 
 ``serve`` exists because the CPU build's own ``vllm`` script fails on its package metadata; it
 builds vLLM's ``serve`` subcommand parser unchanged (the AFD flags are added by the plugin),
@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None) -> None:
 
         return bench_main(rest)
     if command == "tiny-model":
+        if "--real" in rest:
+            from vllm_afd.bench.real_model import main as real_main
+
+            return real_main([arg for arg in rest if arg != "--real"])
         from vllm_afd.bench.tiny_models import main as tiny_main
 
         return tiny_main(rest)

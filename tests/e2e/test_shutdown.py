@@ -9,8 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from serverlib import session_processes
-from test_server import Server
+from serverlib import Server, session_processes
 
 pytestmark = pytest.mark.slow
 

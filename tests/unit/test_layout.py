@@ -110,3 +110,10 @@ def test_readme_flag_table_is_the_config():
     ]
     assert rows == expected
     assert [r[0].split()[0] for r in rows] == list(FLAG_KEYS)
+
+
+def test_test_files_have_unique_names():
+    """Test folders have no ``__init__.py`` (pytest imports each file by its base name), so two
+    test files of one name would stop the whole run at collection."""
+    names = [p.name for p in (PACKAGE.parent / "tests").rglob("*.py") if p.name != "conftest.py"]
+    assert sorted({n for n in names if names.count(n) > 1}) == []

@@ -644,20 +644,27 @@ def default_tiny_model(
 ) -> Path:
     """Return a cached tiny model, building it on first use.
 
-    The directory is ``<cache_dir>/tiny-<arch>-<hash of all arguments>``. It is built in a
-    temporary sibling directory and renamed into place, so a reader never sees a partial model;
-    when two processes race, the loser discards its copy and returns the winner's.
+    The directory is ``<cache_dir>/tiny-<arch>-<hash of all arguments>`` (``build_cached``).
     """
     spec = TinyModelSpec(arch=arch, **kwargs)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / f"tiny-{arch}-{spec.cache_key()}"
+    return build_cached(root / f"tiny-{arch}-{spec.cache_key()}", lambda d: _write_model(spec, d))
+
+
+def build_cached(final: Path, build: Callable[[Path], object]) -> Path:
+    """``final``, running ``build(tmp)`` first if it does not exist yet.
+
+    ``build`` writes into a temporary sibling directory that is renamed into place, so a reader
+    never sees a partial model; when two processes race, the loser discards its copy and returns
+    the winner's.
+    """
     if final.is_dir():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     tmp.chmod(0o755)
     try:
-        _write_model(spec, tmp)
+        build(tmp)
         os.rename(tmp, final)
     except OSError:
         if not final.is_dir():
@@ -671,6 +678,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m vllm_afd.bench.tiny_models",
         description="Build a tiny random-weight MoE model and tokenizer offline.",
+        epilog="vllm-afd tiny-model --real OUT_DIR builds the trained SmolLM2 MoE instead "
+        "(vllm_afd.bench.real_model).",
     )
     parser.add_argument("out_dir", help="directory to write (created if missing)")
     parser.add_argument("--arch", default="qwen3_moe", choices=ARCHS)

@@ -1,6 +1,8 @@
 """The FFN side of AFD, in data-path order (checkpoint to reply):
 
-- ``weights.py``: this rank's routed experts, read from the checkpoint (``LayerExperts``).
-- ``kernels.py``: the expert kernels and the routing they take (global -> local expert ids).
+- ``weights.py``: this rank's routed experts as the model's own vLLM MoE layers, built and
+  loaded through the model's class and ``load_weights`` (``patches/ffn_rank.py`` places them).
+- ``kernels.py``: the expert kernel, each layer's own quant method given the attention side's
+  routing.
 - ``executor.py``: ``FFNExecutor``, the serve loop (recv, experts, reply) and its stats.
 """

@@ -1,15 +1,19 @@
 """An FFN rank's serve loop: one FFN rank holds a contiguous slice of every MoE layer's routed
-experts (``TransportSpec.expert_range``) and answers every attention rank.
+experts (``TransportSpec.expert_range``, which is vLLM's own linear expert placement) and
+answers every attention rank.
+
+At start-up ``ffn/weights.py`` builds the model's own vLLM MoE layers for this slice; the rank
+checks that vLLM placed the experts where the attention side will send them and that it has a
+layer for every MoE layer of the spec, so a disagreement fails the start, not a token.
 
 A token's journey on this side: ``transport.recv`` hands over every pending request (from any
 attention rank, any layer); requests of the same layer are concatenated so the experts run
-once for all attention ranks' tokens (the batching AFD exists for); ``localize_routing`` masks
-the experts this rank does not hold and the expert kernel (``ffn/kernels.py``) computes
-``sum_k w_k * expert_k(x)`` over this rank's experts; ``transport.reply`` sends each request its
-rows back. A layer served for one request alone (decode with one attention rank) computes
-straight into the request's ``reply_buffer`` when the transport has one (shm), so that
-``reply`` copies nothing. Each layer batch is counted in ``FFNStats`` and in this rank's shared
-stats block, which ``/metrics`` reads (``vllm_afd.metrics``).
+once for all attention ranks' tokens (the batching AFD exists for); the request's layer number
+(the model's own) picks the layer, whose quant method computes ``sum_k w_k * expert_k(x)``
+over this rank's experts (``ffn/kernels.py``); ``transport.reply`` copies each request its rows
+back (for shm, into the response area of its slot). Each layer batch is counted in
+``FFNStats`` and in this rank's shared stats block, which ``/metrics`` reads
+(``vllm_afd.metrics``).
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_afd.ffn.kernels import expert_map, localize_routing, make_expert_kernel
-from vllm_afd.ffn.weights import load_routed_experts
+from vllm_afd.ffn.kernels import ExpertKernel
+from vllm_afd.ffn.weights import expert_bytes, load_routed_experts
 from vllm_afd.metrics.blocks import FFNStatsBlock
 from vllm_afd.transport import FFNRequest, FFNTransport, TransportSpec, create_ffn_transport
 
@@ -70,6 +74,24 @@ def _open_stats_block(address: str, rank: int, layers) -> FFNStatsBlock | None:
         return None
 
 
+def _check_layers(spec: TransportSpec, rank: int, layers: dict) -> None:
+    """ValueError unless vLLM placed this rank's experts where the attention side sends them
+    and there is a layer for every MoE layer of the spec."""
+    want = list(spec.expert_range(rank))
+    for number, layer in layers.items():
+        held = layer.expert_map_manager.get_local_expert_ids()
+        if held != want:
+            raise ValueError(
+                f"FFN rank {rank}: vLLM placed experts {held} of layer {number} here, the "
+                f"transport routes experts {want[0]}-{want[-1]} to it"
+            )
+    if spec.moe_layers and set(spec.moe_layers) != set(layers):
+        raise ValueError(
+            f"FFN rank {rank}: the model's MoE layers are {sorted(layers)}, the transport "
+            f"spec says {list(spec.moe_layers)}"
+        )
+
+
 def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The requests' rows stacked (no copy for a single request)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
@@ -81,17 +103,27 @@ class FFNExecutor:
     def __init__(self, spec: TransportSpec, rank: int, model_dir: str, device: str) -> None:
         self.spec, self.rank = spec, rank
         self.experts = spec.expert_range(rank)
-        self.expert_map = expert_map(self.experts, spec.num_experts)
-        layers = load_routed_experts(model_dir, self.experts, spec.dtype)
-        self.param_bytes = sum(w.w13.nbytes + w.w2.nbytes for w in layers.values())
-        self.kernel = make_expert_kernel(layers, device, spec.dtype)
+        self._threads = torch.get_num_threads()  # the rank's setting, before vLLM's config runs
+        start = time.perf_counter()
+        layers = load_routed_experts(model_dir, rank, spec.num_ffn_ranks, spec.dtype, device)
+        _check_layers(spec, rank, layers)
+        self.param_bytes = expert_bytes(layers)
+        self.kernel = ExpertKernel(layers, device)
+        logger.info(
+            "AFD FFN rank %d: experts %d-%d of %d MoE layers, %.1f MiB, built in %.2f s",
+            rank,
+            self.experts.start,
+            self.experts.stop - 1,
+            len(layers),
+            self.param_bytes / 2**20,
+            time.perf_counter() - start,
+        )
         self.transport: FFNTransport = create_ffn_transport(spec, rank)
         self.stats = FFNStats(shared=_open_stats_block(self.transport.address, rank, layers))
         # Wire bytes per token besides the hidden state: int32 expert ids + float32 weights.
         self._routing_bytes = spec.top_k * 8
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._threads = torch.get_num_threads()
 
     @property
     def address(self) -> str:
@@ -110,21 +142,17 @@ class FFNExecutor:
     def _serve_layer(self, layer: int, group: list[FFNRequest]) -> None:
         start = time.perf_counter()
         x = _rows([r.x for r in group])
-        ids = _rows([r.topk_ids for r in group])
-        w = _rows([r.topk_weights for r in group])
-        local_ids, weights = localize_routing(ids, w, self.expert_map)
-        into = group[0].reply_buffer if len(group) == 1 else None
-        out = (
-            self.kernel(layer, x, local_ids, weights, into) if x.shape[0] else x.new_empty(x.shape)
-        )
-        if out is into:
-            self.transport.reply(group[0], out)  # already in place: reply copies nothing
+        if x.shape[0]:
+            ids = _rows([r.topk_ids for r in group])
+            w = _rows([r.topk_weights for r in group])
+            out = self.kernel(layer, x, ids, w)
         else:
-            offset = 0
-            for request in group:
-                n = request.x.shape[0]
-                self.transport.reply(request, out[offset : offset + n])
-                offset += n
+            out = x.new_empty(x.shape)
+        offset = 0
+        for request in group:
+            n = request.x.shape[0]
+            self.transport.reply(request, out[offset : offset + n])
+            offset += n
         self._account(layer, group, x, time.perf_counter() - start)
 
     def _account(self, layer: int, group: list[FFNRequest], x: torch.Tensor, dt: float) -> None:

@@ -7,7 +7,11 @@ is inert there: it wraps a class that process never calls.
 - front-end (the process that parses flags and builds the ``VllmConfig``):
   ``engine_args.py`` (P1-P3), ``health.py`` (P4), ``metrics_registry.py`` (P6).
 - worker (the processes that run the model): ``layers.py`` (P5, P7), ``cpu_runner.py``
-  (M1-M5), ``cpu_comm.py`` (S1-S2).
+  (M1-M6), ``cpu_comm.py`` (S1-S2).
+- FFN rank (the FFN ranks' processes): ``ffn_rank.py`` (F1-F4). Not applied by ``apply()``:
+  ``ffn/weights.py`` enters its context manager around building one rank's MoE layers, and
+  every swap is undone when the build is done. It also applies ``cpu_comm.py`` there (S2:
+  vLLM's CPU kernel honours the ``expert_map`` an FFN rank's layers have).
 
 Mechanism (``base.py``, a leaf module so the groups need not import this package). Every
 wrapper goes through ``_wrap`` (one sentinel, ``__vllm_afd_patched__``, so it installs once),
@@ -123,6 +127,18 @@ M5 ``vllm.forward_context._forward_context`` (private module global), written.
    vLLM's own ``UBatchContext`` does in v1/worker/ubatching.py).
    Upstream: none; a thread-local or settable forward context would remove it.
    Remove when: M4 is upstream, or vLLM offers a public setter.
+M6 ``VllmConfig.__post_init__``, wrapped.
+   Why: a server's engine core re-validates its config after its handshake
+   (``v1/engine/core.py``, ``_perform_handshakes``), after the in-process worker was built; M1
+   has then turned microbatching on in that same config, and vLLM's check that microbatching
+   runs over a DeepEP/NIXL all2all backend fails: ``vllm-afd serve MODEL --afd-ratio 1:2``
+   (one attention rank) died at start. The check is about MoE all-to-alls, which an AFD
+   attention rank never runs (its routed experts go through the AFD transport).
+   How: when M1 marked the parallel config (``_afd_ubatch_size``), run the stock
+   ``__post_init__`` with ``ubatch_size = 0`` (the config as first validated), then put M1's
+   value back.
+   Upstream: none; the check would have to ask the MoE layers whether they use all2all.
+   Remove when: M1 is upstream (vLLM microbatches on CPU for out-of-tree MoE kernels).
 S1 ``CpuCommunicator.all_gatherv`` and ``CpuCommunicator.reduce_scatterv``, added.
    Why: vLLM's CPU build inherits both from ``DeviceCommunicatorBase``, where they raise
    ``NotImplementedError``. Colocated data parallelism on CPU (``--data-parallel-size 2``, with
@@ -142,6 +158,45 @@ S2 ``CPUUnquantizedExperts.apply`` (experts/cpu_moe.py), wrapped.
    kernel without the map (details in ``cpu_comm.py``).
    Upstream: vllm-project/vllm#57837 (same CPU wide-EP work).
    Remove when: vLLM's CPU unquantized experts honour ``expert_map``.
+
+FFN rank
+
+F1 ``vllm.model_executor.layers.fused_moe.layer.make_parallel_config`` (module global),
+   swapped while an FFN rank builds its layers.
+   Why: vLLM places experts (``expert_map``) from the EP group of the process's parallel
+   state; the F FFN ranks are one process each, with no group between them (they never
+   communicate: the attention side sums their answers), so the layers would hold every expert.
+   How: the stock config with ``tp_size 1, ep_size F, ep_rank r, use_ep True``
+   (``ffn_rank.expert_parallel_placement``); only for ``F > 1``, restored on exit.
+   Upstream: none; a way to build a model for a given EP rank without an EP group would
+   remove F1-F3 (vLLM's AFD RFC vllm-project/vllm#22799 would own FFN-side placement).
+   Remove when: as above.
+F2 ``ExpertMapManager.__init__``, swapped for the same block.
+   Why: the model is built on the ``meta`` device so that an FFN rank allocates only its
+   routed experts; the expert map is data (its constructor logs through ``nonzero()``), which
+   fails on ``meta``.
+   How: run the stock constructor under the rank's real device (``torch.device``).
+   Upstream: none filed (stock vLLM never builds a layer with EP on ``meta``).
+   Remove when: as F1.
+F3 ``vllm.distributed.parallel_state._EP`` (private module global), swapped for the same block,
+   plus ``enable_expert_parallel`` on the FFN rank's own engine config.
+   Why: some models' loaders ask the EP group which experts are theirs (gpt-oss slices its
+   fused expert tensors by ``get_ep_group()``'s rank, Llama-4 and others read its size).
+   How: a stand-in with the rank and size only (``world_size``, ``rank_in_group``,
+   ``device_group.size()/rank()``), never used to communicate.
+   Upstream: as F1.
+   Remove when: as F1.
+F4 vLLM functions an FFN rank calls as they are (``ffn/weights.py``, ``ffn/kernels.py``):
+   ``initialize_model``, ``ep_weight_filter.should_skip_weight``, ``extract_layer_index``,
+   ``ExpertMapManager.get_local_expert_ids``,
+   ``FusedMoEMethodBase.apply`` and ``process_weights_after_loading``,
+   ``init_distributed_environment``, ``initialize_model_parallel``.
+   Why: an FFN rank builds the model's own layers and loads them through the model's own
+   ``load_weights``, then computes with the layer's quant method, the path stock vLLM takes;
+   these are internal APIs without a stability promise.
+   How: used unchanged; ``ffn/weights.py`` checks the rows first (ImportError naming F4).
+   Upstream: none needed.
+   Remove when: never (listed so that an upgrade that reshapes them fails test_compat).
 """
 
 from __future__ import annotations

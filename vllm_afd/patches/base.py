@@ -34,7 +34,8 @@ class Target:
     params: tuple[str, ...] = ()
     #: function / static / class: wrapped by ``_wrap``; override: a subclass method vLLM
     #: calls; added: set on the class; register: a supported registration API; global: a
-    #: module global written; used: read or called as is.
+    #: module global written; swapped: replaced for the duration of a block, then restored
+    #: (``patches/ffn_rank.py``); used: read or called as is.
     kind: str = "function"
     ordered: bool = False
 
@@ -57,6 +58,9 @@ _UBATCH = "vllm.v1.worker.ubatch_utils"
 _CONTEXT = "vllm.forward_context"
 _CPU_COMM = "vllm.distributed.device_communicators.cpu_communicator"
 _PROMETHEUS = "prometheus_client.multiprocess"
+_MOE = "vllm.model_executor.layers.fused_moe"
+_EP_FILTER = "vllm.model_executor.model_loader.ep_weight_filter"
+_PARALLEL_STATE = "vllm.distributed.parallel_state"
 #: Positional parameters of ``_model_forward`` that M4 slices per microbatch.
 MODEL_INPUTS = ("input_ids", "positions", "intermediate_tensors", "inputs_embeds")
 
@@ -147,6 +151,7 @@ TARGETS = (
         ordered=True,
     ),
     Target("M5", _CONTEXT, "", "_forward_context", kind="global"),
+    Target("M6", "vllm.config.vllm", "VllmConfig", "__post_init__"),
     Target("S1", _CPU_COMM, "CpuCommunicator", "all_gatherv", ("input_", "dim", "sizes"), "added"),
     Target(
         "S1", _CPU_COMM, "CpuCommunicator", "reduce_scatterv", ("input_", "dim", "sizes"), "added"
@@ -167,6 +172,84 @@ TARGETS = (
             "global_num_experts",
             "expert_map",
         ),
+        ordered=True,
+    ),
+    Target(
+        "F1",
+        f"{_MOE}.layer",
+        "",
+        "make_parallel_config",
+        ("tp_size", "dp_size", "pcp_size", "is_sequence_parallel", "parallel_config"),
+        "swapped",
+    ),
+    Target(
+        "F2",
+        f"{_MOE}.expert_map_manager",
+        "ExpertMapManager",
+        "__init__",
+        ("global_num_experts", "moe_parallel_config", "placement_strategy"),
+        "swapped",
+    ),
+    Target("F3", _PARALLEL_STATE, "", "_EP", kind="swapped"),
+    Target(
+        "F4",
+        "vllm.model_executor.model_loader.utils",
+        "",
+        "initialize_model",
+        ("vllm_config",),
+        "used",
+    ),
+    Target(
+        "F4",
+        _EP_FILTER,
+        "",
+        "should_skip_weight",
+        ("weight_name", "local_expert_ids"),
+        "used",
+        ordered=True,
+    ),
+    Target(
+        "F4", "vllm.model_executor.models.utils", "", "extract_layer_index", ("layer_name",), "used"
+    ),
+    Target(
+        "F4",
+        f"{_MOE}.expert_map_manager",
+        "ExpertMapManager",
+        "get_local_expert_ids",
+        kind="used",
+    ),
+    Target(
+        "F4",
+        f"{_MOE}.fused_moe_method_base",
+        "FusedMoEMethodBase",
+        "apply",
+        ("layer", "x", "topk_weights", "topk_ids", "shared_experts", "shared_experts_input"),
+        "used",
+        ordered=True,
+    ),
+    Target(
+        "F4",
+        f"{_MOE}.fused_moe_method_base",
+        "FusedMoEMethodBase",
+        "process_weights_after_loading",
+        ("layer",),
+        "used",
+    ),
+    Target(
+        "F4",
+        _PARALLEL_STATE,
+        "",
+        "init_distributed_environment",
+        ("world_size", "rank", "distributed_init_method", "local_rank", "backend"),
+        "used",
+    ),
+    Target(
+        "F4",
+        _PARALLEL_STATE,
+        "",
+        "initialize_model_parallel",
+        ("tensor_model_parallel_size", "pipeline_model_parallel_size"),
+        "used",
         ordered=True,
     ),
 )

@@ -10,9 +10,9 @@ describe a CPU. What is measured, with ``--threads`` threads per rank (one rank 
 1. hardware: streaming read bandwidth (a large ``sum``) and the float32 GEMM rate (a large
    ``matmul``), written as a planner hardware file (``Hardware`` fields, SI units);
 2. the expert kernel alone (``ffn.weights.load_routed_experts`` +
-   ``ffn.kernels.make_expert_kernel``, no engine), over routed tokens m and over the weight
-   bytes W an FFN rank holds (1, 2, 4 FFN ranks' shares), the MoE layers taking turns as in a
-   decode (``layer_turns``):
+   ``ffn.kernels.ExpertKernel``: the model's own MoE layers as FFN rank 0 builds them, no
+   engine), over routed tokens m and over the weight bytes W an FFN rank holds (1, 2, 4 FFN
+   ranks' shares), the MoE layers taking turns as in a decode (``layer_turns``):
    K(m, W) = k0 + W / (u BW) + m c_k  ->  u (bandwidth efficiency) and the GEMM efficiency
    u_c,kernel = 6 H I K / (c_k P);
 3. the remote FFN service: an ``FFNExecutor`` in a child process behind the real transport,
@@ -282,19 +282,23 @@ def _routing(m: int, num_experts: int, top_k: int, seed: int):
 
 
 def kernel_sampler(model_dir: str, info, tokens: list[int], ffn_counts: list[int], dtype):
-    """Sampler of the local expert kernel of one layer, keyed (m, W bytes), per FFN-rank share."""
+    """Sampler of the local expert kernel of one layer, keyed (m, W bytes), per FFN-rank share.
+
+    Per share, FFN rank 0 of ``f`` ranks (its layers and kernel, as an FFN rank runs them), with
+    tokens routed to its experts only (global ids ``0 .. E/f - 1``).
+    """
     import torch
 
-    from vllm_afd.ffn.kernels import make_expert_kernel
-    from vllm_afd.ffn.weights import load_routed_experts
+    from vllm_afd.ffn import kernels
+    from vllm_afd.ffn.weights import expert_bytes, load_routed_experts
 
     calls = {}
     for f in ffn_counts:
         local = info.num_experts // f
-        layers = load_routed_experts(model_dir, range(local), dtype)
-        first = layers[info.moe_layers[0]]
-        w_bytes = first.w13.nbytes + first.w2.nbytes
-        kernel = make_expert_kernel(layers, "cpu", dtype)
+        layers = load_routed_experts(model_dir, 0, f, dtype)
+        first = info.moe_layers[0]
+        w_bytes = expert_bytes({first: layers[first]})
+        kernel = kernels.ExpertKernel(layers)
         turns = layer_turns(info.moe_layers)
         for m in tokens:
             x = torch.randn(m, info.hidden_size).to(dtype)

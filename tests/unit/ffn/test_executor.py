@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.unit.metrics.metrics_testlib import scrape, value
@@ -40,11 +41,13 @@ def test_ffn_executor_writes_its_block(tiny_qwen3):
         timeout_s=10.0,
         addresses=(f"afdmetricstest{os.getpid()}_",),
     )
-    executor = FFNExecutor(spec, 0, tiny_qwen3, "torch")
+    executor = FFNExecutor(spec, 0, tiny_qwen3, "cpu")
     name = ffn_block_name(executor.address, 0)
     endpoint = None
     try:
         assert read_block(name).layers == {0: (0, 0, 0), 1: (0, 0, 0)}
+        # every expert of both layers: 8 x (gate, up, down) of 128 x 64 float32
+        assert executor.info()["param_bytes"] == 2 * 8 * 3 * 128 * 64 * 4
         executor.start()
         spec = TransportSpec(**{**spec.__dict__, "addresses": (executor.address,)})
         endpoint = create_attention_transport(spec, 0)
@@ -63,3 +66,18 @@ def test_ffn_executor_writes_its_block(tiny_qwen3):
             endpoint.close()
         executor.stop()
     assert read_block(name) is None
+
+
+def test_ffn_rank_refuses_a_spec_that_disagrees_with_the_model(tiny_qwen3):
+    spec = TransportSpec(
+        "shm",
+        1,
+        num_ffn_ranks=2,
+        num_experts=8,
+        hidden_size=128,
+        top_k=2,
+        max_tokens=1,
+        moe_layers=(0, 1, 2),
+    )
+    with pytest.raises(ValueError, match=r"MoE layers are \[0, 1\].*says \[0, 1, 2\]"):
+        FFNExecutor(spec, 1, tiny_qwen3, "cpu")

@@ -1,24 +1,22 @@
-"""FFN kernels: routing localisation, vLLM's CPU kernel against the reference, partial sums."""
+"""FFN kernels: routing localisation, and each layer's own quant method against the PyTorch
+reference over the checkpoint's experts, one rank's share and the sum of the shares."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vllm_afd.ffn.kernels import TorchExperts, VllmCpuExperts, expert_map, localize_routing
-from vllm_afd.ffn.weights import load_routed_experts
-from vllm_afd.transport import TransportSpec
-
-
-def test_expert_map_is_vllms_convention():
-    assert expert_map(range(4, 8), 8).tolist() == [-1, -1, -1, -1, 0, 1, 2, 3]
-    assert expert_map(range(0, 2), 4).dtype == torch.int32
+from tests.unit.ffn.conftest import FAMILIES, GPT_OSS, model_info, reference_experts
+from vllm_afd.ffn.kernels import ExpertKernel, localize_routing
+from vllm_afd.ffn.weights import expert_bytes, load_routed_experts
+from vllm_afd.transport.reference import reference_moe_combine
 
 
 def test_localize_routing_masks_foreign_experts():
     ids = torch.tensor([[0, 5], [6, 7]])
     w = torch.tensor([[0.25, 0.75], [0.5, 0.5]])
-    local, weights = localize_routing(ids, w, expert_map(range(4, 8), 8))
+    rank_1_of_2 = torch.tensor([-1, -1, -1, -1, 0, 1, 2, 3], dtype=torch.int32)
+    local, weights = localize_routing(ids, w, rank_1_of_2)
     assert local.dtype == torch.int32 and local.tolist() == [[0, 1], [2, 3]]
     assert weights.tolist() == [[0.0, 0.75], [0.5, 0.5]]
 
@@ -34,40 +32,58 @@ def test_localize_routing_takes_any_expert_map():
     assert torch.allclose(weights, torch.tensor([[0.0, 0.6], [0.7, 0.0]]))
 
 
-def test_cpu_kernel_matches_reference_and_partials_sum(tiny_qwen3):
-    torch.manual_seed(0)
-    x = torch.randn(7, 128)
-    ids = torch.stack([torch.randperm(8)[:2] for _ in range(7)])
-    w = torch.softmax(torch.randn(7, 2), dim=-1)
-    full = load_routed_experts(tiny_qwen3, range(0, 8), torch.float32)
-    everything = expert_map(range(0, 8), 8)
-    reference = TorchExperts(full)(1, x, *localize_routing(ids, w, everything))
-    fast = VllmCpuExperts(full, torch.float32)(1, x, *localize_routing(ids, w, everything))
-    torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-4)
-    partial = torch.zeros_like(x)
-    spec = TransportSpec(
-        "shm", 1, num_ffn_ranks=2, num_experts=8, hidden_size=128, top_k=2, max_tokens=7
-    )
+def _routing(tokens: int, num_experts: int, top_k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    return ids.to(torch.int32), weights
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_rank_outputs_sum_to_the_reference(family_model, arch):
+    """Tokens routed across both ranks' experts: each rank answers its share, the shares sum to
+    the checkpoint's experts (PyTorch reference) and to the single-rank layer."""
+    model_dir = family_model(arch)
+    info = model_info(model_dir)
+    layer = info.moe_layers[-1]
+    x = torch.randn(9, info.hidden_size, generator=torch.Generator().manual_seed(3))
+    ids, w = _routing(9, info.num_experts, info.top_k, seed=4)
+    experts = reference_experts(model_dir, arch, layer)
+    want = reference_moe_combine(x, ids, w, experts, info.num_experts)
+    whole = ExpertKernel(load_routed_experts(model_dir, 0, 1, torch.float32))(layer, x, ids, w)
+    torch.testing.assert_close(whole, want, rtol=1e-4, atol=1e-4)
+    total = torch.zeros_like(x)
     for rank in range(2):
-        experts = spec.expert_range(rank)
-        kernel = VllmCpuExperts(
-            load_routed_experts(tiny_qwen3, experts, torch.float32), torch.float32
+        kernel = ExpertKernel(load_routed_experts(model_dir, rank, 2, torch.float32))
+        part = kernel(layer, x, ids, w)
+        share = range(rank * info.num_experts // 2, (rank + 1) * info.num_experts // 2)
+        only = reference_moe_combine(
+            x, ids, w * torch.isin(ids, torch.tensor(list(share))), experts, info.num_experts
         )
-        partial += kernel(1, x, *localize_routing(ids, w, expert_map(experts, 8)))
-    torch.testing.assert_close(partial, fast, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(part, only, rtol=1e-4, atol=1e-4)
+        total += part
+    torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel_cls", [TorchExperts, VllmCpuExperts])
-def test_kernel_writes_into_out_when_given(tiny_qwen3, kernel_cls):
-    torch.manual_seed(1)
+def test_gpt_oss_fused_experts_split_over_ranks(family_model):
+    """gpt-oss: fused ``gate_up_proj`` tensors with biases, sliced by its own loader."""
+    model_dir = family_model(GPT_OSS)
+    whole = load_routed_experts(model_dir, 0, 1, torch.float32)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(5))
+    ids, w = _routing(9, 8, 2, seed=6)
+    want = ExpertKernel(whole)(1, x, ids, w)
+    total = torch.zeros_like(x)
+    for rank in range(2):
+        part = load_routed_experts(model_dir, rank, 2, torch.float32)
+        assert expert_bytes(part) * 2 == expert_bytes(whole)
+        total += ExpertKernel(part)(1, x, ids, w)
+    torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)
+    assert want.abs().max() > 0.1
+
+
+def test_tokens_routed_only_elsewhere_get_exact_zeros(tiny_qwen3):
+    kernel = ExpertKernel(load_routed_experts(tiny_qwen3, 1, 2, torch.float32))
     x = torch.randn(3, 128)
-    ids = torch.stack([torch.randperm(8)[:2] for _ in range(3)])
-    w = torch.softmax(torch.randn(3, 2), dim=-1)
-    layers = load_routed_experts(tiny_qwen3, range(0, 8), torch.float32)
-    kernel = (
-        TorchExperts(layers) if kernel_cls is TorchExperts else kernel_cls(layers, torch.float32)
-    )
-    routing = localize_routing(ids, w, expert_map(range(0, 8), 8))
-    out = torch.full_like(x, float("nan"))
-    assert kernel(0, x, *routing, out) is out
-    torch.testing.assert_close(out, kernel(0, x, *routing), rtol=0, atol=0)
+    ids = torch.tensor([[0, 3], [1, 2], [2, 0]], dtype=torch.int32)  # rank 0's experts only
+    out = kernel(0, x, ids, torch.full((3, 2), 0.5))
+    assert out.shape == x.shape and out.dtype == x.dtype and not out.any()

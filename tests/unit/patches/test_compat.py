@@ -18,7 +18,7 @@ import pytest
 import vllm_afd.patches
 from vllm_afd.patches.base import TARGETS, WRAPPED, Target
 
-LEDGER_IDS = re.findall(r"^([PMS]\d+) ", vllm_afd.patches.__doc__, re.M)
+LEDGER_IDS = re.findall(r"^([PMSF]\d+) ", vllm_afd.patches.__doc__, re.M)
 
 
 def _attribute(target: Target):
@@ -88,3 +88,26 @@ def test_m1_still_needed():
     from vllm.platforms import cpu
 
     assert "enable_dbo = False" in inspect.getsource(cpu)
+
+
+def test_f1_f3_place_experts_inside_the_block_and_restore_everything():
+    """The FFN-rank swaps hold only inside ``expert_parallel_placement``."""
+    from types import SimpleNamespace
+
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.layers.fused_moe import layer
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import ExpertMapManager
+
+    from vllm_afd.patches.ffn_rank import expert_parallel_placement
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(enable_expert_parallel=False))
+    before = (layer.make_parallel_config, ExpertMapManager.__init__, parallel_state._EP)
+    with expert_parallel_placement(config, 1, 4, "cpu"):
+        assert parallel_state.get_ep_group().rank_in_group == 1
+        assert parallel_state.get_ep_group().device_group.size() == 4
+        assert config.parallel_config.enable_expert_parallel
+        assert layer.make_parallel_config is not before[0]
+    assert (layer.make_parallel_config, ExpertMapManager.__init__, parallel_state._EP) == before
+    assert config.parallel_config.enable_expert_parallel is False
+    with expert_parallel_placement(config, 0, 1, "cpu"):  # one FFN rank: nothing swapped
+        assert (layer.make_parallel_config, ExpertMapManager.__init__) == before[:2]

@@ -61,3 +61,18 @@ def test_m1_refuses_what_microbatching_cannot_run():
     runner = _runner({"ratio": "1:1", "microbatches": 2}, lora_config=object())
     with pytest.raises(AFDConfigError, match="microbatching is not supported with LoRA"):
         cpu_runner.configure_runner(runner)
+
+
+def test_m6_revalidates_the_config_as_it_was_before_m1():
+    from types import SimpleNamespace
+
+    from vllm_afd.patches.cpu_runner import _patch_post_init
+
+    seen = []
+    post_init = _patch_post_init(lambda self: seen.append(self.parallel_config.ubatch_size))
+    marked = SimpleNamespace(parallel_config=SimpleNamespace(ubatch_size=2, _afd_ubatch_size=2))
+    post_init(marked)
+    assert seen == [0] and marked.parallel_config.ubatch_size == 2
+    stock = SimpleNamespace(parallel_config=SimpleNamespace(ubatch_size=2))
+    post_init(stock)  # not marked by M1: vLLM validates the config as it is
+    assert seen == [0, 2] and stock.parallel_config.ubatch_size == 2

@@ -132,15 +132,36 @@ def test_kernel_samples_take_the_moe_layers_in_turn(tiny_qwen3, monkeypatch):
 
     calls = []
 
-    def spy_kernel(layers, device, dtype):
-        return lambda layer, x, ids, weights: calls.append((sorted(layers), layer))
+    class SpyKernel:
+        def __init__(self, layers):
+            self.layers = sorted(layers)
 
-    monkeypatch.setattr(ffn_kernels, "make_expert_kernel", spy_kernel)
+        def __call__(self, layer, x, ids, weights):
+            calls.append((self.layers, layer))
+
+    monkeypatch.setattr(ffn_kernels, "ExpertKernel", SpyKernel)
     info = moe_model_info(AutoConfig.from_pretrained(tiny_qwen3))
     first, second = info.moe_layers[:2]
     sampler = profiler.kernel_sampler(tiny_qwen3, info, [4], [1], torch.float32)
     sampler.run_pass(2, warmup_s=0)  # after the warm-up call: 3 calls
     assert calls == [(list(info.moe_layers), layer) for layer in (first, second, first)]
+
+
+def test_kernel_samples_hold_each_share_of_the_experts(tiny_qwen3):
+    """W per FFN-rank share is that share's expert bytes of one layer (1, 2 and 4 ranks)."""
+    import torch
+    from transformers import AutoConfig
+
+    from vllm_afd.config import moe_model_info
+
+    info = moe_model_info(AutoConfig.from_pretrained(tiny_qwen3))
+    sampler = profiler.kernel_sampler(tiny_qwen3, info, [1, 4], [1, 2, 4], torch.float32)
+    full = info.num_experts * 3 * info.hidden_size * info.moe_intermediate_size * 4
+    assert sorted(sampler.calls) == sorted(
+        (float(m), float(full // f)) for f in (1, 2, 4) for m in (1, 4)
+    )
+    sampler.run_pass(1, warmup_s=0)
+    assert all(len(v) == 1 for v in sampler.samples.values())
 
 
 def _points():
