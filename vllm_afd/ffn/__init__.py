@@ -2,7 +2,6 @@
 
 - ``weights.py``: this rank's routed experts as the model's own vLLM MoE layers, built and
   loaded through the model's class and ``load_weights`` (``patches/ffn_rank.py`` places them).
-- ``kernels.py``: the expert kernel, each layer's own quant method given the attention side's
-  routing.
-- ``executor.py``: ``FFNExecutor``, the serve loop (recv, experts, reply) and its stats.
+- ``executor.py``: ``FFNExecutor``, the serve loop (recv, experts, reply) and its stats, and
+  ``ExpertKernel``, each layer's own quant method given the attention side's routing.
 """

@@ -10,10 +10,22 @@ A token's journey on this side: ``transport.recv`` hands over every pending requ
 attention rank, any layer); requests of the same layer are concatenated so the experts run
 once for all attention ranks' tokens (the batching AFD exists for); the request's layer number
 (the model's own) picks the layer, whose quant method computes ``sum_k w_k * expert_k(x)``
-over this rank's experts (``ffn/kernels.py``); ``transport.reply`` copies each request its rows
+over this rank's experts (``ExpertKernel``); ``transport.reply`` copies each request its rows
 back (for shm, into the response area of its slot). Each layer batch is counted in
 ``FFNStats`` and in this rank's shared stats block, which ``/metrics`` reads
 (``vllm_afd.metrics``).
+
+The expert kernel is each MoE layer's own quant method, given the routing. ``ExpertKernel``
+calls it the way vLLM's ``MoERunner`` does after ``select_experts``
+(``quant_method.apply(layer, x, topk_weights, topk_ids, ...)``), so the FFN runs whatever
+kernel stock vLLM picks for that layer on that platform and quantization (the CPU grouped GEMM,
+a CUDA modular kernel), on the weights that kernel's own ``process_weights_after_loading``
+prepared: AFD's outputs match colocated serving because the code is the same. Ids stay global:
+with expert parallelism vLLM's kernels translate them through the layer's ``expert_map``
+(global -> local id, ``-1`` elsewhere; on the CPU build through patch S2). The weights of
+experts held by other FFN ranks are zeroed first, which every kernel honours, also those that
+apply the routing weight to the input (Llama-4), so each rank's answer is exactly its share
+and the attention side's sum is the whole.
 """
 
 from __future__ import annotations
@@ -28,12 +40,55 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_afd.ffn.kernels import ExpertKernel
 from vllm_afd.ffn.weights import expert_bytes, load_routed_experts
 from vllm_afd.metrics.blocks import FFNStatsBlock
 from vllm_afd.transport import FFNRequest, FFNTransport, TransportSpec, create_ffn_transport
 
 logger = logging.getLogger("vllm.afd")
+
+
+def foreign_experts(layer: torch.nn.Module) -> torch.Tensor | None:
+    """``[E]`` bool: True for the global experts ``layer`` does not hold; None if it holds all."""
+    local = layer.expert_map_manager.get_local_expert_ids()
+    if len(local) == layer.global_num_experts:
+        return None
+    foreign = torch.ones(layer.global_num_experts, dtype=torch.bool)
+    foreign[local] = False
+    return foreign
+
+
+class ExpertKernel:
+    """``kernel(layer, x, topk_ids, topk_weights)`` -> ``[N, H]``: the MoE layer numbered
+    ``layer`` (the model's layer number) over this rank's experts, in ``x.dtype``.
+
+    Inputs may live on the host (the transports' buffers); they cross to the layers' device and
+    the answer comes back, when the two differ.
+    """
+
+    def __init__(self, layers: dict[int, torch.nn.Module], device: str = "cpu") -> None:
+        self.layers = layers
+        self.device = torch.device(device)
+        self.foreign = {}
+        for number, layer in layers.items():
+            foreign = foreign_experts(layer)
+            self.foreign[number] = None if foreign is None else foreign.to(self.device)
+
+    def __call__(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        if x.device != self.device:
+            y = self(
+                layer,
+                x.to(self.device),
+                topk_ids.to(self.device),
+                topk_weights.to(self.device),
+            )
+            return y.to(x.device)
+        module = self.layers[layer]
+        foreign = self.foreign[layer]
+        if foreign is not None:
+            topk_weights = topk_weights.masked_fill(foreign[topk_ids.long()], 0.0)
+        return module.quant_method.apply(module, x, topk_weights, topk_ids, None, None)
 
 
 @dataclass

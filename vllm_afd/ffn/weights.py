@@ -11,7 +11,7 @@ vLLM's EP filter skips reading other ranks' per-expert tensors. Every other para
 ``meta``, so writing to it does nothing: attention, embeddings, router and shared experts are
 never held on an FFN rank. The layer's quant method then prepares the weights for its kernel
 (``process_weights_after_loading``: on CPU it repacks them in place, no second copy), the
-kernel ``ffn/kernels.py`` calls.
+kernel ``ffn/executor.py`` calls (``ExpertKernel``).
 
 An expert this rank should hold that the checkpoint did not fill is an error naming the layer:
 the parameters start as NaN, so a missing tensor cannot pass for zeros.

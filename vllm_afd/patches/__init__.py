@@ -150,12 +150,14 @@ S1 ``CpuCommunicator.all_gatherv`` and ``CpuCommunicator.reduce_scatterv``, adde
    class's methods (a vLLM that implements them wins; nothing is patched).
    Upstream: vllm-project/vllm#57837 (CPU wide expert parallelism; open).
    Remove when: vLLM's ``CpuCommunicator`` implements ``all_gatherv`` and ``reduce_scatterv``.
-S2 ``CPUUnquantizedExperts.apply`` (experts/cpu_moe.py), wrapped.
+S2 ``CPUUnquantizedExperts.__init__`` (experts/cpu_moe.py), wrapped.
    Why: with expert parallelism vLLM passes global routing ids plus an ``expert_map``; the
    CPU grouped-GEMM kernel ignores the map and indexes its local weights with global ids, which
    reads out of bounds (a segfault in ``cpu_fused_moe``).
-   How: map the ids to local ids, zero the weights of experts held elsewhere, then call the
-   kernel without the map (details in ``cpu_comm.py``).
+   How: an expert-parallel layer's experts (``moe_parallel_config.use_ep``) get an ``apply``
+   that maps the ids to local ids, zeroes the weights of experts held elsewhere, then calls
+   vLLM's ``apply`` without the map (details in ``cpu_comm.py``); every other layer keeps
+   vLLM's ``apply`` untouched, so the plugin adds no call to the stock path.
    Upstream: vllm-project/vllm#57837 (same CPU wide-EP work).
    Remove when: vLLM's CPU unquantized experts honour ``expert_map``.
 
@@ -186,7 +188,7 @@ F3 ``vllm.distributed.parallel_state._EP`` (private module global), swapped for 
    ``device_group.size()/rank()``), never used to communicate.
    Upstream: as F1.
    Remove when: as F1.
-F4 vLLM functions an FFN rank calls as they are (``ffn/weights.py``, ``ffn/kernels.py``):
+F4 vLLM functions an FFN rank calls as they are (``ffn/weights.py``, ``ffn/executor.py``):
    ``initialize_model``, ``ep_weight_filter.should_skip_weight``, ``extract_layer_index``,
    ``ExpertMapManager.get_local_expert_ids``,
    ``FusedMoEMethodBase.apply`` and ``process_weights_after_loading``,

@@ -160,6 +160,14 @@ TARGETS = (
         "S2",
         "vllm.model_executor.layers.fused_moe.experts.cpu_moe",
         "CPUUnquantizedExperts",
+        "__init__",
+        ("moe_config",),
+        ordered=True,
+    ),
+    Target(
+        "S2",
+        "vllm.model_executor.layers.fused_moe.experts.cpu_moe",
+        "CPUUnquantizedExperts",
         "apply",
         (
             "output",
@@ -172,6 +180,7 @@ TARGETS = (
             "global_num_experts",
             "expert_map",
         ),
+        "used",
         ordered=True,
     ),
     Target(

@@ -10,17 +10,20 @@ and cost a copy or two, which is nothing at CPU test sizes; the collectives them
 over loopback) are what costs. Nothing is patched once vLLM implements them on
 ``CpuCommunicator`` itself.
 
-S2 maps global routing ids to local ones through ``expert_map`` and zeroes the weights of
+S2 (expert-parallel layers only: their experts get their own ``apply``; the stock path is left
+alone) maps global routing ids to local ones through ``expert_map`` and zeroes the weights of
 experts held elsewhere (pointing them at local expert 0, which then adds exactly 0), then calls
 the CPU kernel without the map. The cross-rank sum (reduce-scatter or all-reduce) completes the
 output, exactly for top-2 routing (a + 0 = a and a + b = b + a).
 
-``apply()`` (also ``install()``) is idempotent and cheap; it must run in every vLLM process that
+``apply()`` is idempotent and cheap; it must run in every vLLM process that
 executes the model (workers, engine cores), which ``vllm_afd.patches.apply`` does: vLLM loads
 general plugins in each of its processes. A no-op without vLLM's CPU modules (a CUDA install).
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 
@@ -104,15 +107,20 @@ def _reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: list[int]
 def localize_expert_ids(
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ffn.kernels.localize_routing`` (the one id-masking function), keeping the input dtypes
-    vLLM's colocated kernel was called with."""
-    from vllm_afd.ffn.kernels import localize_routing
+    """Global -> local ids through ``expert_map`` (-1: not local); foreign weights set to 0.
 
-    local, weights = localize_routing(topk_ids, topk_weights, expert_map)
-    return local.to(topk_ids.dtype), weights.to(topk_weights.dtype)
+    Returns ``(ids, weights)`` in ``topk_ids``' and ``topk_weights``' dtypes; a foreign expert
+    becomes local id 0 with weight 0, so it adds exactly nothing.
+    """
+    local = expert_map[topk_ids.long()]
+    foreign = local < 0
+    weights = topk_weights.masked_fill(foreign, 0)
+    return local.masked_fill(foreign, 0).to(topk_ids.dtype), weights
 
 
-def _wrap_cpu_experts_apply(original):
+def _apply_with_expert_map(original):
+    """``CPUUnquantizedExperts.apply`` that translates the ids through ``expert_map`` first."""
+
     def apply(
         self,
         output,
@@ -147,9 +155,22 @@ def _wrap_cpu_experts_apply(original):
     return apply
 
 
+def _wrap_cpu_experts_init(original):
+    """S2: an expert-parallel layer's experts get ``_apply_with_expert_map`` as their ``apply``;
+    every other layer keeps vLLM's method untouched (no extra call on the stock path)."""
+
+    def __init__(self, moe_config, *args, **kwargs):
+        original(self, moe_config, *args, **kwargs)
+        if moe_config.moe_parallel_config.use_ep:
+            self.apply = types.MethodType(_apply_with_expert_map(type(self).apply), self)
+
+    return __init__
+
+
 def _install_expert_map() -> bool:
-    """S2: make ``CPUUnquantizedExperts.apply`` honour ``expert_map``."""
-    wrap("S2", _wrap_cpu_experts_apply)
+    """S2: make expert-parallel ``CPUUnquantizedExperts`` honour ``expert_map``."""
+    check_unwrapped("S2")
+    wrap("S2", _wrap_cpu_experts_init)
     return True
 
 

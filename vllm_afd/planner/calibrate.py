@@ -10,7 +10,7 @@ describe a CPU. What is measured, with ``--threads`` threads per rank (one rank 
 1. hardware: streaming read bandwidth (a large ``sum``) and the float32 GEMM rate (a large
    ``matmul``), written as a planner hardware file (``Hardware`` fields, SI units);
 2. the expert kernel alone (``ffn.weights.load_routed_experts`` +
-   ``ffn.kernels.ExpertKernel``: the model's own MoE layers as FFN rank 0 builds them, no
+   ``ffn.executor.ExpertKernel``: the model's own MoE layers as FFN rank 0 builds them, no
    engine), over routed tokens m and over the weight bytes W an FFN rank holds (1, 2, 4 FFN
    ranks' shares), the MoE layers taking turns as in a decode (``layer_turns``):
    K(m, W) = k0 + W / (u BW) + m c_k  ->  u (bandwidth efficiency) and the GEMM efficiency
@@ -289,7 +289,7 @@ def kernel_sampler(model_dir: str, info, tokens: list[int], ffn_counts: list[int
     """
     import torch
 
-    from vllm_afd.ffn import kernels
+    from vllm_afd.ffn import executor
     from vllm_afd.ffn.weights import expert_bytes, load_routed_experts
 
     calls = {}
@@ -298,7 +298,7 @@ def kernel_sampler(model_dir: str, info, tokens: list[int], ffn_counts: list[int
         layers = load_routed_experts(model_dir, 0, f, dtype)
         first = info.moe_layers[0]
         w_bytes = expert_bytes({first: layers[first]})
-        kernel = kernels.ExpertKernel(layers)
+        kernel = executor.ExpertKernel(layers)
         turns = layer_turns(info.moe_layers)
         for m in tokens:
             x = torch.randn(m, info.hidden_size).to(dtype)

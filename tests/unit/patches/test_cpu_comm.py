@@ -98,4 +98,4 @@ def test_install_is_idempotent_and_patches_the_cpu_classes():
 
     assert cpu_comm.apply() and cpu_comm.apply()
     assert CpuCommunicator.all_gatherv is cpu_comm._all_gatherv
-    assert getattr(CPUUnquantizedExperts.apply, cpu_comm._SENTINEL)
+    assert getattr(CPUUnquantizedExperts.__init__, cpu_comm._SENTINEL)

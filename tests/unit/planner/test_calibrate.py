@@ -128,7 +128,7 @@ def test_kernel_samples_take_the_moe_layers_in_turn(tiny_qwen3, monkeypatch):
     from transformers import AutoConfig
 
     from vllm_afd.config import moe_model_info
-    from vllm_afd.ffn import kernels as ffn_kernels
+    from vllm_afd.ffn import executor as ffn_executor
 
     calls = []
 
@@ -139,7 +139,7 @@ def test_kernel_samples_take_the_moe_layers_in_turn(tiny_qwen3, monkeypatch):
         def __call__(self, layer, x, ids, weights):
             calls.append((self.layers, layer))
 
-    monkeypatch.setattr(ffn_kernels, "ExpertKernel", SpyKernel)
+    monkeypatch.setattr(ffn_executor, "ExpertKernel", SpyKernel)
     info = moe_model_info(AutoConfig.from_pretrained(tiny_qwen3))
     first, second = info.moe_layers[:2]
     sampler = profiler.kernel_sampler(tiny_qwen3, info, [4], [1], torch.float32)

@@ -1,5 +1,5 @@
-"""FFN kernels: routing localisation, and each layer's own quant method against the PyTorch
-reference over the checkpoint's experts, one rank's share and the sum of the shares."""
+"""The FFN expert kernel (each layer's own quant method) against the PyTorch reference over the
+checkpoint's experts: one rank's share, and the sum of the shares."""
 
 from __future__ import annotations
 
@@ -7,29 +7,9 @@ import pytest
 import torch
 
 from tests.unit.ffn.conftest import FAMILIES, GPT_OSS, model_info, reference_experts
-from vllm_afd.ffn.kernels import ExpertKernel, localize_routing
+from vllm_afd.ffn.executor import ExpertKernel
 from vllm_afd.ffn.weights import expert_bytes, load_routed_experts
 from vllm_afd.transport.reference import reference_moe_combine
-
-
-def test_localize_routing_masks_foreign_experts():
-    ids = torch.tensor([[0, 5], [6, 7]])
-    w = torch.tensor([[0.25, 0.75], [0.5, 0.5]])
-    rank_1_of_2 = torch.tensor([-1, -1, -1, -1, 0, 1, 2, 3], dtype=torch.int32)
-    local, weights = localize_routing(ids, w, rank_1_of_2)
-    assert local.dtype == torch.int32 and local.tolist() == [[0, 1], [2, 3]]
-    assert weights.tolist() == [[0.0, 0.75], [0.5, 0.5]]
-
-
-def test_localize_routing_takes_any_expert_map():
-    """vLLM's own ``expert_map`` (int64 here) and the wire's int32 ids: the kernel's dtypes."""
-    vllm_map = torch.tensor([-1, -1, 0, 1])  # this rank holds global experts 2 and 3
-    ids = torch.tensor([[0, 2], [3, 1]], dtype=torch.int32)
-    w = torch.tensor([[0.4, 0.6], [0.7, 0.3]])
-    local, weights = localize_routing(ids, w, vllm_map)
-    assert local.tolist() == [[0, 0], [1, 0]] and local.dtype == torch.int32
-    assert weights.dtype == torch.float32
-    assert torch.allclose(weights, torch.tensor([[0.0, 0.6], [0.7, 0.0]]))
 
 
 def _routing(tokens: int, num_experts: int, top_k: int, seed: int):

@@ -1,0 +1,104 @@
+"""One token's path through the package, measured: the files a routed token's code runs in.
+
+A profiler hook (``sys.setprofile``, on this thread and the FFN executors' threads) records the
+``vllm_afd`` files that run during one ``remote_experts_impl`` round trip of a real shm
+deployment in this process (tiny Qwen3-MoE, 1 attention rank, 2 FFN ranks as executor threads),
+after ``connect()`` (done while a worker builds the model). docs/architecture.md lists these
+files; a change that sends a token through another module must update both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+import vllm_afd
+
+PACKAGE = Path(vllm_afd.__file__).parent
+#: The files of step 2-8 of docs/architecture.md section 1, with 2 FFN ranks.
+PATH = {
+    "remote_experts.py",
+    "microbatch.py",
+    "transport/p2p.py",
+    "transport/shm.py",
+    "ffn/executor.py",
+    "patches/cpu_comm.py",  # S2: vLLM's CPU kernel honours the expert map (F > 1 only)
+    "metrics/blocks.py",
+}
+#: Runs only when a wait outlasts the liveness interval (a busy machine).
+SLOW_WAIT = {"host.py"}
+
+
+class _OneRank:
+    world_size, rank_in_group = 1, 0
+
+
+def test_a_token_crosses_the_documented_files(tiny_qwen3, monkeypatch):
+    from transformers import AutoConfig
+    from vllm.distributed import parallel_state
+
+    from vllm_afd import envs, remote_experts
+    from vllm_afd.config import moe_model_info
+    from vllm_afd.ffn.executor import FFNExecutor
+    from vllm_afd.transport import TransportSpec
+
+    info = moe_model_info(AutoConfig.from_pretrained(tiny_qwen3))
+    spec = TransportSpec(
+        backend="shm",
+        num_attention_ranks=1,
+        num_ffn_ranks=2,
+        num_experts=info.num_experts,
+        hidden_size=info.hidden_size,
+        top_k=info.top_k,
+        max_tokens=16,
+        moe_layers=info.moe_layers,
+    )
+    seen: set[str] = set()
+    recording = threading.Event()
+
+    def profile(frame, event, arg):
+        path = frame.f_code.co_filename
+        if recording.is_set() and path.startswith(str(PACKAGE)):
+            seen.add(Path(path).relative_to(PACKAGE).as_posix())
+
+    executors = [FFNExecutor(spec, rank, tiny_qwen3, "cpu") for rank in range(2)]
+    threading.setprofile(profile)  # the serve threads started now inherit the hook
+    try:
+        for executor in executors:
+            executor.start()
+        threading.setprofile(None)
+        addresses = tuple(e.info()["address"] for e in executors)
+        runtime = dataclasses.replace(spec, addresses=addresses)
+        monkeypatch.setenv(envs.RUNTIME, runtime.to_json())
+        monkeypatch.setattr(parallel_state, "get_tp_group", _OneRank)
+        monkeypatch.setattr(parallel_state, "get_dp_group", _OneRank)
+        monkeypatch.setattr(remote_experts, "_SESSION", None)
+        remote_experts.connect()
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(4, spec.hidden_size, generator=gen)
+        ids = torch.stack([torch.randperm(spec.num_experts, generator=gen)[:2] for _ in range(4)])
+        weights = torch.softmax(torch.randn(4, 2, generator=gen), dim=-1)
+        for _ in range(3):  # the first calls warm caches; the last one is measured
+            seen.clear()
+            time.sleep(0.05)  # the FFN threads are polling, between two layers
+            sys.setprofile(profile)
+            recording.set()
+            out = remote_experts.remote_experts_impl(x, weights, ids.to(torch.int32), 0)
+            time.sleep(0.05)  # the FFN threads finish the loop iteration that served it
+            recording.clear()
+            sys.setprofile(None)
+        assert out.shape == x.shape and out.abs().sum() > 0
+        assert PATH <= seen <= PATH | SLOW_WAIT, sorted(seen)
+    finally:
+        threading.setprofile(None)
+        sys.setprofile(None)
+        session = remote_experts._SESSION
+        if session is not None:
+            session.endpoint.close()
+        for executor in executors:
+            executor.stop()
