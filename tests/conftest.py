@@ -25,6 +25,13 @@ def tiny_mixtral(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_moe(tmp_path_factory) -> str:
+    from vllm_afd.bench.tiny_models import default_tiny_model
+
+    return str(default_tiny_model(arch="qwen2_moe"))
+
+
+@pytest.fixture(scope="session")
 def smollm2_moe() -> str:
     """The trained SmolLM2-135M-Instruct upcycled to an 8-expert Mixtral (bench/real_model.py)."""
     from vllm_afd.bench.real_model import default_real_model

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 FFNDevice = Literal["auto", "cpu", "cuda"]
+#: Most ping-pong microbatches per step (``--afd-microbatches``).
+MAX_MICROBATCHES = 8
 _RATIO_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 
 
@@ -161,9 +163,10 @@ class AFDConfig:
             raise AFDConfigError(
                 f"{_where('timeout_s')}: must be > 0 seconds, got {self.timeout_s}"
             )
-        if not 1 <= self.microbatches <= 8:
+        if not 1 <= self.microbatches <= MAX_MICROBATCHES:
             raise AFDConfigError(
-                f"{_where('microbatches')}: must be an integer in 1..8, got {self.microbatches}"
+                f"{_where('microbatches')}: must be an integer in 1..{MAX_MICROBATCHES}, "
+                f"got {self.microbatches}"
             )
 
     @classmethod

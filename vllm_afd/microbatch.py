@@ -26,7 +26,7 @@ Which steps are split: uniform decode steps with at least k tokens (each microba
 or more whole requests). Prefill and mixed steps, dummy and profiling runs run whole.
 
 This module is the mechanism only (no vLLM or package imports). Its hooks into vLLM's CPU
-model runner, and their ledger entries M1-M6, are in vllm_afd/patches/ (cpu_runner.py). On GPUs,
+model runner, and their ledger entries M1-M7, are in vllm_afd/patches/ (cpu_runner.py). On GPUs,
 ``overlap_point`` delegates to vLLM's own DBO (``dbo_yield``) when that is active.
 
 Limits: V1 model runner only (the V2 runner is refused); no speculative decoding, LoRA,

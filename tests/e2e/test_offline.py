@@ -86,3 +86,12 @@ def test_afd_tcp_transport_matches_colocated(tiny_qwen3, colocated_qwen3):
     _assert_same_tokens(result, colocated_qwen3)
     (ffn,) = result["ffn"]
     assert ffn["address"].startswith("127.0.0.1:")
+
+
+def test_afd_1_2_qwen2_moe_shared_experts_with_microbatches(tiny_qwen2_moe):
+    """A gated shared expert on the attention side while two microbatches (the default)
+    interleave at the routing boundary: each keeps its own shared-expert output (M7)."""
+    colocated = run_generation(_job(tiny_qwen2_moe, None))
+    result = run_generation(_job(tiny_qwen2_moe, {"ratio": "1:2"}))
+    _assert_same_tokens(result, colocated)
+    assert len(result["ffn"]) == 2

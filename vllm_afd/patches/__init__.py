@@ -7,7 +7,7 @@ is inert there: it wraps a class that process never calls.
 - front-end (the process that parses flags and builds the ``VllmConfig``):
   ``engine_args.py`` (P1-P3), ``health.py`` (P4), ``metrics_registry.py`` (P6).
 - worker (the processes that run the model): ``layers.py`` (P5, P7), ``cpu_runner.py``
-  (M1-M6), ``cpu_comm.py`` (S1-S2).
+  (M1-M7), ``cpu_comm.py`` (S1-S2).
 - FFN rank (the FFN ranks' processes): ``ffn_rank.py`` (F1-F4). Not applied by ``apply()``:
   ``ffn/weights.py`` enters its context manager around building one rank's MoE layers, and
   every swap is undone when the build is done. It also applies ``cpu_comm.py`` there (S2:
@@ -139,6 +139,18 @@ M6 ``VllmConfig.__post_init__``, wrapped.
    value back.
    Upstream: none; the check would have to ask the MoE layers whether they use all2all.
    Remove when: M1 is upstream (vLLM microbatches on CPU for out-of-tree MoE kernels).
+M7 ``SharedExperts.__init__`` wrapped, and its ``_output_idx`` property's getter
+   (fused_moe/runner/shared_experts.py).
+   Why: a layer's shared experts keep their output in a slot chosen by vLLM's DBO microbatch
+   id (0 without DBO) between computing it and adding it to the routed experts' output; two
+   AFD microbatches interleave at the routing boundary, so the second one found the first one's
+   output in slot 0 (an assertion: every model with shared experts, e.g. Qwen2-MoE and
+   DeepSeek, failed at its first microbatched decode step).
+   How: ``_output_idx`` returns the AFD microbatch running on this thread
+   (``microbatch.current_microbatch``), vLLM's own choice outside a microbatched step; the
+   slot list gets one slot per possible microbatch (``config.MAX_MICROBATCHES``).
+   Upstream: none; the slot is tied to DBO's thread registry, which M4's threads are not in.
+   Remove when: M4 is upstream (vLLM's CPU ubatch wrapper registers its threads as DBO's do).
 S1 ``CpuCommunicator.all_gatherv`` and ``CpuCommunicator.reduce_scatterv``, added.
    Why: vLLM's CPU build inherits both from ``DeviceCommunicatorBase``, where they raise
    ``NotImplementedError``. Colocated data parallelism on CPU (``--data-parallel-size 2``, with

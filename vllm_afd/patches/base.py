@@ -35,7 +35,8 @@ class Target:
     #: function / static / class: wrapped by ``_wrap``; override: a subclass method vLLM
     #: calls; added: set on the class; register: a supported registration API; global: a
     #: module global written; swapped: replaced for the duration of a block, then restored
-    #: (``patches/ffn_rank.py``); used: read or called as is.
+    #: (``patches/ffn_rank.py``); property: a property whose getter is wrapped once
+    #: (``swap_property``); used: read or called as is.
     kind: str = "function"
     ordered: bool = False
 
@@ -61,6 +62,7 @@ _PROMETHEUS = "prometheus_client.multiprocess"
 _MOE = "vllm.model_executor.layers.fused_moe"
 _EP_FILTER = "vllm.model_executor.model_loader.ep_weight_filter"
 _PARALLEL_STATE = "vllm.distributed.parallel_state"
+_SHARED = "vllm.model_executor.layers.fused_moe.runner.shared_experts"
 #: Positional parameters of ``_model_forward`` that M4 slices per microbatch.
 MODEL_INPUTS = ("input_ids", "positions", "intermediate_tensors", "inputs_embeds")
 
@@ -152,6 +154,8 @@ TARGETS = (
     ),
     Target("M5", _CONTEXT, "", "_forward_context", kind="global"),
     Target("M6", "vllm.config.vllm", "VllmConfig", "__post_init__"),
+    Target("M7", _SHARED, "SharedExperts", "__init__", ("layer", "moe_config", "enable_dbo")),
+    Target("M7", _SHARED, "SharedExperts", "_output_idx", kind="property"),
     Target("S1", _CPU_COMM, "CpuCommunicator", "all_gatherv", ("input_", "dim", "sizes"), "added"),
     Target(
         "S1", _CPU_COMM, "CpuCommunicator", "reduce_scatterv", ("input_", "dim", "sizes"), "added"
@@ -357,3 +361,17 @@ def check_unwrapped(patch: str) -> None:
     for target in targets(patch):
         if target.kind not in WRAPPED:
             check(target)
+
+
+def swap_property(patch: str, make_getter: Callable[[Callable], Callable]) -> None:
+    """Replace the property of ``patch``'s ``property`` row by one whose getter is
+    ``make_getter(original getter)``, once (sentinel-guarded)."""
+    (target,) = (t for t in targets(patch) if t.kind == "property")
+    owner, prop = target.resolve()
+    if not isinstance(prop, property):
+        raise ImportError(f"vllm_afd patch {target.where}: expected a property")
+    if getattr(prop.fget, _SENTINEL, False):
+        return
+    getter = functools.wraps(prop.fget)(make_getter(prop.fget))
+    setattr(getter, _SENTINEL, True)
+    setattr(owner, target.name, property(getter))

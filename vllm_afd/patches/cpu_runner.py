@@ -1,4 +1,4 @@
-"""Worker, M1-M6: ping-pong microbatching on vLLM's CPU model runner (ledger in ``__init__``).
+"""Worker, M1-M7: ping-pong microbatching on vLLM's CPU model runner (ledger in ``__init__``).
 
 vLLM cuts a decode step into k microbatches with its own machinery once ``ubatch_size`` is set
 (M1) and ``should_ubatch`` is decided (M2): ``maybe_create_ubatch_slices`` and, through
@@ -6,7 +6,8 @@ vLLM cuts a decode step into k microbatches with its own machinery once ``ubatch
 the stock ``_model_forward`` once per token slice, each on a ``vllm_afd.microbatch.PingPong``
 thread with its own ``ForwardContext`` (written into vLLM's global at every hand-off, M5), and
 concatenates the outputs. M3 keeps dummy runs whole. M6 lets a server's engine core
-re-validate the config M1 changed. The scheme itself, and which steps are split, is described
+re-validate the config M1 changed, and M7 gives each microbatch its own shared-expert output
+slot. The scheme itself, and which steps are split, is described
 in vllm_afd/microbatch.py.
 """
 
@@ -17,8 +18,9 @@ import inspect
 import logging
 from typing import Any
 
-from vllm_afd.microbatch import PingPong
-from vllm_afd.patches.base import MODEL_INPUTS, check_unwrapped, wrap
+from vllm_afd.config import MAX_MICROBATCHES
+from vllm_afd.microbatch import PingPong, current_microbatch
+from vllm_afd.patches.base import MODEL_INPUTS, check_unwrapped, swap_property, wrap
 
 logger = logging.getLogger("vllm.afd")
 
@@ -225,22 +227,44 @@ def _patch_post_init(original):
     return wrapper
 
 
+def _patch_shared_experts_init(original):
+    """M7: one shared-expert output slot per microbatch (vLLM keeps two, for DBO)."""
+
+    def wrapper(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self._output = [None] * max(len(self._output), MAX_MICROBATCHES)
+
+    return wrapper
+
+
+def _microbatch_output_idx(original):
+    """M7: the slot of the microbatch running on this thread (vLLM's own choice otherwise)."""
+
+    def _output_idx(self) -> int:
+        index = current_microbatch()
+        return original(self) if index is None else index
+
+    return _output_idx
+
+
 _WRAPPERS = {
     "M1": _patch_init,
     "M2": _patch_batch_execution,
     "M3": _patch_dummy_run,
     "M4": _patch_model_forward,
     "M6": _patch_post_init,
+    "M7": _patch_shared_experts_init,
 }
 
 
 def apply() -> None:
-    """M1-M6 on vLLM's CPU model runner (idempotent); nothing on other platforms."""
+    """M1-M7 on vLLM's CPU model runner (idempotent); nothing on other platforms."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return
-    for patch in (*_WRAPPERS, "M5"):  # everything M1-M6 reads or writes, before any wrap
+    for patch in (*_WRAPPERS, "M5"):  # everything M1-M7 reads or writes, before any wrap
         check_unwrapped(patch)
     for patch, make_wrapper in _WRAPPERS.items():
         wrap(patch, make_wrapper)
+    swap_property("M7", _microbatch_output_idx)

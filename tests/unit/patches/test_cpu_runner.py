@@ -76,3 +76,25 @@ def test_m6_revalidates_the_config_as_it_was_before_m1():
     stock = SimpleNamespace(parallel_config=SimpleNamespace(ubatch_size=2))
     post_init(stock)  # not marked by M1: vLLM validates the config as it is
     assert seen == [0, 2] and stock.parallel_config.ubatch_size == 2
+
+
+def test_m7_gives_each_microbatch_its_own_shared_expert_slot():
+    from types import SimpleNamespace
+
+    from vllm_afd.config import MAX_MICROBATCHES
+    from vllm_afd.microbatch import PingPong
+    from vllm_afd.patches.cpu_runner import _microbatch_output_idx, _patch_shared_experts_init
+
+    def stock_init(self):
+        self._output = [None, None]
+
+    layer = SimpleNamespace()
+    _patch_shared_experts_init(stock_init)(layer)
+    assert layer._output == [None] * MAX_MICROBATCHES
+    output_idx = _microbatch_output_idx(lambda self: 0)  # vLLM's choice without DBO
+    assert output_idx(layer) == 0  # outside a microbatched step
+    pool = PingPong(3)
+    try:
+        assert pool.run([lambda: output_idx(layer)] * 3) == [0, 1, 2]
+    finally:
+        pool.close()
