@@ -2,7 +2,8 @@
 
 Serves a trained model (SmolLM2-135M-Instruct upcycled to an 8-expert MoE, built offline from
 its PyPI wheel: ``bench/real_model.py``) colocated (stock vLLM) and in AFD mode at 1:1, 1:2 (two
-FFN ranks) and 2:1 (two tensor-parallel attention ranks, one FFN rank), each in a fresh process,
+FFN ranks) and 2:1 (two tensor-parallel attention ranks, one FFN rank; skipped for a model whose
+attention heads do not split in two, as SmolLM2's 9), each in a fresh process,
 sends the same prompts, prints the completions side by side with whether every token equals
 colocated's, a short A/B table (parameter bytes per attention rank and per FFN rank, decode
 throughput) and what the planner says about a real deployment. Without the model's wheel it
@@ -59,6 +60,13 @@ def _print_table(rows: list[dict]) -> None:
         )
 
 
+def _heads(model: str) -> int:
+    from pathlib import Path
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    return int(config.get("num_attention_heads", 1))
+
+
 def _print_completions(names: list[str], results: list[dict]) -> None:
     reference = results[0]
     for i, prompt in enumerate(PROMPTS):
@@ -109,6 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     rows, names, results, reference = [], [], [], None
     for name, afd, tp in CONFIGS:
         if tp > 1 and args.skip_tp2:
+            continue
+        if _heads(model) % tp:
+            print(f"[vllm-afd demo] skipping {name}: {_heads(model)} attention heads do not split")
             continue
         print(f"[vllm-afd demo] running {name} ...", flush=True)
         job = {
