@@ -4,15 +4,8 @@ API with ``microbatches=2``, greedy tokens compared with colocated serving."""
 from __future__ import annotations
 
 import pytest
+from test_offline import PROMPTS
 
-SHARED = "In a distributed serving system the attention layers keep the KV cache while " * 3
-PROMPTS = [
-    "hello world",
-    SHARED + "the experts",
-    SHARED + "the router",
-    "def f(x):\n    return x * 2\n" * 12,  # longer than the 64-token prefill chunk
-    "1 2 3",
-]
 MAX_TOKENS = 24
 
 
