@@ -13,6 +13,7 @@ thread (``bind_process``).
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Iterable, Sequence
 
 SHM_DIR = "/dev/shm"
@@ -97,3 +98,10 @@ def reap_segments(
         if header is not None and is_stale(name, header) and unlink_segment(name):
             reaped.append(name)
     return reaped
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (for gloo rendezvous, test servers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

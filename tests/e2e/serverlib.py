@@ -16,8 +16,8 @@ from pathlib import Path
 
 import psutil
 
-from vllm_afd.bench.launch import free_port
 from vllm_afd.bench.offline_run import child_env
+from vllm_afd.host import free_port
 
 __all__ = ["Server", "free_port", "http_request", "session_processes"]
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -30,14 +29,9 @@ from typing import Any
 from vllm_afd import envs
 from vllm_afd.bench.decode import RESULT_PREFIX
 from vllm_afd.bench.offline_run import child_env
+from vllm_afd.host import free_port
 
 CHILD_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def core_plan(

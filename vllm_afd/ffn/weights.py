@@ -21,23 +21,18 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from vllm_afd.host import free_port
 
 logger = logging.getLogger("vllm.afd")
 
 #: Longest context the FFN rank's engine config asks for: it builds no KV cache, and a long
 #: one only makes vLLM's config checks slower.
 _MAX_MODEL_LEN = 256
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_config(model_dir: str | Path, dtype: torch.dtype):
@@ -64,7 +59,7 @@ def _ensure_world() -> None:
         parallel_state.init_distributed_environment(
             world_size=1,
             rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
             local_rank=0,
             backend="gloo",
         )

@@ -35,8 +35,8 @@ Modules, writers to reader (import from them; this package re-exports nothing):
 
 - ``blocks.py``: the block format and names, the writers (``FFNStatsBlock``, owned by
   ``ffn.executor.FFNStats``; ``AttentionStatsBlock``), the reader and the clean-up.
-- ``recorder.py``: the attention side's per-process recorder (``record_combine``, or
-  ``record_round_trip``, and ``record_error``; one block per process, created on first use).
+- ``recorder.py``: the attention process's block (``endpoint_block``, which the hook records
+  each combine into, and ``record_error``; one block per process).
 - ``collector.py``: ``AFDCollector``, which vLLM's ``/metrics`` registries get through
   ``register_collector`` and patch P6 (``vllm_afd.patches.metrics_registry``).
 """

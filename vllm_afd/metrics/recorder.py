@@ -3,17 +3,16 @@
 An attention rank (a vLLM worker process) records each MoE round trip from the hook at the
 routing boundary (``remote_experts.py``): the hook takes its block once (``endpoint_block``)
 and records each combine straight into it; ``record_error`` with ``error_kind`` counts a
-failure (``record_combine`` and ``record_round_trip`` record through this module). The module
-owns the process's block, created for the deployment in ``VLLM_AFD_RUNTIME`` (or the
-endpoint's spec) and replaced when the FFN group restarts; a block that cannot be created
-disables the metrics of this process (logged), never serving.
+failure. The module owns the process's block, created for the deployment in
+``VLLM_AFD_RUNTIME`` (or the endpoint's spec) and replaced when the FFN group restarts; a block
+that cannot be created disables the metrics of this process (logged), never serving.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from vllm_afd import envs
 from vllm_afd.metrics.blocks import AttentionStatsBlock, spec_fields
@@ -68,31 +67,6 @@ def attention_block(rank: int) -> AttentionStatsBlock | None:
     return attention_block_for(runtime[1], rank)
 
 
-def record_round_trip(
-    layer: int,
-    tokens_per_ffn_rank: Mapping[int, int] | Sequence[int],
-    bytes_sent: int,
-    bytes_received: int,
-    exposed_wait_s: float,
-    rank: int,
-) -> None:
-    """Account one dispatch/combine of ``layer`` on attention rank ``rank``.
-
-    Args:
-        layer: MoE layer index (``handle.layer``).
-        tokens_per_ffn_rank: token rows sent to each FFN rank (``{f: rows.numel()}`` of
-            ``handle.token_index``, or a list indexed by FFN rank).
-        bytes_sent / bytes_received: payload bytes on the wire (``round_trip_bytes``).
-        exposed_wait_s: seconds spent in ``combine`` (FFN time not hidden by overlap).
-        rank: global attention rank (``endpoint.rank``).
-    """
-    block = attention_block(rank)
-    if block is not None:
-        block.record_round_trip(
-            layer, tokens_per_ffn_rank, bytes_sent, bytes_received, exposed_wait_s
-        )
-
-
 def endpoint_block(endpoint) -> AttentionStatsBlock | None:
     """This process's block for ``endpoint`` (an ``AttentionTransport``), with the wire bytes
     per token of its spec: the hook takes it once when it connects and records each combine
@@ -109,14 +83,6 @@ def endpoint_block(endpoint) -> AttentionStatsBlock | None:
             )
         last = _LAST_ENDPOINT = (endpoint, block)
     return last[1]
-
-
-def record_combine(endpoint, handle, exposed_wait_s: float) -> None:
-    """Account ``handle`` (a ``DispatchHandle``) combined by ``endpoint``
-    (``AttentionStatsBlock.record_combine`` on ``endpoint_block(endpoint)``)."""
-    block = endpoint_block(endpoint)
-    if block is not None:
-        block.record_combine(handle, exposed_wait_s)
 
 
 def record_error(kind: str, rank: int) -> None:

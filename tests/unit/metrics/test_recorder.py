@@ -15,18 +15,18 @@ def test_module_recorder_follows_runtime_env(monkeypatch):
     first, second = new_addresses(2), new_addresses(2)
     monkeypatch.setenv(envs.RUNTIME, json.dumps(spec_dict(first, 2)))
     try:
-        recorder.record_round_trip(0, {0: 2, 1: 1}, 10, 5, 0.001, rank=1)
+        recorder.attention_block(1).record_round_trip(0, {0: 2, 1: 1}, 10, 5, 0.001)
         recorder.record_error("timeout", rank=1)
         name = blocks.attention_block_name(first, 1)
         snapshot = blocks.read_block(name)
         assert snapshot.peers == [2.0, 1.0] and snapshot.scalars[blocks._A_ERRORS] == 1.0
         # A new deployment in this process (group restarted): a new block, the old one goes.
         monkeypatch.setenv(envs.RUNTIME, json.dumps(spec_dict(second, 2)))
-        recorder.record_round_trip(0, [0, 4], 10, 5, 0.001, rank=1)
+        recorder.attention_block(1).record_round_trip(0, [0, 4], 10, 5, 0.001)
         assert blocks.read_block(name) is None
         assert blocks.read_block(blocks.attention_block_name(second, 1)).peers == [0.0, 4.0]
         monkeypatch.delenv(envs.RUNTIME)
-        recorder.record_round_trip(0, [1, 1], 1, 1, 0.0, rank=1)  # AFD not running: a no-op
+        assert recorder.attention_block(1) is None  # AFD not running: nothing to record into
     finally:
         recorder.close_attention_block()
     assert our_blocks(first) == [] and our_blocks(second) == []
@@ -57,16 +57,18 @@ def test_record_combine_takes_tokens_and_bytes_from_handle_and_endpoint():
     ep = endpoint(first)
     handle = DispatchHandle(1, 5, 16, torch.bfloat16, {0: torch.arange(3), 1: torch.arange(2)})
     try:
-        recorder.record_combine(ep, handle, 0.004)
-        recorder.record_combine(ep, handle, 0.002)
-        recorder.record_combine(ep, DispatchHandle(1, 0, 16, torch.bfloat16, {}), 0.0)  # empty
+        recorder.endpoint_block(ep).record_combine(handle, 0.004)
+        recorder.endpoint_block(ep).record_combine(handle, 0.002)
+        recorder.endpoint_block(ep).record_combine(
+            DispatchHandle(1, 0, 16, torch.bfloat16, {}), 0.0
+        )
         snapshot = blocks.read_block(blocks.attention_block_name(first, 0))
         assert snapshot.peers == [6.0, 4.0]
         # round trips, tokens, sent (bf16 rows + ids + weights), received, exposed seconds
         assert snapshot.scalars[:5] == [2, 10, 10 * (32 + 16), 10 * 32, pytest.approx(0.006)]
         assert snapshot.layers == {1: (2.0, pytest.approx(0.006), 10.0)}
         # A new endpoint (the FFN group restarted): its deployment's block, the old one goes.
-        recorder.record_combine(endpoint(second), handle, 0.001)
+        recorder.endpoint_block(endpoint(second)).record_combine(handle, 0.001)
         assert blocks.read_block(blocks.attention_block_name(first, 0)) is None
         assert blocks.read_block(blocks.attention_block_name(second, 0)).peers == [3.0, 2.0]
     finally:

@@ -71,7 +71,7 @@ def _shim_worker(rank: int, world: int, port: int, queue) -> None:
 def test_gatherv_and_reduce_scatterv_over_gloo():
     import torch.multiprocessing as tmp
 
-    from vllm_afd.bench.launch import free_port
+    from vllm_afd.host import free_port
 
     ctx = tmp.get_context("spawn")
     queue = ctx.Queue()
