@@ -118,11 +118,12 @@ def _resolve_auto(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config)
 
 
 def raise_if_ffn_group_dead() -> None:
-    """For /health: raise vLLM's EngineDeadError if an FFN rank of the deployment died."""
-    from vllm_afd.placement import dead_ffn_ranks
+    """For /health: raise vLLM's EngineDeadError if an FFN rank of the deployment cannot serve
+    (died, stopped, wedged or failed requests: ``placement.ffn_group_problems``)."""
+    from vllm_afd.placement import ffn_group_problems
 
-    dead = dead_ffn_ranks()
-    if dead:
+    problems = ffn_group_problems()
+    if problems:
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        raise EngineDeadError(f"AFD: FFN rank(s) {dead} died; requests cannot be served")
+        raise EngineDeadError(f"AFD: {'; '.join(problems)}; requests cannot be served")

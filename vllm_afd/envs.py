@@ -22,6 +22,9 @@ Variables a user sets:
     written by ``vllm-afd profile`` (see docs/planner.md).
 ``VLLM_AFD_BENCH_CPUS``
     Comma-separated CPUs a ``vllm-afd bench`` rank process binds itself to (set by the bench).
+``VLLM_AFD_FAULT_FILE``
+    Fault injection, for tests and drills only: while a file exists at this path, every FFN
+    rank raises in its serve loop instead of serving a layer batch. Unset: no fault.
 
 Variables the product sets (the front-end's hand-off to every process it starts afterwards):
 
@@ -47,6 +50,7 @@ POLL_MS = "VLLM_AFD_POLL_MS"
 PLAN_HARDWARE = "VLLM_AFD_PLAN_HARDWARE"
 PLAN_PROFILE = "VLLM_AFD_PLAN_PROFILE"
 BENCH_CPUS = "VLLM_AFD_BENCH_CPUS"
+FAULT_FILE = "VLLM_AFD_FAULT_FILE"
 DEFAULT_POLL_MS = 20.0
 
 
@@ -139,6 +143,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     PLAN_HARDWARE: lambda: _text(PLAN_HARDWARE),
     PLAN_PROFILE: lambda: _text(PLAN_PROFILE),
     BENCH_CPUS: _bench_cpus,
+    FAULT_FILE: lambda: _text(FAULT_FILE),
 }
 
 

@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,10 @@ from vllm_afd.transport import TransportSpec
 
 logger = logging.getLogger("vllm.afd")
 START_TIMEOUT_S = 300.0
+#: How often an FFN rank's heartbeat thread beats, and how old a beat may be before
+#: ``ffn_group_problems`` calls the rank stopped.
+HEARTBEAT_INTERVAL_S = 0.1
+HEARTBEAT_TIMEOUT_S = 1.0
 
 
 class FFNRank:
@@ -45,7 +50,7 @@ class FFNRank:
             bind_process(cpus[rank])
         torch.set_num_threads(envs.VLLM_AFD_FFN_THREADS)
         self.executor = FFNExecutor(spec, rank, model_dir, device)
-        self.executor.start()
+        self.executor.start(HEARTBEAT_INTERVAL_S)
 
     def info(self) -> dict:
         return self.executor.info()
@@ -267,14 +272,53 @@ def stop_ffn_group() -> None:
         ray.shutdown()
 
 
-def dead_ffn_ranks() -> list[int]:
-    """FFN ranks on this host whose process is gone (from any process of the deployment).
+def ffn_group_problems() -> list[str]:
+    """What keeps the deployment's FFN ranks from serving, one line each (empty: healthy).
 
-    Ranks on other hosts are not checked here: their death surfaces as a transport error.
+    Readable from any process of the deployment (``/health`` runs in the API server). A rank
+    on this host is unhealthy when its process is gone, when its heartbeat (a thread of the
+    rank, every ``HEARTBEAT_INTERVAL_S``) is older than ``HEARTBEAT_TIMEOUT_S`` (stopped, e.g.
+    SIGSTOP, or frozen), when one layer batch has been running longer than the transport
+    timeout (wedged), or once a request failed there (``FFNServeError``). Ranks on other hosts
+    are not checked here: their failures surface as transport errors.
     """
+    from vllm_afd.metrics.blocks import (
+        F_BUSY_SINCE,
+        F_FAILURES,
+        F_HEARTBEAT,
+        ffn_block_name,
+        read_block,
+    )
+
     here = socket.gethostname()
-    pids = envs.VLLM_AFD_FFN_PIDS
-    return [rank for rank, (host, pid) in enumerate(pids) if host == here and not pid_alive(pid)]
+    runtime = envs.VLLM_AFD_RUNTIME
+    spec = TransportSpec.from_json(runtime) if runtime else None
+    problems = []
+    for rank, (host, pid) in enumerate(envs.VLLM_AFD_FFN_PIDS):
+        if host != here:
+            continue
+        if not pid_alive(pid):
+            problems.append(f"FFN rank {rank} (pid {pid}) died")
+            continue
+        if spec is None or rank >= len(spec.addresses):
+            continue
+        block = read_block(ffn_block_name(spec.addresses[rank], rank))
+        if block is None:
+            continue
+        now = time.monotonic()
+        beat, busy, failures = (block.scalars[i] for i in (F_HEARTBEAT, F_BUSY_SINCE, F_FAILURES))
+        if beat and now - beat > HEARTBEAT_TIMEOUT_S:
+            problems.append(
+                f"FFN rank {rank} (pid {pid}) stopped: no heartbeat for {now - beat:.1f}s"
+            )
+        elif busy and now - busy > spec.timeout_s:
+            problems.append(
+                f"FFN rank {rank} (pid {pid}) wedged: one layer batch running for "
+                f"{now - busy:.1f}s (timeout_s={spec.timeout_s:g})"
+            )
+        if failures:
+            problems.append(f"FFN rank {rank} (pid {pid}) failed {failures:.0f} request(s)")
+    return problems
 
 
 atexit.register(stop_ffn_group)

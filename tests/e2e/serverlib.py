@@ -50,7 +50,14 @@ def http_request(
 
 
 class Server:
-    def __init__(self, model: str, log: Path, extra: tuple[str, ...] = ("--afd-ratio", "2:1")):
+    def __init__(
+        self,
+        model: str,
+        log: Path,
+        extra: tuple[str, ...] = ("--afd-ratio", "2:1"),
+        dtype: str = "float32",
+        env: dict[str, str] | None = None,
+    ):
         self.model, self.log, self.port = model, log, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
@@ -63,7 +70,7 @@ class Server:
             "--port",
             str(self.port),
             "--dtype",
-            "float32",
+            dtype,
             "--max-model-len",
             "512",
             "--max-num-batched-tokens",
@@ -76,7 +83,7 @@ class Server:
         ]
         self.proc = subprocess.Popen(
             argv,
-            env=child_env(),
+            env={**child_env(), **(env or {})},
             stdout=log.open("w"),
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_afd import envs
 from vllm_afd.ffn.weights import expert_bytes, load_routed_experts
 from vllm_afd.metrics.blocks import FFNStatsBlock
 from vllm_afd.transport import FFNRequest, FFNTransport, TransportSpec, create_ffn_transport
@@ -162,6 +163,7 @@ class FFNExecutor:
         start = time.perf_counter()
         layers = load_routed_experts(model_dir, rank, spec.num_ffn_ranks, spec.dtype, device)
         _check_layers(spec, rank, layers)
+        self.layers = sorted(layers)  # the model's own numbers of the MoE layers served here
         self.param_bytes = expert_bytes(layers)
         self.kernel = ExpertKernel(layers, device)
         logger.info(
@@ -178,7 +180,8 @@ class FFNExecutor:
         # Wire bytes per token besides the hidden state: int32 expert ids + float32 weights.
         self._routing_bytes = spec.top_k * 8
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads_started: list[threading.Thread] = []
+        self._fault_file = envs.VLLM_AFD_FAULT_FILE
 
     @property
     def address(self) -> str:
@@ -195,6 +198,27 @@ class FFNExecutor:
         return len(requests)
 
     def _serve_layer(self, layer: int, group: list[FFNRequest]) -> None:
+        """Serve one layer's requests together; if that raises, fail each of them on its
+        attention rank with the error text (``reply_error``) and go on serving."""
+        shared = self.stats.shared
+        if shared is not None:
+            shared.set_busy(time.monotonic())
+        try:
+            self._compute_layer(layer, group)
+        except Exception as exc:
+            message = f"layer {layer}: {type(exc).__name__}: {exc}"
+            logger.exception("AFD FFN rank %d failed serving %s", self.rank, message)
+            if shared is not None:
+                shared.record_failure(len(group))
+            for request in group:
+                self.transport.reply_error(request, message)
+        finally:
+            if shared is not None:
+                shared.set_busy(0.0)
+
+    def _compute_layer(self, layer: int, group: list[FFNRequest]) -> None:
+        if self._fault_file is not None and os.path.exists(self._fault_file):
+            raise RuntimeError(f"injected fault ({envs.FAULT_FILE}={self._fault_file} exists)")
         start = time.perf_counter()
         x = _rows([r.x for r in group])
         if x.shape[0]:
@@ -231,17 +255,38 @@ class FFNExecutor:
         # one CPU and makes every expert call many times slower (numbers: docs/benchmarks.md).
         torch.set_num_threads(self._threads)
         while not self._stop.is_set():
-            self.serve_once(timeout_s=0.2)
+            try:
+                self.serve_once(timeout_s=0.2)
+            except Exception:  # the transport itself failed: counted, logged, loop goes on
+                logger.exception("AFD FFN rank %d: serve loop error", self.rank)
+                if self.stats.shared is not None:
+                    self.stats.shared.record_failure(1)
+                self._stop.wait(0.1)
 
-    def start(self) -> None:
-        """Serve on a daemon thread (the process keeps answering control calls)."""
-        self._thread = threading.Thread(target=self.serve_forever, name="afd-ffn", daemon=True)
-        self._thread.start()
+    def heartbeat_forever(self, interval_s: float) -> None:
+        """Beat into the stats block every ``interval_s`` (``/health`` reads it)."""
+        shared = self.stats.shared
+        while shared is not None and not self._stop.wait(interval_s):
+            shared.beat()
+
+    def start(self, heartbeat_s: float = 0.1) -> None:
+        """Serve on a daemon thread (the process keeps answering control calls), with a
+        heartbeat thread beside it."""
+        if self.stats.shared is not None:
+            self.stats.shared.beat()
+        self._threads_started = [
+            threading.Thread(target=self.serve_forever, name="afd-ffn", daemon=True),
+            threading.Thread(
+                target=self.heartbeat_forever, args=(heartbeat_s,), name="afd-beat", daemon=True
+            ),
+        ]
+        for thread in self._threads_started:
+            thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        for thread in self._threads_started:
+            thread.join(timeout=5)
         self.transport.close()
         if self.stats.shared is not None:
             self.stats.shared.close()
@@ -252,6 +297,7 @@ class FFNExecutor:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "experts": [self.experts.start, self.experts.stop],
+            "layers": self.layers,
             "param_bytes": self.param_bytes,
             "address": self.address,
             "cpus": sorted(os.sched_getaffinity(0)),

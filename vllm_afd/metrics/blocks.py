@@ -26,6 +26,7 @@ import hashlib
 import json
 import mmap
 import os
+import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ BUCKETS: tuple[float, ...] = (
 #: Layer indices an attention block has room for (the model's layer numbers; larger ones are
 #: counted in the totals only).
 ATTENTION_LAYER_CAPACITY = 1024
-ERROR_KINDS = ("timeout", "ffn_dead", "other")
+ERROR_KINDS = ("timeout", "ffn_dead", "ffn_error", "other")
 
 _MAGIC = 0x3130_5354_4D44_4641  # b"AFDMST01" little-endian
 _VERSION = 1
@@ -73,8 +74,11 @@ _STATE_OPEN, _STATE_CLOSED = 1, 2
 ) = range(11)
 _HEADER_WORDS = 16
 _SCALAR_WORDS = 16
-# FFN scalars.
+# FFN scalars. The last three are the rank's health (``FFNStatsBlock.beat`` and friends):
+# ``time.monotonic()`` of the heartbeat thread's last beat, of the start of the layer batch
+# being served (0 while idle), and the count of requests that failed on this rank.
 _F_REQUESTS, _F_TOKENS, _F_BYTES_IN, _F_BYTES_OUT, _F_SECONDS = range(5)
+F_HEARTBEAT, F_BUSY_SINCE, F_FAILURES = 5, 6, 7
 # Attention scalars.
 _A_ROUND_TRIPS, _A_TOKENS, _A_BYTES_SENT, _A_BYTES_RECEIVED, _A_SECONDS = range(5)
 _A_ERRORS = 5  # one word per ERROR_KINDS entry
@@ -255,6 +259,18 @@ class FFNStatsBlock(_Writer):
         d[s + _F_BYTES_OUT] += bytes_out
         d[s + _F_SECONDS] += seconds
         self._observe(layer, tokens, seconds)
+
+    def beat(self) -> None:
+        """The heartbeat: this process runs (a stopped or dead rank stops beating)."""
+        self.d[self._o_scalars + F_HEARTBEAT] = time.monotonic()
+
+    def set_busy(self, since: float) -> None:
+        """The serve loop started a layer batch at ``since`` (``time.monotonic()``; 0: idle)."""
+        self.d[self._o_scalars + F_BUSY_SINCE] = since
+
+    def record_failure(self, requests: int) -> None:
+        """``requests`` requests failed on this rank (it is unhealthy from now on)."""
+        self.d[self._o_scalars + F_FAILURES] += requests
 
 
 class AttentionStatsBlock(_Writer):

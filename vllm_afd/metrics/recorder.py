@@ -86,7 +86,8 @@ def endpoint_block(endpoint) -> AttentionStatsBlock | None:
 
 
 def record_error(kind: str, rank: int) -> None:
-    """Count a transport failure on attention rank ``rank``: ``timeout``, ``ffn_dead`` or
+    """Count a transport failure on attention rank ``rank``: ``timeout``, ``ffn_dead``,
+    ``ffn_error`` (the FFN rank failed serving the request) or
     ``other`` (unknown kinds count as ``other``)."""
     block = attention_block(rank)
     if block is not None:
@@ -95,8 +96,10 @@ def record_error(kind: str, rank: int) -> None:
 
 def error_kind(exc: BaseException) -> str:
     """Classify a transport exception for ``record_error`` (by the transports' messages)."""
-    from vllm_afd.transport.base import TransportError
+    from vllm_afd.transport.base import FFNServeError, TransportError
 
+    if isinstance(exc, FFNServeError):
+        return "ffn_error"
     if not isinstance(exc, TransportError):
         return "other"
     text = str(exc)

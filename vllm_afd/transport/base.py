@@ -31,7 +31,9 @@ because their requests for the same layer arrive together. A collective backend 
 the same attention-side contract and runs its own lockstep FFN loop.
 
 Failure: ``combine`` never waits forever. It raises ``TransportError`` when the FFN rank is
-known dead (backends check liveness while waiting) or after ``TransportSpec.timeout_s``.
+known dead (backends check liveness while waiting) or after ``TransportSpec.timeout_s``, and
+``FFNServeError`` at once, with the FFN rank's error text, when serving the request raised on
+the FFN rank (``FFNTransport.reply_error``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ import torch
 
 class TransportError(RuntimeError):
     """An FFN rank did not answer: it died, or it did not answer within the timeout."""
+
+
+class FFNServeError(TransportError):
+    """An FFN rank answered a request with an error: serving it raised there. The message
+    names the FFN rank and carries its error text."""
 
 
 def expert_range(num_experts: int, num_ffn_ranks: int, ffn_rank: int) -> range:
@@ -231,6 +238,14 @@ class FFNTransport(abc.ABC):
         """Answer ``request`` with ``out``: ``[N, H]`` (``spec.dtype``), one row per request
         row, weighted by ``request.topk_weights`` and summed over this rank's experts. ``out``
         may be ``request.reply_buffer`` itself (then nothing is copied)."""
+
+    def reply_error(self, request: FFNRequest, message: str) -> None:
+        """Fail ``request``: its ``combine`` raises ``FFNServeError`` carrying ``message``.
+
+        Point-to-point backends answer the one request; a collective backend cannot fail one
+        request alone and raises ``TransportError`` (the caller then stops serving).
+        """
+        raise TransportError(f"{type(self).__name__} cannot fail one request: {message}")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release buffers and connections."""

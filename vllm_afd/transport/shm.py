@@ -9,11 +9,11 @@ number on every FFN rank it sends to, so microbatches never share buffers::
                       and per attention rank the CPU it last dispatched from (page-aligned)
     slot (a, s)       page-aligned, for attention rank a, slot s:
       line 0          request header  (written by attention): seq, layer, num_tokens
-      line 1          response header (written by FFN):       seq, num_tokens
+      line 1          response header (written by FFN):       seq, num_tokens, error bytes
       x               [max_tokens, H]  spec.dtype
       topk_ids        [max_tokens, K]  int32
       topk_weights    [max_tokens, K]  float32
-      out             [max_tokens, H]  spec.dtype
+      out             [max_tokens, H]  spec.dtype (or, for an error reply, its utf-8 text)
 
 Headers are read and written through one ``memoryview.cast("q")`` of the segment (a word costs
 a fraction of a torch scalar index); payloads through ``torch.frombuffer`` views whose ``[:n]``
@@ -85,6 +85,7 @@ from vllm_afd.host import (
 )
 from vllm_afd.transport.base import (
     FFNRequest,
+    FFNServeError,
     FFNTransport,
     TransportError,
     TransportSpec,
@@ -101,7 +102,7 @@ DEFAULT_PREFIX = "vllm_afd_"
 LIVENESS_INTERVAL_S = 0.05
 
 _MAGIC = 0x3130_4D48_5344_4641  # b"AFDSHM01" little-endian
-_VERSION = 1
+_VERSION = 2
 _LINE = 64
 _PAGE = 4096
 _STATE_OPEN, _STATE_CLOSED = 1, 2
@@ -112,7 +113,7 @@ _G_LAYOUT = 8  # 6 words: attention ranks, slots, max_tokens, hidden, top_k, ite
 _G_ATTN_CPU = 16  # one word per attention rank: CPU it last dispatched from
 # Slot header words, relative to the slot start.
 _REQ_SEQ, _REQ_LAYER, _REQ_NTOK = 0, 1, 2
-_RESP_SEQ, _RESP_NTOK = _LINE // 8, _LINE // 8 + 1
+_RESP_SEQ, _RESP_NTOK, _RESP_ERR = _LINE // 8, _LINE // 8 + 1, _LINE // 8 + 2
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
@@ -200,7 +201,16 @@ _Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 class _Slot:
     """Header word indices and payload views of one slot (see module docstring)."""
 
-    __slots__ = ("req_seq", "req_layer", "req_ntok", "resp_seq", "resp_ntok", "views")
+    __slots__ = (
+        "req_seq",
+        "req_layer",
+        "req_ntok",
+        "resp_seq",
+        "resp_ntok",
+        "resp_err",
+        "views",
+        "error_text",
+    )
 
     def __init__(self, mm: mmap.mmap, layout: _Layout, offset: int) -> None:
         word = offset // 8
@@ -210,6 +220,7 @@ class _Slot:
             word + _REQ_NTOK,
         )
         self.resp_seq, self.resp_ntok = word + _RESP_SEQ, word + _RESP_NTOK
+        self.resp_err = word + _RESP_ERR
         rows, hidden, top_k = layout.max_tokens, layout.hidden, layout.top_k
         at = offset + 2 * _LINE
 
@@ -222,6 +233,8 @@ class _Slot:
         x = view(layout.dtype, hidden, layout.x_bytes)
         ids = view(torch.int32, top_k, layout.routing_bytes)
         weights = view(torch.float32, top_k, layout.routing_bytes)
+        #: The response area as bytes: an error reply's text.
+        self.error_text = memoryview(mm)[at : at + layout.x_bytes]
         out = view(layout.dtype, hidden, layout.x_bytes)
         self.views: ViewCache[_Views] = ViewCache(lambda n: (x[:n], ids[:n], weights[:n], out[:n]))
 
@@ -417,6 +430,10 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
                             f"timeout_s={self.spec.timeout_s}"
                         )
                     next_check = now + LIVENESS_INTERVAL_S
+        error = words[buffers.resp_err]
+        if error:
+            text = bytes(buffers.error_text[:error]).decode(errors="replace")
+            raise FFNServeError(f"FFN rank {ffn_rank}: {text}")
         return buffers.views[words[buffers.resp_ntok]][3]
 
     def _check_alive(self, ffn_rank: int) -> None:
@@ -535,8 +552,24 @@ class ShmFFNTransport(FFNTransport):
             return  # superseded: the attention rank gave up on it and reused the slot
         if out is not buffer:
             buffer.copy_(out)
+        self._publish(slot, seq, buffer.shape[0], 0)
+
+    def reply_error(self, request: FFNRequest, message: str) -> None:
+        """See ``FFNTransport.reply_error``: the text goes into the slot's response area
+        (truncated to it), its length into the response header."""
+        index, seq = request.tag
+        slot = self._slots[index][1]
+        if self._words[slot.req_seq] != seq:
+            return  # superseded, as in ``reply``
+        text = message.encode()[: len(slot.error_text)] or b"?"
+        slot.error_text[: len(text)] = text
+        self._publish(slot, seq, 0, len(text))
+
+    def _publish(self, slot: _Slot, seq: int, num_tokens: int, error_bytes: int) -> None:
+        words = self._words
         words[_G_FFN_CPU] = self._cpu
-        words[slot.resp_ntok] = buffer.shape[0]
+        words[slot.resp_ntok] = num_tokens
+        words[slot.resp_err] = error_bytes
         words[slot.resp_seq] = seq  # publish last (x86-64 TSO)
 
     def close(self) -> None:

@@ -14,6 +14,8 @@ num_tokens i32, seq i64)`` followed by raw bytes:
     REQUEST   x [n, H] spec.dtype | topk_ids [n, K] int32 | topk_weights [n, K] float32
     RESPONSE  out [n, H] spec.dtype
     REJECT    reason, utf-8, ``num_tokens`` bytes
+    ERROR     serving the request ``seq`` in ``slot`` failed: the FFN rank's error text, utf-8,
+              ``num_tokens`` bytes (at most ``MAX_TEXT_BYTES``)
 
 Sockets are non-blocking with TCP_NODELAY. Receivers read straight into preallocated tensors
 (``recv_into`` on byte views of their storage; a frame may arrive in any number of pieces);
@@ -49,6 +51,7 @@ import torch
 
 from vllm_afd.transport.base import (
     FFNRequest,
+    FFNServeError,
     FFNTransport,
     TransportError,
     TransportSpec,
@@ -66,7 +69,9 @@ _HEADER = struct.Struct("<IHHiiq")  # magic, kind, slot, layer, num_tokens, seq
 _HELLO = struct.Struct("<8q")  # version, rank, A, slots, max_tokens, hidden, top_k, itemsize
 _MAGIC = 0x41464454  # "AFDT"
 _VERSION = 1
-_HELLO_KIND, _REQUEST, _RESPONSE, _REJECT = 1, 2, 3, 4
+_HELLO_KIND, _REQUEST, _RESPONSE, _REJECT, _ERROR = 1, 2, 3, 4, 5
+#: Longest REJECT or ERROR text a peer accepts.
+MAX_TEXT_BYTES = 16384
 _CONNECT_TIMEOUT_S = 10.0
 
 
@@ -206,9 +211,12 @@ class _FFNPeer:
         self.weights = [_Buffers(rows, top_k, torch.float32) for _ in range(num_slots)]
         self.answered = [0] * num_slots
         self.answer_rows = [0] * num_slots
+        #: Per slot: the FFN rank's error text when the answer to ``answered[slot]`` is an
+        #: ERROR frame, else None.
+        self.failed: list[str | None] = [None] * num_slots
         self.seq = 0
         self.error: str | None = None
-        self._reject = bytearray()
+        self._text = bytearray()
         self._max_tokens = rows
         self._hidden, self._dtype = hidden, spec.dtype
 
@@ -221,9 +229,9 @@ class _FFNPeer:
 
     def _targets(self, header: tuple) -> list[memoryview]:
         _, kind, slot, _, n, _ = header
-        if kind == _REJECT:
-            self._reject = bytearray(n)
-            return [memoryview(self._reject)]
+        if kind in (_REJECT, _ERROR) and 0 <= n <= MAX_TEXT_BYTES and slot < len(self.out):
+            self._text = bytearray(n)
+            return [memoryview(self._text)]
         if kind != _RESPONSE or slot >= len(self.out) or not 0 <= n <= self._max_tokens:
             raise ConnectionError(f"protocol error: unexpected frame {header}")
         return [self.out[slot].wire(n)]
@@ -231,8 +239,13 @@ class _FFNPeer:
     def _on_frame(self, header: tuple) -> None:
         _, kind, slot, _, n, seq = header
         if kind == _REJECT:
-            reason = self._reject.decode(errors="replace")
+            reason = self._text.decode(errors="replace")
             raise ConnectionError(f"rejected this attention rank: {reason}")
+        if kind == _ERROR:
+            self.failed[slot] = self._text.decode(errors="replace")
+            n = 0
+        else:
+            self.failed[slot] = None
         self.answered[slot], self.answer_rows[slot] = seq, n
 
     def read(self) -> None:
@@ -353,6 +366,9 @@ class TcpAttentionTransport(PointToPointAttentionTransport):
         self._spin(peer, slot, seq)
         while peer.answered[slot] != seq:
             self._wait_events(deadline, peer)
+        error = peer.failed[slot]
+        if error is not None:
+            raise FFNServeError(f"FFN rank {ffn_rank}: {error}")
         return peer.out[slot].rows[peer.answer_rows[slot]]
 
     def _spin(self, peer: _FFNPeer, slot: int, seq: int) -> None:
@@ -536,8 +552,22 @@ class TcpFFNTransport(FFNTransport):
         if out.dtype != self.spec.dtype:
             out = out.to(self.spec.dtype)
         header = _HEADER.pack(_MAGIC, _RESPONSE, slot, request.layer, n, seq)
+        self._queue(peer, [memoryview(header), _byte_view(out.contiguous())])
+
+    def reply_error(self, request: FFNRequest, message: str) -> None:
+        """See ``FFNTransport.reply_error``: an ERROR frame with the text (truncated to
+        ``MAX_TEXT_BYTES``)."""
+        peer, slot, seq = request.tag
+        if peer.closed:
+            return
+        body = message.encode()[:MAX_TEXT_BYTES]
+        header = _HEADER.pack(_MAGIC, _ERROR, slot, request.layer, len(body), seq)
+        self._queue(peer, [memoryview(header), memoryview(body)])
+
+    def _queue(self, peer: _AttentionPeer, frame: list[memoryview]) -> None:
+        """Send ``frame`` after what is queued for ``peer``, as far as the socket takes it."""
         queued = bool(peer.outbox)
-        peer.outbox += [memoryview(header), _byte_view(out.contiguous())]
+        peer.outbox += frame
         if not queued:
             try:
                 self._flush(peer)

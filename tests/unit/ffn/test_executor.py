@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,55 @@ def test_ffn_rank_refuses_a_spec_that_disagrees_with_the_model(tiny_qwen3):
     )
     with pytest.raises(ValueError, match=r"MoE layers are \[0, 1\].*says \[0, 1, 2\]"):
         FFNExecutor(spec, 1, tiny_qwen3, "cpu")
+
+
+def test_a_failing_layer_fails_its_request_and_the_rank_serves_on(
+    tiny_qwen3, monkeypatch, tmp_path
+):
+    """The injected fault (``VLLM_AFD_FAULT_FILE``) raises in the serve loop: the attention
+    rank's combine fails at once with the FFN's text, the failure is counted in the rank's block
+    (``/health`` reads it), and the serve loop is still alive for the next request."""
+    from vllm_afd.metrics.blocks import F_FAILURES, F_HEARTBEAT
+    from vllm_afd.transport import FFNServeError
+
+    fault = tmp_path / "fault"
+    monkeypatch.setenv("VLLM_AFD_FAULT_FILE", str(fault))
+    spec = TransportSpec(
+        backend="shm",
+        num_attention_ranks=1,
+        num_ffn_ranks=1,
+        num_experts=8,
+        hidden_size=128,
+        top_k=2,
+        max_tokens=4,
+        timeout_s=30.0,
+        addresses=(f"afdfaulttest{os.getpid()}_",),
+    )
+    executor = FFNExecutor(spec, 0, tiny_qwen3, "cpu")
+    endpoint = None
+    try:
+        executor.start(heartbeat_s=0.01)
+        spec = TransportSpec(**{**spec.__dict__, "addresses": (executor.address,)})
+        endpoint = create_attention_transport(spec, 0)
+        x = torch.randn(2, 128)
+        ids = torch.tensor([[0, 7]] * 2, dtype=torch.int32)
+        weights = torch.full((2, 2), 0.5)
+        endpoint.combine(endpoint.dispatch(0, x, ids, weights))  # no fault file: served
+        fault.touch()
+        start = time.monotonic()
+        for layer in (1, 0):  # every batch fails while the file exists, each one at once
+            text = rf"FFN rank 0: layer {layer}: RuntimeError: injected fault .*"
+            text += re.escape(str(fault))
+            with pytest.raises(FFNServeError, match=text):
+                endpoint.combine(endpoint.dispatch(layer, x, ids, weights))
+        assert time.monotonic() - start < 2.0
+        scalars = read_block(ffn_block_name(executor.address, 0)).scalars
+        assert scalars[F_FAILURES] == 2
+        fault.unlink()  # the serve loop is still alive
+        out = endpoint.combine(endpoint.dispatch(1, x, ids, weights))
+        assert out.shape == x.shape and torch.isfinite(out).all()
+        assert time.monotonic() - scalars[F_HEARTBEAT] < 1.0
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+        executor.stop()

@@ -77,13 +77,14 @@ def test_record_combine_takes_tokens_and_bytes_from_handle_and_endpoint():
 
 
 def test_error_kind():
-    from vllm_afd.transport import TransportError
+    from vllm_afd.transport import FFNServeError, TransportError
 
     assert (
         recorder.error_kind(TransportError("FFN rank 0 (pid 1) did not answer within timeout_s=30"))
         == "timeout"
     )
     assert recorder.error_kind(TransportError("FFN rank 0 (pid 1) died")) == "ffn_dead"
+    assert recorder.error_kind(FFNServeError("FFN rank 0: layer 1: timeout")) == "ffn_error"
     assert recorder.error_kind(TransportError("FFN rank 1: connection lost (x)")) == "ffn_dead"
     assert recorder.error_kind(ValueError("x")) == "other"
     assert recorder.round_trip_bytes(3, 128, 4, 2) == (3 * 128 * 4 + 3 * 2 * 8, 3 * 128 * 4)

@@ -14,6 +14,7 @@ import torch
 from transport_testlib import make_spec, routing
 
 from vllm_afd.transport import (
+    FFNServeError,
     FFNTransport,
     TransportError,
     TransportSpec,
@@ -150,6 +151,30 @@ def test_mismatched_spec_is_refused(backend: str, loopback) -> None:
             att.combine(handle)
     finally:
         att.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_error_reply_fails_that_request_only(backend: str, loopback) -> None:
+    """An FFN rank that fails one request: its combine raises at once with the FFN's text; the
+    slot and the other requests are unharmed, and a long text is cut to what fits."""
+    lb = loopback(make_spec(backend, 1, 2, timeout_s=30.0))
+    att = lb.attention[0]
+    inputs = [routing(6, lb.spec, seed=s) for s in (1, 2)]
+    bad, good = att.dispatch(3, *inputs[0]), att.dispatch(4, *inputs[1])
+    for rank, endpoint in enumerate(lb.ffn):
+        forward = LocalMoE.for_rank(EXPERTS, lb.spec, rank)
+        for request in recv_all(endpoint, 2):
+            if request.layer == 3 and rank == 1:
+                endpoint.reply_error(request, "layer 3: KeyError: 'x'" + " pad" * 100_000)
+            else:
+                endpoint.reply(request, forward(request.x, request.topk_ids, request.topk_weights))
+    with pytest.raises(FFNServeError, match=r"^FFN rank 1: layer 3: KeyError: 'x' pad") as info:
+        att.combine(bad)
+    assert len(str(info.value)) < 400_000
+    assert torch.equal(att.combine(good), expected(lb.spec, *inputs[1]))
+    again = att.dispatch(5, *inputs[0])  # both slots are free again, and answers are answers
+    lb.serve(expect=1)
+    assert torch.equal(att.combine(again), expected(lb.spec, *inputs[0]))
 
 
 def test_tcp_ffn_survives_a_dead_attention_rank(loopback) -> None:
