@@ -30,7 +30,7 @@ def test_counters_cross_processes_and_writer_unlinks(ctx):
         assert sum(ffn.hist) == 3 and ffn.hist[-1] == 1  # 3 s is above every bound
         assert (attn.role, attn.rank) == (blocks.ROLE_ATTENTION, 1)
         assert attn.peers == [5.0, 5.0]
-        assert attn.scalars[:8] == [2.0, 10.0, 900.0, 400.0, pytest.approx(0.0201), 1, 2, 1]
+        assert attn.scalars[:9] == [2.0, 10.0, 900.0, 400.0, pytest.approx(0.0201), 1, 2, 0, 1]
         assert set(attn.layers) == {1, 5}
     finally:
         done.set()
