@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +38,9 @@ from vllm_afd import envs
 from vllm_afd.config import AFDConfig
 from vllm_afd.metrics import recorder
 from vllm_afd.metrics.blocks import AttentionStatsBlock
-from vllm_afd.microbatch import overlap_point
+from vllm_afd.microbatch import current_microbatch, overlap_point
 from vllm_afd.transport import AttentionTransport, TransportSpec, create_attention_transport
+from vllm_afd.transport.control import Mode, StepSchedule
 
 
 class AFDRoutedExperts(RoutedExperts):
@@ -132,6 +135,55 @@ class AFDRemoteExpertsMethod(FusedMoEMethodBase):
 _LOCK = threading.Lock()
 
 
+class _Steps:
+    """This attention rank's side of the control plane (``transport/control.py``): one
+    ``StepSchedule`` announced per forward step, before its first dispatch.
+
+    A step is one vLLM forward: every forward runs under a ``ForwardContext`` of its own, so
+    the first MoE layer that runs under a context not of the current step begins a new step of
+    one microbatch (its tokens: that layer's). A microbatched step is announced by the runner
+    patch that splits it (M4, ``announce_microbatched_step``) with each microbatch's tokens and
+    context. Outside any forward context (a test calling the op) every call is a step.
+    """
+
+    def __init__(self, endpoint: AttentionTransport) -> None:
+        self.endpoint = endpoint
+        #: The model's MoE layers; an empty list (a spec made by hand) announces nothing.
+        self.layers = endpoint.spec.moe_layers
+        self._contexts: tuple[weakref.ref, ...] = ()
+
+    def begin(self, microbatch_tokens: Sequence[int], contexts: Sequence[object]) -> None:
+        """Announce the next step: its microbatches' tokens, run under ``contexts``."""
+        self._contexts = tuple(weakref.ref(c) for c in contexts)
+        if not self.layers:
+            return
+        endpoint = self.endpoint
+        schedule = StepSchedule(endpoint.step + 1, tuple(microbatch_tokens), self.layers, _mode())
+        endpoint.begin_step(schedule)
+
+    def current(self, num_tokens: int) -> None:
+        """Before a dispatch: begin a step unless this forward's step is announced."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        context = get_forward_context() if is_forward_context_available() else None
+        if context is None or not any(ref() is context for ref in self._contexts):
+            self.begin((num_tokens,), () if context is None else (context,))
+
+
+def _mode() -> Mode:
+    """``Mode.CAPTURE`` while a CUDA graph is being captured, else ``Mode.RUN``."""
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return Mode.CAPTURE if capturing else Mode.RUN
+
+
+def announce_microbatched_step(microbatch_tokens: Sequence[int], contexts: Sequence) -> None:
+    """Runner hook (M4): the step about to run is split into these microbatches, each under
+    its own ``ForwardContext``. No-op in a process without an FFN group."""
+    session = _SESSION
+    if session is not None:
+        session.steps.begin(microbatch_tokens, contexts)
+
+
 @dataclass(frozen=True)
 class _Session:
     """This worker's connection to the running FFN group, with its place among the ranks."""
@@ -142,6 +194,7 @@ class _Session:
     tp_size: int
     #: This rank's /metrics block (None if it could not be created: metrics never break serving).
     stats: AttentionStatsBlock | None
+    steps: _Steps
 
 
 _SESSION: _Session | None = None
@@ -166,7 +219,8 @@ def connect() -> _Session:
         rank = get_dp_group().rank_in_group * tp.world_size + tp.rank_in_group
         endpoint = create_attention_transport(TransportSpec.from_json(key), rank)
         stats = recorder.endpoint_block(endpoint)
-        _SESSION = _Session(key, endpoint, tp.rank_in_group, tp.world_size, stats)
+        steps = _Steps(endpoint)
+        _SESSION = _Session(key, endpoint, tp.rank_in_group, tp.world_size, stats, steps)
         return _SESSION
 
 
@@ -181,6 +235,7 @@ def remote_experts_impl(
     session = _SESSION
     if session is None:
         raise RuntimeError("AFD: no FFN group connected in this process (connect() not called)")
+    session.steps.current(x.shape[0])
     if session.tp_size == 1:
         return _round_trip(session, layer, x, topk_ids, topk_weights)
     rows = torch.arange(session.tp_rank, x.shape[0], session.tp_size)
@@ -202,7 +257,7 @@ def _round_trip(
     combine is the FFN time the overlap did not hide."""
     endpoint = session.endpoint
     try:
-        handle = endpoint.dispatch(layer, x, topk_ids, topk_weights)
+        handle = endpoint.dispatch(layer, x, topk_ids, topk_weights, current_microbatch() or 0)
         overlap_point()  # ping-pong microbatches: the next one runs while the FFN group works
         start = time.perf_counter()
         out = endpoint.combine(handle)

@@ -26,6 +26,8 @@ PATH = {
     "microbatch.py",
     "transport/p2p.py",
     "transport/shm.py",
+    "transport/base.py",  # begin_step: the step's schedule, announced once per step
+    "transport/control.py",  # ... and checked by the FFN rank
     "ffn/executor.py",
     "patches/cpu_comm.py",  # S2: vLLM's CPU kernel honours the expert map (F > 1 only)
     "metrics/blocks.py",

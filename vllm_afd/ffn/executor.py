@@ -44,6 +44,7 @@ from vllm_afd import envs
 from vllm_afd.ffn.weights import expert_bytes, load_routed_experts
 from vllm_afd.metrics.blocks import FFNStatsBlock
 from vllm_afd.transport import FFNRequest, FFNTransport, TransportSpec, create_ffn_transport
+from vllm_afd.transport.control import ScheduleChecker, Tag
 
 logger = logging.getLogger("vllm.afd")
 
@@ -166,6 +167,8 @@ class FFNExecutor:
         self.layers = sorted(layers)  # the model's own numbers of the MoE layers served here
         self.param_bytes = expert_bytes(layers)
         self.kernel = ExpertKernel(layers, device)
+        self.checker = ScheduleChecker(rank, layers)
+        self._announcing: set[int] = set()  # attention ranks seen announcing (logged once)
         logger.info(
             "AFD FFN rank %d: experts %d-%d of %d MoE layers, %.1f MiB, built in %.2f s",
             rank,
@@ -192,10 +195,32 @@ class FFNExecutor:
         requests = self.transport.recv(timeout_s)
         by_layer: dict[int, list[FFNRequest]] = defaultdict(list)
         for request in requests:
-            by_layer[request.layer].append(request)
+            if self._check(request):
+                by_layer[request.layer].append(request)
         for layer, group in by_layer.items():
             self._serve_layer(layer, group)
         return len(requests)
+
+    def _check(self, request: FFNRequest) -> bool:
+        """Check the request's tag against its sender's schedule (``control.py``); a request
+        that disagrees is failed on its attention rank with the reason."""
+        tag = Tag(request.step, request.layer, request.microbatch)
+        why = self.checker.check(request.src_rank, tag, request.x.shape[0], request.schedule)
+        if why is None:
+            if request.schedule is not None and request.src_rank not in self._announcing:
+                self._announcing.add(request.src_rank)
+                logger.info(
+                    "AFD FFN rank %d: attention rank %d announces its steps (first: %s)",
+                    self.rank,
+                    request.src_rank,
+                    request.schedule,
+                )
+            return True
+        logger.error("AFD: %s", why)
+        if self.stats.shared is not None:
+            self.stats.shared.record_failure(1)
+        self.transport.reply_error(request, why)
+        return False
 
     def _serve_layer(self, layer: int, group: list[FFNRequest]) -> None:
         """Serve one layer's requests together; if that raises, fail each of them on its

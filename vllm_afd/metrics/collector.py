@@ -154,7 +154,8 @@ class AFDCollector:
             ),
             "errors": CounterMetricFamily(
                 "vllm_afd_transport_errors",
-                "Failed combines on the attention rank, by kind (timeout, ffn_dead, ffn_error, other).",
+                "Failed combines on the attention rank, by kind "
+                "(timeout, ffn_dead, ffn_error, other).",
                 labels=["attention_rank", "kind"],
             ),
             "exposed": HistogramMetricFamily(

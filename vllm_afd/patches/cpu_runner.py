@@ -5,9 +5,10 @@ vLLM cuts a decode step into k microbatches with its own machinery once ``ubatch
 ``split_attn_metadata``, one attention metadata and slot mapping per microbatch. M4 then runs
 the stock ``_model_forward`` once per token slice, each on a ``vllm_afd.microbatch.PingPong``
 thread with its own ``ForwardContext`` (written into vLLM's global at every hand-off, M5), and
-concatenates the outputs. M3 keeps dummy runs whole. M6 lets a server's engine core
-re-validate the config M1 changed, and M7 gives each microbatch its own shared-expert output
-slot. The scheme itself, and which steps are split, is described
+concatenates the outputs; first it announces the step's microbatches to the FFN ranks
+(``remote_experts.announce_microbatched_step``, the control plane). M3 keeps dummy runs whole.
+M6 lets a server's engine core re-validate the config M1 changed, and M7 gives each microbatch
+its own shared-expert output slot. The scheme itself, and which steps are split, is described
 in vllm_afd/microbatch.py.
 """
 
@@ -128,6 +129,8 @@ def _forward_microbatches(runner, original, parent, arguments: dict) -> Any:
     import torch
     from vllm.forward_context import override_forward_context
 
+    from vllm_afd.remote_experts import announce_microbatched_step
+
     inputs = {name: arguments.get(name) for name in MODEL_INPUTS}
     if arguments.get("model_kwargs"):
         raise RuntimeError(f"AFD microbatching: cannot split model kwargs {arguments}")
@@ -138,6 +141,7 @@ def _forward_microbatches(runner, original, parent, arguments: dict) -> Any:
         for s in slices
     ]
     contexts = [_slice_context(runner, parent, i, s) for i, s in enumerate(slices)]
+    announce_microbatched_step([s.num_tokens for s in slices], contexts)
     resume = [functools.partial(_set_forward_context, c) for c in contexts]
     with override_forward_context(None):
         outputs = _pingpong(runner, len(slices)).run(jobs, resume)

@@ -15,6 +15,7 @@ from vllm_afd.transport.base import (
     FFNRequest,
     FFNServeError,
     FFNTransport,
+    ProtocolError,
     TransportError,
     TransportSpec,
 )
@@ -109,6 +110,7 @@ __all__ = [
     "FFNRequest",
     "FFNServeError",
     "FFNTransport",
+    "ProtocolError",
     "TransportError",
     "TransportSpec",
     "available_transports",

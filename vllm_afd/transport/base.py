@@ -47,6 +47,8 @@ from typing import Generic, TypeVar
 
 import torch
 
+from vllm_afd.transport.control import StepSchedule
+
 
 class TransportError(RuntimeError):
     """An FFN rank did not answer: it died, or it did not answer within the timeout."""
@@ -55,6 +57,11 @@ class TransportError(RuntimeError):
 class FFNServeError(TransportError):
     """An FFN rank answered a request with an error: serving it raised there. The message
     names the FFN rank and carries its error text."""
+
+
+class ProtocolError(TransportError):
+    """A message whose tag disagrees with its sender's schedule, or an answer whose tag is not
+    its request's (``control.py``). The message names both sides."""
 
 
 def expert_range(num_experts: int, num_ffn_ranks: int, ffn_rank: int) -> range:
@@ -150,6 +157,9 @@ class DispatchHandle(Generic[StateT]):
     #: after ``combine`` took it (a handle is combined only once), and for a point-to-point
     #: dispatch that sent nothing.
     state: StateT | None = None
+    #: The step (``AttentionTransport.step``) and microbatch the dispatch belongs to.
+    step: int = 0
+    microbatch: int = 0
 
 
 @dataclass
@@ -167,6 +177,9 @@ class FFNRequest:
             when the backend has no such buffer (tcp sends ``out`` itself). An FFN rank may
             compute its answer straight into it and pass it to ``reply``, which then only
             publishes it (shm: one copy less per request). Valid until ``reply``.
+        step, microbatch: the rest of the request's tag (``control.Tag``), as sent.
+        schedule: the last ``StepSchedule`` its attention rank announced when it arrived, or
+            ``None`` if that rank never announced one (``control.ScheduleChecker``).
     """
 
     src_rank: int
@@ -176,6 +189,9 @@ class FFNRequest:
     topk_weights: torch.Tensor
     tag: object = None
     reply_buffer: torch.Tensor | None = None
+    step: int = 0
+    microbatch: int = 0
+    schedule: StepSchedule | None = None
 
 
 class AttentionTransport(abc.ABC):
@@ -184,18 +200,39 @@ class AttentionTransport(abc.ABC):
     def __init__(self, spec: TransportSpec, rank: int) -> None:
         self.spec = spec
         self.rank = rank
+        #: The step announced last (``begin_step``); 0 before the first.
+        self.step = 0
+
+    def begin_step(self, schedule: StepSchedule) -> None:
+        """Announce a forward step to every FFN rank, before its first ``dispatch``
+        (``control.py``). ``schedule.step`` must be larger than the last one."""
+        if schedule.step <= self.step:
+            raise ValueError(f"step {schedule.step} announced after step {self.step}")
+        self._announce(schedule)
+        self.step = schedule.step
+
+    def _announce(self, schedule: StepSchedule) -> None:  # noqa: B027 - optional hook
+        """Send ``schedule`` to every FFN rank (backends whose FFN side checks it)."""
 
     @abc.abstractmethod
     def dispatch(
-        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        microbatch: int = 0,
     ) -> DispatchHandle:
         """Send tokens to the FFN ranks owning their experts; returns without waiting.
 
+        The requests are tagged (``self.step``, ``layer``, ``microbatch``).
+
         Args:
-            layer: MoE layer index.
+            layer: MoE layer index (the model's layer number).
             x: ``[T, H]`` hidden states, ``spec.dtype``, contiguous, ``T <= spec.max_tokens``.
             topk_ids: ``[T, K]`` integer global expert ids.
             topk_weights: ``[T, K]`` float32 routing weights (already normalised by the router).
+            microbatch: the microbatch of the step the tokens belong to.
         Returns:
             A handle for ``combine``. At most ``spec.num_slots`` handles may be outstanding.
         """

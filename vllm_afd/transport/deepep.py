@@ -151,9 +151,16 @@ class DeepEPAttentionTransport(AttentionTransport):
         )
 
     def dispatch(
-        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        microbatch: int = 0,
     ) -> DispatchHandle:
-        """``x``: ``[T, H]`` bfloat16 CUDA; issues the sends and returns (receive on combine)."""
+        """``x``: ``[T, H]`` bfloat16 CUDA; issues the sends and returns (receive on combine).
+        The tag does not travel: DeepEP's low-latency kernels carry no metadata (the GPU
+        issue redesigns this backend around the control plane)."""
         topk_idx = self._experts.to_virtual(topk_ids)
         _, _, ll_handle, _, hook = self._buffer.low_latency_dispatch(
             x,
@@ -164,7 +171,9 @@ class DeepEPAttentionTransport(AttentionTransport):
             return_recv_hook=True,
         )
         state = DeepEPState(ll_handle, hook, topk_idx, topk_weights.float())
-        return DispatchHandle(layer, x.shape[0], x.shape[1], x.dtype, {}, state)
+        return DispatchHandle(
+            layer, x.shape[0], x.shape[1], x.dtype, {}, state, self.step, microbatch
+        )
 
     def combine(self, handle: DispatchHandle) -> torch.Tensor:
         """``[T, H]`` bfloat16: DeepEP reduces the FFN ranks' outputs with the weights here.

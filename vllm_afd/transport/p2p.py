@@ -5,9 +5,11 @@ splits the batch by FFN rank, takes a free slot, and sends each FFN rank its row
 takes the handle's slot back, waits for every FFN rank's answer until one deadline, sums the
 answers into the original order and frees the slot. A backend supplies only the wire:
 
-* ``_send(ffn_rank, slot, layer, x, topk_ids, topk_weights, rows, deadline) -> seq`` puts one
+* ``_announce_to(ffn_rank, schedule)`` puts a step's schedule on the wire (``control.py``);
+* ``_send(ffn_rank, slot, tag, x, topk_ids, topk_weights, rows, deadline) -> seq`` puts one
   request on the wire and returns its sequence number;
-* ``_wait(ffn_rank, slot, seq, deadline, awaited) -> [N, H]`` returns the answer to ``seq``;
+* ``_wait(ffn_rank, slot, seq, tag, deadline, awaited) -> [N, H]`` returns the answer to
+  ``seq``, after checking that it carries ``tag`` (``control.check_answer``);
 * optionally ``_begin_dispatch()``, run once per dispatch before the first send.
 
 Two pure functions define the protocol's arithmetic:
@@ -46,6 +48,7 @@ import torch
 
 from vllm_afd import envs
 from vllm_afd.transport.base import AttentionTransport, DispatchHandle, TransportSpec
+from vllm_afd.transport.control import StepSchedule, Tag
 
 #: Cached row counts per ``ViewCache`` before the cache is dropped and rebuilt (bounds memory).
 _MAX_CACHED_VIEWS = 1024
@@ -204,10 +207,12 @@ class P2PState:
     Attributes:
         slot: the slot the dispatch holds on every FFN rank it sent to, until ``combine``.
         seqs: ``{ffn_rank: sequence number}`` of the requests sent, in ascending rank order.
+        tag: the requests' tag, which the answers must carry.
     """
 
     slot: int
     seqs: dict[int, int]
+    tag: Tag
 
 
 def _check_dispatch_args(spec: TransportSpec, x: torch.Tensor, topk_ids: torch.Tensor) -> int:
@@ -254,16 +259,28 @@ class PointToPointAttentionTransport(AttentionTransport):
         self._free = list(range(spec.num_slots - 1, -1, -1))
         self._rows = RowViews(torch.arange(spec.max_tokens))
 
+    def _announce(self, schedule: StepSchedule) -> None:
+        for ffn_rank in range(self.spec.num_ffn_ranks):
+            self._announce_to(ffn_rank, schedule)
+
     def dispatch(
-        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        microbatch: int = 0,
     ) -> DispatchHandle:
         """See ``AttentionTransport.dispatch``. Returns once every request is handed to the wire
         (``x`` may be reused at once); a failed send frees the slot and raises."""
         spec = self.spec
         num_tokens = _check_dispatch_args(spec, x, topk_ids)
         split = split_by_ffn_rank(spec, topk_ids, self._rows[num_tokens])
+        step = self.step
         if not split:
-            return DispatchHandle(layer, num_tokens, spec.hidden_size, spec.dtype, split)
+            return DispatchHandle(
+                layer, num_tokens, spec.hidden_size, spec.dtype, split, None, step, microbatch
+            )
         free = self._free
         if not free:
             raise RuntimeError(
@@ -271,20 +288,21 @@ class PointToPointAttentionTransport(AttentionTransport):
                 "combine one before dispatching again"
             )
         slot = free.pop()
+        tag = Tag(step, layer, microbatch)
         try:
             self._begin_dispatch()
             deadline = time.perf_counter() + spec.timeout_s
             seqs = {
-                ffn_rank: self._send(
-                    ffn_rank, slot, layer, x, topk_ids, topk_weights, rows, deadline
-                )
+                ffn_rank: self._send(ffn_rank, slot, tag, x, topk_ids, topk_weights, rows, deadline)
                 for ffn_rank, rows in split.items()
             }
         except BaseException:
             free.append(slot)
             raise
-        state = P2PState(slot, seqs)
-        return DispatchHandle(layer, num_tokens, spec.hidden_size, spec.dtype, split, state)
+        state = P2PState(slot, seqs, tag)
+        return DispatchHandle(
+            layer, num_tokens, spec.hidden_size, spec.dtype, split, state, step, microbatch
+        )
 
     def combine(self, handle: DispatchHandle) -> torch.Tensor:
         """See ``AttentionTransport.combine``: ``[T, H]`` ``spec.dtype``, original order.
@@ -299,11 +317,11 @@ class PointToPointAttentionTransport(AttentionTransport):
         if state is None:
             raise ValueError(f"handle of layer {handle.layer} was already combined")
         handle.state = None
-        slot, seqs = state.slot, state.seqs
+        slot, seqs, tag = state.slot, state.seqs, state.tag
         deadline = time.perf_counter() + self.spec.timeout_s
         try:
             partials = {
-                ffn_rank: self._wait(ffn_rank, slot, seq, deadline, seqs)
+                ffn_rank: self._wait(ffn_rank, slot, seq, tag, deadline, seqs)
                 for ffn_rank, seq in seqs.items()
             }
             return combine_partials(handle, partials)
@@ -314,11 +332,16 @@ class PointToPointAttentionTransport(AttentionTransport):
         """Runs once per dispatch that sends anything, before the first ``_send``."""
 
     @abc.abstractmethod
+    def _announce_to(self, ffn_rank: int, schedule: StepSchedule) -> None:
+        """Put ``schedule`` on the wire to FFN rank ``ffn_rank``, ahead of the step's requests
+        (the FFN side attaches it to the requests that follow: ``FFNRequest.schedule``)."""
+
+    @abc.abstractmethod
     def _send(
         self,
         ffn_rank: int,
         slot: int,
-        layer: int,
+        tag: Tag,
         x: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
@@ -328,6 +351,7 @@ class PointToPointAttentionTransport(AttentionTransport):
         """Send FFN rank ``ffn_rank`` the rows ``rows`` of the batch in slot ``slot``.
 
         Args:
+            tag: the request's (step, layer, microbatch).
             x, topk_ids, topk_weights: the whole batch as ``dispatch`` got it (``topk_ids`` of
                 any integer dtype, converted to int32 on the way).
             rows: ``[N]`` int64 row indices, ascending; ``N == T`` means every row.
@@ -339,11 +363,18 @@ class PointToPointAttentionTransport(AttentionTransport):
 
     @abc.abstractmethod
     def _wait(
-        self, ffn_rank: int, slot: int, seq: int, deadline: float, awaited: Collection[int]
+        self,
+        ffn_rank: int,
+        slot: int,
+        seq: int,
+        tag: Tag,
+        deadline: float,
+        awaited: Collection[int],
     ) -> torch.Tensor:
         """Wait for FFN rank ``ffn_rank``'s answer to request ``seq`` in slot ``slot``.
 
         Args:
+            tag: the request's tag; an answer carrying another raises ``ProtocolError``.
             deadline: ``time.perf_counter()`` value; past it, raise ``TransportError``.
             awaited: every FFN rank this combine waits for; a backend that checks liveness
                 checks them all, so that any dead one fails the wait.

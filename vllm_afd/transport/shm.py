@@ -6,10 +6,14 @@ number on every FFN rank it sends to, so microbatches never share buffers::
 
     header            int64 words: magic, version, creator pid, state, pid-namespace inode, the
                       CPU the FFN rank last ran on, the layout parameters (checked by attachers),
-                      and per attention rank the CPU it last dispatched from (page-aligned)
+                      per attention rank the CPU it last dispatched from, then per attention
+                      rank its last announced step schedule (``control.StepSchedule.words``,
+                      step word written last; page-aligned)
     slot (a, s)       page-aligned, for attention rank a, slot s:
-      line 0          request header  (written by attention): seq, layer, num_tokens
-      line 1          response header (written by FFN):       seq, num_tokens, error bytes
+      line 0          request header  (written by attention): seq, layer, num_tokens, step,
+                      microbatch
+      line 1          response header (written by FFN):       seq, num_tokens, error bytes, step,
+                      layer, microbatch
       x               [max_tokens, H]  spec.dtype
       topk_ids        [max_tokens, K]  int32
       topk_weights    [max_tokens, K]  float32
@@ -87,9 +91,11 @@ from vllm_afd.transport.base import (
     FFNRequest,
     FFNServeError,
     FFNTransport,
+    ProtocolError,
     TransportError,
     TransportSpec,
 )
+from vllm_afd.transport.control import StepSchedule, Tag, answer_mismatch, schedule_words
 from vllm_afd.transport.p2p import (
     Backoff,
     PointToPointAttentionTransport,
@@ -109,11 +115,12 @@ _STATE_OPEN, _STATE_CLOSED = 1, 2
 
 # Global header words.
 _G_MAGIC, _G_VERSION, _G_PID, _G_STATE, _G_PIDNS, _G_FFN_CPU = range(6)
-_G_LAYOUT = 8  # 6 words: attention ranks, slots, max_tokens, hidden, top_k, itemsize
+_G_LAYOUT = 8  # 7 words: attention ranks, slots, max_tokens, hidden, top_k, itemsize, schedule
 _G_ATTN_CPU = 16  # one word per attention rank: CPU it last dispatched from
 # Slot header words, relative to the slot start.
-_REQ_SEQ, _REQ_LAYER, _REQ_NTOK = 0, 1, 2
-_RESP_SEQ, _RESP_NTOK, _RESP_ERR = _LINE // 8, _LINE // 8 + 1, _LINE // 8 + 2
+_REQ_SEQ, _REQ_LAYER, _REQ_NTOK, _REQ_STEP, _REQ_MB = range(5)
+_RESP = _LINE // 8
+_RESP_SEQ, _RESP_NTOK, _RESP_ERR, _RESP_STEP, _RESP_LAYER, _RESP_MB = range(_RESP, _RESP + 6)
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
@@ -146,6 +153,8 @@ class _Layout:
     hidden: int
     top_k: int
     dtype: torch.dtype
+    #: int64 words of one encoded step schedule (``control.schedule_words``).
+    schedule_words: int
 
     @classmethod
     def of(cls, spec: TransportSpec) -> _Layout:
@@ -156,6 +165,7 @@ class _Layout:
             spec.hidden_size,
             spec.top_k,
             spec.dtype,
+            schedule_words(spec.moe_layers),
         )
 
     @property
@@ -168,7 +178,12 @@ class _Layout:
             self.hidden,
             self.top_k,
             self.dtype.itemsize,
+            self.schedule_words,
         )
+
+    def schedule_word(self, attention_rank: int) -> int:
+        """First header word of attention rank ``attention_rank``'s step schedule."""
+        return _G_ATTN_CPU + self.num_attention_ranks + attention_rank * self.schedule_words
 
     @property
     def x_bytes(self) -> int:
@@ -184,7 +199,7 @@ class _Layout:
 
     @property
     def header_bytes(self) -> int:
-        return _align(8 * (_G_ATTN_CPU + self.num_attention_ranks), _PAGE)
+        return _align(8 * self.schedule_word(self.num_attention_ranks), _PAGE)
 
     @property
     def total_bytes(self) -> int:
@@ -205,9 +220,14 @@ class _Slot:
         "req_seq",
         "req_layer",
         "req_ntok",
+        "req_step",
+        "req_mb",
         "resp_seq",
         "resp_ntok",
         "resp_err",
+        "resp_step",
+        "resp_layer",
+        "resp_mb",
         "views",
         "error_text",
     )
@@ -219,8 +239,14 @@ class _Slot:
             word + _REQ_LAYER,
             word + _REQ_NTOK,
         )
+        self.req_step, self.req_mb = word + _REQ_STEP, word + _REQ_MB
         self.resp_seq, self.resp_ntok = word + _RESP_SEQ, word + _RESP_NTOK
         self.resp_err = word + _RESP_ERR
+        self.resp_step, self.resp_layer, self.resp_mb = (
+            word + _RESP_STEP,
+            word + _RESP_LAYER,
+            word + _RESP_MB,
+        )
         rows, hidden, top_k = layout.max_tokens, layout.hidden, layout.top_k
         at = offset + 2 * _LINE
 
@@ -330,7 +356,7 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
     def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
         _warn_if_not_tso()
         super().__init__(spec, rank, wait)
-        layout = _Layout.of(spec)
+        self._layout = layout = _Layout.of(spec)
         self._segments = [self._attach(f, name, layout) for f, name in enumerate(spec.addresses)]
         self._slots = [[seg.slot(rank, s) for s in range(spec.num_slots)] for seg in self._segments]
         self._words = [seg.words for seg in self._segments]
@@ -351,7 +377,8 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
         if words[_G_MAGIC] != _MAGIC or words[_G_VERSION] != _VERSION or found != layout.params:
             raise ValueError(
                 f"FFN rank {ffn_rank}: segment {name!r} has layout {found}, expected "
-                f"{layout.params} (attention ranks, slots, max_tokens, hidden, top_k, itemsize)"
+                f"{layout.params} (attention ranks, slots, max_tokens, hidden, top_k, itemsize, "
+                "schedule words)"
             )
         return segment
 
@@ -373,11 +400,19 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
         """Record the CPU this dispatch runs on (FFN ranks on it skip their spin stage)."""
         self._cpu = current_cpu()
 
+    def _announce_to(self, ffn_rank: int, schedule: StepSchedule) -> None:
+        """Write ``schedule`` into this rank's schedule words, the step word last."""
+        words = self._words[ffn_rank]
+        base = self._layout.schedule_word(self.rank)
+        encoded = schedule.words(self._layout.schedule_words)
+        for i in range(len(encoded) - 1, -1, -1):  # word 0, the step, last (x86-64 TSO)
+            words[base + i] = encoded[i]
+
     def _send(
         self,
         ffn_rank: int,
         slot: int,
-        layer: int,
+        tag: Tag,
         x: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
@@ -402,13 +437,21 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
         self._seq[ffn_rank] = seq
         words = self._words[ffn_rank]
         words[_G_ATTN_CPU + self.rank] = self._cpu
-        words[buffers.req_layer] = layer
+        words[buffers.req_layer] = tag.layer
         words[buffers.req_ntok] = n
+        words[buffers.req_step] = tag.step
+        words[buffers.req_mb] = tag.microbatch
         words[buffers.req_seq] = seq  # publish last (x86-64 TSO)
         return seq
 
     def _wait(
-        self, ffn_rank: int, slot: int, seq: int, deadline: float, awaited: Collection[int]
+        self,
+        ffn_rank: int,
+        slot: int,
+        seq: int,
+        tag: Tag,
+        deadline: float,
+        awaited: Collection[int],
     ) -> torch.Tensor:
         """Wait until FFN rank ``ffn_rank`` answered ``seq`` in ``slot``; return ``[N, H]``
         (a view of the response buffer, valid until the slot is reused). Meanwhile checks the
@@ -434,6 +477,9 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
         if error:
             text = bytes(buffers.error_text[:error]).decode(errors="replace")
             raise FFNServeError(f"FFN rank {ffn_rank}: {text}")
+        answer = (words[buffers.resp_step], words[buffers.resp_layer], words[buffers.resp_mb])
+        if answer != (tag.step, tag.layer, tag.microbatch):
+            raise ProtocolError(answer_mismatch(ffn_rank, tag, Tag(*answer)))
         return buffers.views[words[buffers.resp_ntok]][3]
 
     def _check_alive(self, ffn_rank: int) -> None:
@@ -464,7 +510,7 @@ class ShmFFNTransport(FFNTransport):
         requested = spec.addresses[rank] if rank < len(spec.addresses) else ""
         prefix = requested or DEFAULT_PREFIX
         reap_stale_segments(prefix)
-        layout = _Layout.of(spec)
+        self._layout = layout = _Layout.of(spec)
         name = f"{prefix}{os.getpid()}_f{rank}_{secrets.token_hex(4)}"
         self._segment = _Segment.create(name, layout)
         self._finalizer = weakref.finalize(self, _unlink_if_creator, name, os.getpid())
@@ -476,6 +522,8 @@ class ShmFFNTransport(FFNTransport):
             for s in range(spec.num_slots)
         ]
         self._seen = [0] * len(self._slots)
+        #: Per attention rank: the step schedule last read from its schedule words.
+        self._schedules: list[StepSchedule | None] = [None] * spec.num_attention_ranks
         self._backoff = Backoff(wait or WaitPolicy())
         self._idle = False
         self._cpu = -1
@@ -532,11 +580,37 @@ class ShmFFNTransport(FFNTransport):
                 continue
             self._seen[i] = seq
             x, ids, weights, out = slot.views[words[slot.req_ntok]]
-            layer = words[slot.req_layer]
-            requests.append(FFNRequest(attention_rank, layer, x, ids, weights, (i, seq), out))
+            step = words[slot.req_step]
+            requests.append(
+                FFNRequest(
+                    attention_rank,
+                    words[slot.req_layer],
+                    x,
+                    ids,
+                    weights,
+                    (i, seq),
+                    out,
+                    step,
+                    words[slot.req_mb],
+                    self._schedule(attention_rank, step),
+                )
+            )
         if len(requests) > 1:
             requests.sort(key=lambda r: (r.src_rank, r.tag[1]))
         return requests
+
+    def _schedule(self, attention_rank: int, step: int) -> StepSchedule | None:
+        """The last schedule ``attention_rank`` announced (read again when a request names
+        another step than the one held); ``None`` if it never announced one."""
+        held = self._schedules[attention_rank]
+        if held is not None and held.step == step:
+            return held
+        base = self._layout.schedule_word(attention_rank)
+        encoded = self._words[base : base + self._layout.schedule_words].tolist()
+        if encoded[0] == 0:
+            return None
+        held = self._schedules[attention_rank] = StepSchedule.from_words(encoded)
+        return held
 
     def reply(self, request: FFNRequest, out: torch.Tensor) -> None:
         """See ``FFNTransport.reply``; ``out``: ``[N, H]``, converted to ``spec.dtype``, or
@@ -552,7 +626,7 @@ class ShmFFNTransport(FFNTransport):
             return  # superseded: the attention rank gave up on it and reused the slot
         if out is not buffer:
             buffer.copy_(out)
-        self._publish(slot, seq, buffer.shape[0], 0)
+        self._publish(request, slot, seq, buffer.shape[0], 0)
 
     def reply_error(self, request: FFNRequest, message: str) -> None:
         """See ``FFNTransport.reply_error``: the text goes into the slot's response area
@@ -563,13 +637,19 @@ class ShmFFNTransport(FFNTransport):
             return  # superseded, as in ``reply``
         text = message.encode()[: len(slot.error_text)] or b"?"
         slot.error_text[: len(text)] = text
-        self._publish(slot, seq, 0, len(text))
+        self._publish(request, slot, seq, 0, len(text))
 
-    def _publish(self, slot: _Slot, seq: int, num_tokens: int, error_bytes: int) -> None:
+    def _publish(
+        self, request: FFNRequest, slot: _Slot, seq: int, num_tokens: int, error_bytes: int
+    ) -> None:
+        """Write the response header (the request's tag, the answer's size) and publish it."""
         words = self._words
         words[_G_FFN_CPU] = self._cpu
         words[slot.resp_ntok] = num_tokens
         words[slot.resp_err] = error_bytes
+        words[slot.resp_step] = request.step
+        words[slot.resp_layer] = request.layer
+        words[slot.resp_mb] = request.microbatch
         words[slot.resp_seq] = seq  # publish last (x86-64 TSO)
 
     def close(self) -> None:

@@ -8,14 +8,19 @@ carrying its rank and the layout fields of its spec; an FFN rank that disagrees 
 REJECT frame (its reason as text) and closes.
 
 Framing. Every frame is a fixed little-endian header ``(magic u32, kind u16, slot u16, layer i32,
-num_tokens i32, seq i64)`` followed by raw bytes:
+num_tokens i32, seq i64, step i64, microbatch u16)`` followed by raw bytes:
 
-    HELLO     _HELLO struct (8 x int64)
+    HELLO     _HELLO struct (9 x int64)
+    SCHEDULE  the attention rank's next step (``control.StepSchedule.words``), ``num_tokens``
+              bytes; ``step`` is the step
     REQUEST   x [n, H] spec.dtype | topk_ids [n, K] int32 | topk_weights [n, K] float32
     RESPONSE  out [n, H] spec.dtype
     REJECT    reason, utf-8, ``num_tokens`` bytes
     ERROR     serving the request ``seq`` in ``slot`` failed: the FFN rank's error text, utf-8,
               ``num_tokens`` bytes (at most ``MAX_TEXT_BYTES``)
+
+A REQUEST carries its tag (``step``, ``layer``, ``microbatch``; ``control.Tag``) and its
+RESPONSE or ERROR the same tag back.
 
 Sockets are non-blocking with TCP_NODELAY. Receivers read straight into preallocated tensors
 (``recv_into`` on byte views of their storage; a frame may arrive in any number of pieces);
@@ -53,9 +58,11 @@ from vllm_afd.transport.base import (
     FFNRequest,
     FFNServeError,
     FFNTransport,
+    ProtocolError,
     TransportError,
     TransportSpec,
 )
+from vllm_afd.transport.control import StepSchedule, Tag, answer_mismatch, schedule_words
 from vllm_afd.transport.p2p import (
     Backoff,
     PointToPointAttentionTransport,
@@ -65,14 +72,23 @@ from vllm_afd.transport.p2p import (
 
 DEFAULT_HOST = "127.0.0.1"
 
-_HEADER = struct.Struct("<IHHiiq")  # magic, kind, slot, layer, num_tokens, seq
-_HELLO = struct.Struct("<8q")  # version, rank, A, slots, max_tokens, hidden, top_k, itemsize
+# magic, kind, slot, layer, num_tokens, seq, step, microbatch
+_HEADER = struct.Struct("<IHHiiqqH6x")
+# version, rank, A, slots, max_tokens, hidden, top_k, itemsize, schedule words
+_HELLO = struct.Struct("<9q")
 _MAGIC = 0x41464454  # "AFDT"
-_VERSION = 1
-_HELLO_KIND, _REQUEST, _RESPONSE, _REJECT, _ERROR = 1, 2, 3, 4, 5
+_VERSION = 2
+_HELLO_KIND, _REQUEST, _RESPONSE, _REJECT, _ERROR, _SCHEDULE = 1, 2, 3, 4, 5, 6
 #: Longest REJECT or ERROR text a peer accepts.
 MAX_TEXT_BYTES = 16384
 _CONNECT_TIMEOUT_S = 10.0
+
+
+def _header(
+    kind: int, slot: int, layer: int, size: int, seq: int, step: int = 0, microbatch: int = 0
+) -> memoryview:
+    """A frame header (``size``: tokens of a REQUEST or RESPONSE, bytes of other bodies)."""
+    return memoryview(_HEADER.pack(_MAGIC, kind, slot, layer, size, seq, step, microbatch))
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -90,6 +106,7 @@ def _hello_fields(spec: TransportSpec, rank: int) -> tuple[int, ...]:
         spec.hidden_size,
         spec.top_k,
         spec.dtype.itemsize,
+        schedule_words(spec.moe_layers),
     )
 
 
@@ -214,6 +231,8 @@ class _FFNPeer:
         #: Per slot: the FFN rank's error text when the answer to ``answered[slot]`` is an
         #: ERROR frame, else None.
         self.failed: list[str | None] = [None] * num_slots
+        #: Per slot: the tag (step, layer, microbatch) of the last answer.
+        self.answer_tags: list[tuple[int, int, int]] = [(0, 0, 0)] * num_slots
         self.seq = 0
         self.error: str | None = None
         self._text = bytearray()
@@ -228,7 +247,7 @@ class _FFNPeer:
         return buffers
 
     def _targets(self, header: tuple) -> list[memoryview]:
-        _, kind, slot, _, n, _ = header
+        _, kind, slot, _, n, _, _, _ = header
         if kind in (_REJECT, _ERROR) and 0 <= n <= MAX_TEXT_BYTES and slot < len(self.out):
             self._text = bytearray(n)
             return [memoryview(self._text)]
@@ -237,7 +256,7 @@ class _FFNPeer:
         return [self.out[slot].wire(n)]
 
     def _on_frame(self, header: tuple) -> None:
-        _, kind, slot, _, n, seq = header
+        _, kind, slot, layer, n, seq, step, microbatch = header
         if kind == _REJECT:
             reason = self._text.decode(errors="replace")
             raise ConnectionError(f"rejected this attention rank: {reason}")
@@ -246,6 +265,7 @@ class _FFNPeer:
             n = 0
         else:
             self.failed[slot] = None
+        self.answer_tags[slot] = (step, layer, microbatch)
         self.answered[slot], self.answer_rows[slot] = seq, n
 
     def read(self) -> None:
@@ -267,13 +287,14 @@ class TcpAttentionTransport(PointToPointAttentionTransport):
     def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
         super().__init__(spec, rank, wait)
         self._selector = selectors.DefaultSelector()
+        self._schedule_words = schedule_words(spec.moe_layers)
         self._peers = [self._connect(f, address) for f, address in enumerate(spec.addresses)]
 
     def _connect(self, ffn_rank: int, address: str) -> _FFNPeer:
         try:
             sock = socket.create_connection(parse_address(address), timeout=_CONNECT_TIMEOUT_S)
             hello = _HELLO.pack(*_hello_fields(self.spec, self.rank))
-            sock.sendall(_HEADER.pack(_MAGIC, _HELLO_KIND, 0, 0, len(hello), 0) + hello)
+            sock.sendall(bytes(_header(_HELLO_KIND, 0, 0, len(hello), 0)) + hello)
         except OSError as exc:
             msg = f"FFN rank {ffn_rank}: cannot connect to {address}: {exc}"
             raise TransportError(msg) from None
@@ -281,11 +302,18 @@ class TcpAttentionTransport(PointToPointAttentionTransport):
         self._selector.register(sock, selectors.EVENT_READ, peer)
         return peer
 
+    def _announce_to(self, ffn_rank: int, schedule: StepSchedule) -> None:
+        """A SCHEDULE frame, ahead of the step's requests on the same connection."""
+        body = struct.pack(f"<{self._schedule_words}q", *schedule.words(self._schedule_words))
+        header = _header(_SCHEDULE, 0, 0, len(body), 0, schedule.step)
+        deadline = time.perf_counter() + self.spec.timeout_s
+        self._send_frame(self._peers[ffn_rank], [header, memoryview(body)], deadline)
+
     def _send(
         self,
         ffn_rank: int,
         slot: int,
-        layer: int,
+        tag: Tag,
         x: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
@@ -296,8 +324,9 @@ class TcpAttentionTransport(PointToPointAttentionTransport):
         peer = self._peers[ffn_rank]
         parts = self._payload(peer, slot, x, topk_ids, topk_weights, rows)
         peer.seq += 1
-        header = _HEADER.pack(_MAGIC, _REQUEST, slot, layer, rows.shape[0], peer.seq)
-        self._send_frame(peer, [memoryview(header), *parts], deadline)
+        n = rows.shape[0]
+        header = _header(_REQUEST, slot, tag.layer, n, peer.seq, tag.step, tag.microbatch)
+        self._send_frame(peer, [header, *parts], deadline)
         return peer.seq
 
     def _payload(
@@ -357,7 +386,13 @@ class TcpAttentionTransport(PointToPointAttentionTransport):
                 key.data.read()
 
     def _wait(
-        self, ffn_rank: int, slot: int, seq: int, deadline: float, awaited: Collection[int]
+        self,
+        ffn_rank: int,
+        slot: int,
+        seq: int,
+        tag: Tag,
+        deadline: float,
+        awaited: Collection[int],
     ) -> torch.Tensor:
         """Wait for the RESPONSE to ``seq`` in ``slot``, reading every FFN rank's responses
         meanwhile; return ``[N, H]`` (a view of the slot's response buffer). A lost
@@ -369,6 +404,8 @@ class TcpAttentionTransport(PointToPointAttentionTransport):
         error = peer.failed[slot]
         if error is not None:
             raise FFNServeError(f"FFN rank {ffn_rank}: {error}")
+        if peer.answer_tags[slot] != (tag.step, tag.layer, tag.microbatch):
+            raise ProtocolError(answer_mismatch(ffn_rank, tag, Tag(*peer.answer_tags[slot])))
         return peer.out[slot].rows[peer.answer_rows[slot]]
 
     def _spin(self, peer: _FFNPeer, slot: int, seq: int) -> None:
@@ -409,6 +446,10 @@ class _AttentionPeer:
         self.x: list[_Buffers] = []
         self.ids: list[_Buffers] = []
         self.weights: list[_Buffers] = []
+        #: The step schedule this attention rank announced last (None: never).
+        self.schedule: StepSchedule | None = None
+        self._schedule_words = schedule_words(spec.moe_layers)
+        self._schedule_body = bytearray(8 * self._schedule_words)
 
     def allocate(self) -> None:
         rows, hidden, top_k = self.spec.max_tokens, self.spec.hidden_size, self.spec.top_k
@@ -418,9 +459,11 @@ class _AttentionPeer:
         self.weights = [_Buffers(rows, top_k, torch.float32) for _ in slots]
 
     def _targets(self, header: tuple) -> list[memoryview]:
-        _, kind, slot, _, n, _ = header
+        _, kind, slot, _, n, _, _, _ = header
         if kind == _HELLO_KIND and self.rank is None and n == _HELLO.size:
             return [memoryview(self.hello)]
+        if kind == _SCHEDULE and self.rank is not None and n == len(self._schedule_body):
+            return [memoryview(self._schedule_body)]
         if kind != _REQUEST or self.rank is None or slot >= len(self.x):
             raise ConnectionError(f"protocol error: unexpected frame {header}")
         if not 0 <= n <= self.spec.max_tokens:
@@ -428,9 +471,16 @@ class _AttentionPeer:
         return [self.x[slot].wire(n), self.ids[slot].wire(n), self.weights[slot].wire(n)]
 
     def _on_frame(self, header: tuple) -> None:
-        _, kind, slot, layer, n, seq = header
+        _, kind, slot, layer, n, seq, step, microbatch = header
         if kind == _HELLO_KIND:
             self.on_hello(self)
+            return
+        if kind == _SCHEDULE:
+            words = struct.unpack(f"<{self._schedule_words}q", self._schedule_body)
+            try:
+                self.schedule = StepSchedule.from_words(words)
+            except ValueError as exc:
+                raise ConnectionError(f"protocol error: bad schedule ({exc})") from None
             return
         self.requests.append(
             FFNRequest(
@@ -440,6 +490,9 @@ class _AttentionPeer:
                 self.ids[slot].rows[n],
                 self.weights[slot].rows[n],
                 tag=(self, slot, seq),
+                step=step,
+                microbatch=microbatch,
+                schedule=self.schedule,
             )
         )
 
@@ -532,7 +585,7 @@ class TcpFFNTransport(FFNTransport):
 
     def _reject(self, peer: _AttentionPeer, reason: str) -> None:
         body = reason.encode()
-        frame = _HEADER.pack(_MAGIC, _REJECT, 0, 0, len(body), 0) + body
+        frame = bytes(_header(_REJECT, 0, 0, len(body), 0)) + body
         try:
             peer.sock.setblocking(True)
             peer.sock.settimeout(1.0)
@@ -551,8 +604,8 @@ class TcpFFNTransport(FFNTransport):
             return  # that attention rank is gone; nobody waits for this answer
         if out.dtype != self.spec.dtype:
             out = out.to(self.spec.dtype)
-        header = _HEADER.pack(_MAGIC, _RESPONSE, slot, request.layer, n, seq)
-        self._queue(peer, [memoryview(header), _byte_view(out.contiguous())])
+        header = _header(_RESPONSE, slot, request.layer, n, seq, request.step, request.microbatch)
+        self._queue(peer, [header, _byte_view(out.contiguous())])
 
     def reply_error(self, request: FFNRequest, message: str) -> None:
         """See ``FFNTransport.reply_error``: an ERROR frame with the text (truncated to
@@ -561,8 +614,10 @@ class TcpFFNTransport(FFNTransport):
         if peer.closed:
             return
         body = message.encode()[:MAX_TEXT_BYTES]
-        header = _HEADER.pack(_MAGIC, _ERROR, slot, request.layer, len(body), seq)
-        self._queue(peer, [memoryview(header), memoryview(body)])
+        header = _header(
+            _ERROR, slot, request.layer, len(body), seq, request.step, request.microbatch
+        )
+        self._queue(peer, [header, memoryview(body)])
 
     def _queue(self, peer: _AttentionPeer, frame: list[memoryview]) -> None:
         """Send ``frame`` after what is queued for ``peer``, as far as the socket takes it."""

@@ -135,3 +135,46 @@ def test_a_failing_layer_fails_its_request_and_the_rank_serves_on(
         if endpoint is not None:
             endpoint.close()
         executor.stop()
+
+
+def test_the_ffn_rank_refuses_a_request_its_schedule_does_not_have(tiny_qwen3):
+    """The control plane on a real FFN rank: requests that fit the announced step are served;
+    one tagged with a microbatch the step does not have fails on the attention rank with the
+    FFN rank's reason, naming both sides."""
+    from vllm_afd.transport import FFNServeError
+    from vllm_afd.transport.control import StepSchedule
+
+    spec = TransportSpec(
+        backend="tcp",
+        num_attention_ranks=1,
+        num_ffn_ranks=1,
+        num_experts=8,
+        hidden_size=128,
+        top_k=2,
+        max_tokens=4,
+        timeout_s=30.0,
+        moe_layers=(0, 1),
+    )
+    executor = FFNExecutor(spec, 0, tiny_qwen3, "cpu")
+    endpoint = None
+    try:
+        executor.start()
+        spec = TransportSpec(**{**spec.__dict__, "addresses": (executor.address,)})
+        endpoint = create_attention_transport(spec, 0)
+        x = torch.randn(2, 128)
+        ids = torch.tensor([[0, 7]] * 2, dtype=torch.int32)
+        weights = torch.full((2, 2), 0.5)
+        endpoint.begin_step(StepSchedule(1, (2,), (0, 1)))
+        for layer in (0, 1):
+            endpoint.combine(endpoint.dispatch(layer, x, ids, weights))
+        endpoint.begin_step(StepSchedule(2, (2,), (0, 1)))
+        text = (
+            r"FFN rank 0: FFN rank 0 refused a request from attention rank 0 tagged \(step 2, "
+            r"layer 0, microbatch 1\): step 2 has 1 microbatch\(es\)"
+        )
+        with pytest.raises(FFNServeError, match=text):
+            endpoint.combine(endpoint.dispatch(0, x, ids, weights, microbatch=1))
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+        executor.stop()

@@ -6,7 +6,7 @@ import multiprocessing as mp
 from collections.abc import Iterator, Sequence
 
 import pytest
-from transport_testlib import FFNCluster, leftover_segments
+from transport_testlib import FFNCluster, Loopback, leftover_segments
 
 from vllm_afd.transport import TransportSpec
 from vllm_afd.transport.reference import FFNForward
@@ -40,3 +40,17 @@ def no_leaks() -> Iterator[None]:
     yield
     assert not mp.active_children(), f"child processes left: {mp.active_children()}"
     assert not leftover_segments(), f"shared-memory segments left: {leftover_segments()}"
+
+
+@pytest.fixture
+def loopback() -> Iterator:
+    """``loopback(spec) -> Loopback``; every endpoint is closed at teardown."""
+    made: list[Loopback] = []
+
+    def make(spec: TransportSpec) -> Loopback:
+        made.append(Loopback(spec))
+        return made[-1]
+
+    yield make
+    for lb in made:
+        lb.close()

@@ -7,79 +7,20 @@ which makes batching, ordering and the protocol checks deterministic.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
 import pytest
 import torch
-from transport_testlib import make_spec, routing
+from transport_testlib import EXPERTS, expected, make_spec, recv_all, routing
 
 from vllm_afd.transport import (
     FFNServeError,
-    FFNTransport,
     TransportError,
-    TransportSpec,
     create_attention_transport,
-    create_ffn_transport,
 )
-from vllm_afd.transport.reference import LocalMoE, ScaleExperts, reference_moe_combine
+from vllm_afd.transport.reference import LocalMoE
 
 pytestmark = pytest.mark.timeout(60)
 BACKENDS = ["shm", "tcp"]
-EXPERTS = ScaleExperts(torch.arange(1.0, 9.0) / 4)
-
-
-class Loopback:
-    """FFN endpoints created here, attention endpoints attached to them."""
-
-    def __init__(self, spec: TransportSpec) -> None:
-        self.ffn = [create_ffn_transport(spec, f) for f in range(spec.num_ffn_ranks)]
-        addresses = tuple(endpoint.address for endpoint in self.ffn)
-        self.spec = dataclasses.replace(spec, addresses=addresses)
-        self.attention = [
-            create_attention_transport(self.spec, a) for a in range(spec.num_attention_ranks)
-        ]
-
-    def serve(self, expect: int | None = None) -> list:
-        """Answer what every FFN rank has pending; return the requests seen."""
-        seen = []
-        for rank, endpoint in enumerate(self.ffn):
-            forward = LocalMoE.for_rank(EXPERTS, self.spec, rank)
-            requests = recv_all(endpoint, expect) if expect else endpoint.recv(0.05)
-            for request in requests:
-                endpoint.reply(request, forward(request.x, request.topk_ids, request.topk_weights))
-            seen += requests
-        return seen
-
-    def close(self) -> None:
-        for endpoint in self.attention + self.ffn:
-            endpoint.close()
-
-
-def recv_all(endpoint: FFNTransport, count: int, timeout_s: float = 5.0) -> list:
-    """``recv`` until ``count`` requests arrived (tcp may deliver them over several calls)."""
-    requests = []
-    while len(requests) < count:
-        got = endpoint.recv(timeout_s)
-        assert got, f"only {len(requests)} of {count} requests arrived"
-        requests += got
-    return requests
-
-
-@pytest.fixture
-def loopback() -> Iterator:
-    made: list[Loopback] = []
-
-    def make(spec: TransportSpec) -> Loopback:
-        made.append(Loopback(spec))
-        return made[-1]
-
-    yield make
-    for lb in made:
-        lb.close()
-
-
-def expected(spec: TransportSpec, x, ids, weights) -> torch.Tensor:
-    return reference_moe_combine(x, ids, weights, EXPERTS, spec.num_experts, spec.num_ffn_ranks)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

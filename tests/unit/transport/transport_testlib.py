@@ -14,8 +14,18 @@ from collections.abc import Sequence
 import torch
 
 from vllm_afd.testing.ffn import ffn_worker_main
-from vllm_afd.transport import TransportSpec, create_attention_transport
-from vllm_afd.transport.reference import FFNForward
+from vllm_afd.transport import (
+    FFNTransport,
+    TransportSpec,
+    create_attention_transport,
+    create_ffn_transport,
+)
+from vllm_afd.transport.reference import (
+    FFNForward,
+    LocalMoE,
+    ScaleExperts,
+    reference_moe_combine,
+)
 from vllm_afd.transport.shm import SHM_DIR, reap_stale_segments
 
 #: Segment-name prefix of this test run (the shm FFN side takes it from spec.addresses).
@@ -103,3 +113,49 @@ def routing(
 def attach_and_exit(spec: TransportSpec) -> None:
     """Child-process body: attach an attention endpoint and exit without closing it."""
     create_attention_transport(spec, 0)
+
+
+#: The experts the loopback tests serve: expert e scales its input by (e + 1) / 4.
+EXPERTS = ScaleExperts(torch.arange(1.0, 9.0) / 4)
+
+
+class Loopback:
+    """FFN endpoints created here, attention endpoints attached to them (one process)."""
+
+    def __init__(self, spec: TransportSpec) -> None:
+        self.ffn = [create_ffn_transport(spec, f) for f in range(spec.num_ffn_ranks)]
+        addresses = tuple(endpoint.address for endpoint in self.ffn)
+        self.spec = dataclasses.replace(spec, addresses=addresses)
+        self.attention = [
+            create_attention_transport(self.spec, a) for a in range(spec.num_attention_ranks)
+        ]
+
+    def serve(self, expect: int | None = None) -> list:
+        """Answer what every FFN rank has pending; return the requests seen."""
+        seen = []
+        for rank, endpoint in enumerate(self.ffn):
+            forward = LocalMoE.for_rank(EXPERTS, self.spec, rank)
+            requests = recv_all(endpoint, expect) if expect else endpoint.recv(0.05)
+            for request in requests:
+                endpoint.reply(request, forward(request.x, request.topk_ids, request.topk_weights))
+            seen += requests
+        return seen
+
+    def close(self) -> None:
+        for endpoint in self.attention + self.ffn:
+            endpoint.close()
+
+
+def recv_all(endpoint: FFNTransport, count: int, timeout_s: float = 5.0) -> list:
+    """``recv`` until ``count`` requests arrived (tcp may deliver them over several calls)."""
+    requests = []
+    while len(requests) < count:
+        got = endpoint.recv(timeout_s)
+        assert got, f"only {len(requests)} of {count} requests arrived"
+        requests += got
+    return requests
+
+
+def expected(spec: TransportSpec, x, ids, weights) -> torch.Tensor:
+    """What a combine of this batch must return with ``EXPERTS`` (the reference's order)."""
+    return reference_moe_combine(x, ids, weights, EXPERTS, spec.num_experts, spec.num_ffn_ranks)
