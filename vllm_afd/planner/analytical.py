@@ -78,8 +78,9 @@ def attention_time(model: ModelSpec, hw: Hardware, kind: str, context: int, n: f
 
 
 def expert_flops_rate(model: ModelSpec, hw: Hardware) -> float:
-    """P for the expert GEMMs: the FP8 rate, or the BF16 rate for 16-bit experts."""
-    return hw.fp8_flops if model.expert_bytes_per_param <= 1 else hw.bf16_flops
+    """P for the expert GEMMs: the FP8 rate for 8-bit or narrower experts (their scales make
+    them slightly over 1 byte per parameter), the BF16 rate for 16-bit and wider ones."""
+    return hw.fp8_flops if model.expert_bytes_per_param < 2 else hw.bf16_flops
 
 
 def ffn_fixed_time(model: ModelSpec, hw: Hardware, ffn_gpus: int) -> float:

@@ -11,12 +11,18 @@ Conventions that come from the spec, not from configs: attention blocks read `c 
 (offset 256; 261 for Qwen3.5, both unexplained by the paper), and Qwen3.5's gated-delta layers cost
 1.3677 us per request. A model read from config.json gets offset 256 and a gated-delta time
 derived from its recurrent-state size (see `analytical.linear_attention_time`).
+
+Bytes per parameter are the checkpoint's (`checkpoint_bytes_per_param`): FP8 1 byte plus its
+block scales, 16-bit 2, 4-bit formats half a byte plus their scales. The paper's three presets
+keep the spec's convention, FP8 at exactly 1 byte with no scale bytes (0.02% of the expert
+bytes, and the spec's check values need it); the other presets carry their checkpoint's real
+format, and a hub id of a checkpoint in another format than its preset's gets that format.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +64,9 @@ class ModelSpec:
     linear_request_time: float | None = None
     """Seconds per request per linear-attention layer; None derives it from the state size."""
     expert_bytes_per_param: float = 1.0
+    """Routed-expert weight bytes per parameter, scales included (FP8: 1; default the paper's)."""
     dense_bytes_per_param: float = 1.0
+    """Bytes per parameter of the other linear layers (projections, router, shared experts)."""
     embedding_bytes_per_param: float = 2.0
     kv_bytes_per_elem: int = 2
     ssm_state_bytes_per_elem: int = 4
@@ -245,7 +253,49 @@ QWEN35_397B = ModelSpec(
     linear_request_time=1.3677e-6,
 )
 
-MODEL_PRESETS: dict[str, ModelSpec] = {m.name: m for m in (MINIMAX_M25, QWEN3_235B, QWEN35_397B)}
+#: Block FP8 (DeepSeek-V3's format, also Qwen's -FP8 releases): one float8 byte per weight
+#: and one float32 scale per 128 x 128 block.
+FP8_BLOCK_BYTES = 1 + 4 / (128 * 128)
+
+DEEPSEEK_V3 = ModelSpec(
+    name="deepseek-v3",
+    num_layers=61,
+    num_experts=256,
+    top_k=8,
+    hidden_size=7168,
+    moe_intermediate_size=2048,
+    num_attention_heads=128,
+    num_kv_heads=128,
+    head_dim=128,
+    vocab_size=129280,
+    num_dense_layers=3,
+    shared_expert_intermediate_size=2048,
+    dense_intermediate_size=18432,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    q_lora_rank=1536,
+    expert_bytes_per_param=FP8_BLOCK_BYTES,
+    dense_bytes_per_param=FP8_BLOCK_BYTES,
+)
+
+QWEN3_30B = ModelSpec(
+    name="qwen3-30b-a3b",
+    num_layers=48,
+    num_experts=128,
+    top_k=8,
+    hidden_size=2048,
+    moe_intermediate_size=768,
+    num_attention_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    vocab_size=151936,
+    expert_bytes_per_param=2.0,  # the hub checkpoint is bfloat16
+    dense_bytes_per_param=2.0,
+)
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    m.name: m for m in (MINIMAX_M25, QWEN3_235B, QWEN35_397B, DEEPSEEK_V3, QWEN3_30B)
+}
 
 # Names under which the presets appear in the paper, its CSV and on the Hugging Face hub.
 _ALIASES = {
@@ -259,6 +309,23 @@ _ALIASES = {
     "qwen3.5-397b": "qwen3.5-397b-a17b",
     "qwen3.5-397b-a17b": "qwen3.5-397b-a17b",
     "qwen/qwen3.5-397b-a17b": "qwen3.5-397b-a17b",
+    "deepseek-v3": "deepseek-v3",
+    "deepseek-ai/deepseek-v3": "deepseek-v3",
+    "deepseek-ai/deepseek-v3-0324": "deepseek-v3",
+    "deepseek-ai/deepseek-r1": "deepseek-v3",
+    "qwen3-30b-a3b": "qwen3-30b-a3b",
+    "qwen/qwen3-30b-a3b": "qwen3-30b-a3b",
+}
+
+#: Hub checkpoints stored in another format than their preset's: bytes per parameter of their
+#: experts and linear layers. The paper's presets are the FP8 releases; these are the bfloat16
+#: originals, and Qwen3-30B-A3B's FP8 release (block FP8, scales included).
+_HUB_BYTES_PER_PARAM = {
+    "qwen/qwen3-235b-a22b": 2.0,
+    "qwen/qwen3-235b-a22b-instruct-2507": 2.0,
+    "qwen/qwen3.5-397b-a17b": 2.0,
+    "qwen/qwen3-30b-a3b-fp8": FP8_BLOCK_BYTES,
+    "qwen/qwen3-30b-a3b-instruct-2507-fp8": FP8_BLOCK_BYTES,
 }
 
 
@@ -271,10 +338,23 @@ def canonical_model_name(name: str) -> str | None:
 
 
 def get_model(name_or_path: str) -> ModelSpec:
-    """A preset (any alias) or a local config.json / model directory."""
+    """A preset (any alias) or a local config.json / model directory.
+
+    A hub id whose checkpoint is stored in another format than its preset's (the bfloat16
+    originals of the paper's FP8 models) gets the preset's architecture at that checkpoint's
+    bytes per parameter, under the hub id as its name.
+    """
     preset = canonical_model_name(name_or_path)
     if preset is not None:
-        return MODEL_PRESETS[preset]
+        bytes_per_param = _HUB_BYTES_PER_PARAM.get(name_or_path.strip().lower())
+        if bytes_per_param is None:
+            return MODEL_PRESETS[preset]
+        return replace(
+            MODEL_PRESETS[preset],
+            name=name_or_path.strip(),
+            expert_bytes_per_param=bytes_per_param,
+            dense_bytes_per_param=bytes_per_param,
+        )
     path = Path(name_or_path)
     if path.is_dir() or (path.is_file() and path.suffix.lower() == ".json"):
         return load_hf_config(path)
@@ -317,6 +397,7 @@ def _spec_from_config(cfg: dict[str, Any], file: Path) -> ModelSpec:
     hidden = _get_int(cfg, file, "hidden_size")
     heads = _get_int(cfg, file, "num_attention_heads")
     moe_inter = cfg.get("moe_intermediate_size") or _get_int(cfg, file, "intermediate_size")
+    expert_bytes, dense_bytes = checkpoint_bytes_per_param(cfg, file)
     return ModelSpec(
         name=str(cfg.get("_name_or_path") or file.parent.name or file.stem),
         num_layers=layers,
@@ -341,8 +422,8 @@ def _spec_from_config(cfg: dict[str, Any], file: Path) -> ModelSpec:
         linear_key_head_dim=int(cfg.get("linear_key_head_dim") or 0),
         linear_value_head_dim=int(cfg.get("linear_value_head_dim") or 0),
         linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim") or 0),
-        expert_bytes_per_param=_expert_bytes(cfg),
-        dense_bytes_per_param=_expert_bytes(cfg),
+        expert_bytes_per_param=expert_bytes,
+        dense_bytes_per_param=dense_bytes,
     )
 
 
@@ -391,12 +472,90 @@ def _shared_size(cfg: dict[str, Any]) -> int:
     return shared * int(cfg.get("moe_intermediate_size") or 0)
 
 
-def _expert_bytes(cfg: dict[str, Any]) -> float:
-    """Bytes per weight: FP8 checkpoints 1, 4-bit 0.5, otherwise the torch dtype's size."""
-    method = str((cfg.get("quantization_config") or {}).get("quant_method", "")).lower()
-    if method == "fp8":
-        return 1.0
-    if method in ("mxfp4", "nvfp4", "awq", "gptq"):
-        return 0.5
-    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    return 4.0 if "32" in dtype else 2.0
+#: Bytes per element of the dtype names configs use (``torch_dtype`` / ``dtype``).
+_DTYPE_BYTES = {
+    "float64": 8.0,
+    "float32": 4.0,
+    "float": 4.0,
+    "float16": 2.0,
+    "half": 2.0,
+    "bfloat16": 2.0,
+    "float8_e4m3fn": 1.0,
+    "float8_e5m2": 1.0,
+}
+#: Keys under which quantization configs list the layers they leave unquantized.
+_IGNORE_KEYS = ("ignored_layers", "modules_to_not_convert", "ignore", "exclude_modules")
+
+
+def dtype_bytes(cfg: dict[str, Any], file: Path | str = "config.json") -> float:
+    """Bytes per element of the checkpoint's ``torch_dtype`` (``dtype``); bfloat16 if unset."""
+    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").removeprefix("torch.")
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"{file}: unknown torch_dtype {name!r}; known: {sorted(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[name]
+
+
+def _group_bytes(bits: float, group_size: int, scale_bytes: float, zero: bool = False) -> float:
+    """Bytes per weight of ``bits``-bit weights with one scale (and zero point) per group."""
+    per_group = scale_bytes + (bits / 8 if zero else 0)
+    return bits / 8 + (per_group / group_size if group_size > 0 else 0)
+
+
+def quantized_bytes_per_param(qcfg: dict[str, Any], file: Path | str = "config.json") -> float:
+    """Bytes per quantized weight, scales included, of a ``quantization_config``.
+
+    FP8 (``fp8``, ``fbgemm_fp8``, ModelOpt FP8): 1 byte, plus a float32 scale per block when it
+    has ``weight_block_size`` (per-tensor and per-channel scales are negligible). MXFP4: 4 bits
+    and one byte of scale per 32; NVFP4: 4 bits and one FP8 scale per 16. GPTQ / AWQ /
+    AutoRound: ``bits`` plus an fp16 scale and a zero point per ``group_size`` (128 unless
+    given). compressed-tensors: its first group's ``num_bits`` with group or block scales.
+    ValueError for a method it does not know, rather than a guess.
+    """
+    method = str(qcfg.get("quant_method", "")).lower()
+    algo = str(qcfg.get("quant_algo", "")).lower()
+    if method in ("fp8", "fbgemm_fp8") or (method == "modelopt" and algo == "fp8"):
+        block = qcfg.get("weight_block_size")
+        return 1.0 + (4 / (int(block[0]) * int(block[1])) if block else 0.0)
+    if method == "mxfp4":
+        return _group_bytes(4, 32, 1)
+    if method in ("nvfp4", "modelopt_fp4") or (method == "modelopt" and "fp4" in algo):
+        return _group_bytes(4, int(qcfg.get("group_size") or 16), 1)
+    if method in ("gptq", "awq", "auto-round", "gptq_marlin", "awq_marlin"):
+        bits = int(qcfg.get("bits") or qcfg.get("w_bit") or 4)
+        group = int(qcfg.get("group_size") or qcfg.get("q_group_size") or 128)
+        return _group_bytes(bits, group, 2, zero=True)
+    if method == "compressed-tensors":
+        groups = list((qcfg.get("config_groups") or {}).values())
+        weights = (groups[0] if groups else {}).get("weights") or {}
+        if weights.get("num_bits"):
+            bits = int(weights["num_bits"])
+            block = weights.get("block_structure")
+            if block:
+                return _group_bytes(bits, int(block[0]) * int(block[1]), 4)
+            group = int(weights.get("group_size") or 0)
+            return _group_bytes(bits, group, 1 if bits == 4 and group == 16 else 2)
+    raise ValueError(
+        f"{file}: cannot price quantization_config {qcfg.get('quant_method')!r}"
+        f"{f' ({algo})' if algo else ''}: known are fp8, fbgemm_fp8, modelopt (FP8, NVFP4), "
+        "mxfp4, nvfp4, gptq, awq, auto-round and compressed-tensors"
+    )
+
+
+def checkpoint_bytes_per_param(
+    cfg: dict[str, Any], file: Path | str = "config.json"
+) -> tuple[float, float]:
+    """``(expert, dense)`` bytes per parameter of the checkpoint a HF config describes.
+
+    No ``quantization_config``: the ``torch_dtype``'s size for both. Quantized: the format's
+    bytes (``quantized_bytes_per_param``) for the experts, and for the other linear layers too
+    unless the config leaves attention unquantized (gpt-oss' MXFP4, FP8-experts checkpoints),
+    in which case they take the ``torch_dtype``'s size.
+    """
+    qcfg = cfg.get("quantization_config") or {}
+    if not qcfg:
+        size = dtype_bytes(cfg, file)
+        return size, size
+    experts = quantized_bytes_per_param(qcfg, file)
+    ignored = [str(n) for key in _IGNORE_KEYS for n in qcfg.get(key) or ()]
+    dense = dtype_bytes(cfg, file) if any("attn" in n for n in ignored) else experts
+    return experts, dense

@@ -30,6 +30,8 @@ from vllm_afd.planner.models import canonical_model_name
 PROFILE_FORMAT = "vllm-afd-colocated-profile"
 PROFILE_VERSION = 1
 _BUNDLED_CSV = "fastafd_gb200_profile.csv"
+#: The presets the bundled CSV profiles (the paper's three models).
+_BUNDLED_MODELS = ("minimax-m2.5", "qwen3-235b-a22b", "qwen3.5-397b-a17b")
 
 _CONTEXT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 
@@ -279,9 +281,10 @@ def _point_from_csv_row(row: dict[str, str]) -> ProfilePoint:
 
 
 def bundled_profile(model: str) -> ColocatedProfile | None:
-    """The paper's GB200 profile (Table A13) for a preset model, or None."""
+    """The paper's GB200 profile (Table A13) for one of the paper's models, or None (other
+    presets and models have no bundled profile)."""
     name = canonical_model_name(model)
-    if name is None:
+    if name is None or name not in _BUNDLED_MODELS:
         return None
     resource = resources.files("vllm_afd.planner").joinpath("data").joinpath(_BUNDLED_CSV)
     if not resource.is_file():
