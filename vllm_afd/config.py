@@ -376,6 +376,16 @@ def check_supported(vllm_config: Any) -> None:
 
     The one check of a vLLM config against AFD (front-end, before anything starts, and again
     in each worker that microbatches). A no-op when AFD is off.
+
+    Not refused here: the expert activation (the FFN ranks run the model's own vLLM MoE
+    layers, which implement it) and quantized checkpoints. vLLM has already refused, before
+    this runs, every format its platform cannot serve (``verify_quantization``, the GPU's
+    capability, the dtype); the attention ranks run the non-expert layers as stock vLLM does,
+    and the FFN ranks the experts with the layer's own quant method, or, for FP8 experts on a
+    platform with no FP8 expert kernel, dequantized (``ffn/weights.py``). A format with no
+    expert kernel on the FFN ranks' platform that is not FP8 fails there, naming the format
+    and the platform, when the FFN group starts (front-end, before any engine): stock vLLM
+    cannot serve it there either.
     """
     afd = AFDConfig.of(vllm_config)
     if afd is None:
@@ -388,18 +398,6 @@ def check_supported(vllm_config: Any) -> None:
         )
     if parallel.enable_eplb:
         raise AFDConfigError("--afd-ratio: --enable-eplb is not supported with AFD")
-    hf = vllm_config.model_config.hf_text_config
-    act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None) or "silu"
-    if act not in ("silu", "swish"):
-        raise AFDConfigError(
-            f"--afd-ratio: the model's expert activation is {act!r}; the FFN ranks implement "
-            "SiLU-and-multiply experts only"
-        )
-    if vllm_config.model_config.quantization:
-        raise AFDConfigError(
-            f"--afd-ratio: quantized checkpoints ({vllm_config.model_config.quantization}) are "
-            "not supported yet; the FFN ranks load unquantized expert weights"
-        )
     if afd.microbatches > 1:
         _check_microbatching(vllm_config)
 

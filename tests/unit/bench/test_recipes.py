@@ -128,18 +128,16 @@ def test_command_line_overrides_the_serve_recipe(serve_parser, path):
 
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.stem)
 def test_tiny_serve_recipes_say_how_to_build_their_model(serve_parser, path):
-    from vllm_afd.bench.tiny_models import TinyModelSpec, _parse_args
+    from vllm_afd.bench.tiny_models import TinyModelSpec, _parse_args, builder_kwargs
 
     command = _tiny_model_command(path)
     if not path.stem.startswith("tiny_"):
         assert command is None
         return
     args, _ = _serve(serve_parser, "--config", str(path))
-    built = vars(_parse_args(command))
-    assert built.pop("out_dir") == args.model  # the comment builds what `model:` names
-    if built["num_shared_experts"] is None:
-        del built["num_shared_experts"]
-    TinyModelSpec(**built)  # raises on an invalid model
+    parsed = _parse_args(command)
+    assert parsed.out_dir == args.model  # the comment builds what `model:` names
+    TinyModelSpec(**builder_kwargs(parsed))  # raises on an invalid model
 
 
 @pytest.mark.parametrize("path", ENVS, ids=lambda p: p.stem)
@@ -200,7 +198,7 @@ def test_bench_recipe_is_complete_and_valid(name):
 @pytest.mark.parametrize("name", _names())
 def test_bench_recipe_agrees_with_its_serve_recipe(serve_parser, name):
     from vllm_afd.bench.recipes import get_recipe
-    from vllm_afd.bench.tiny_models import TinyModelSpec, _parse_args
+    from vllm_afd.bench.tiny_models import TinyModelSpec, _parse_args, builder_kwargs
     from vllm_afd.config import AFDConfig, parse_ratio
 
     recipe = get_recipe(name)
@@ -212,10 +210,7 @@ def test_bench_recipe_agrees_with_its_serve_recipe(serve_parser, name):
     assert afd.microbatches in recipe.microbatches
     assert args.dtype == recipe.dtype
     assert args.max_num_seqs == recipe.batch * args.tensor_parallel_size  # requests per rank
-    built = vars(_parse_args(_tiny_model_command(path)))  # the same tiny model
-    built.pop("out_dir")
-    if built["num_shared_experts"] is None:
-        del built["num_shared_experts"]
+    built = builder_kwargs(_parse_args(_tiny_model_command(path)))  # the same tiny model
     assert TinyModelSpec(**built) == recipe.tiny_model
 
 

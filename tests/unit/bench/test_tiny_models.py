@@ -39,11 +39,15 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _expected_expert_names(arch: str, num_layers: int, num_experts: int) -> set[str]:
+#: MoE layers of the default 2-layer models (deepseek_v2: first_k_dense_replace=1).
+MOE_LAYERS = {"deepseek_v2": (1,)}
+
+
+def _expected_expert_names(arch: str, layers: tuple[int, ...], num_experts: int) -> set[str]:
     names = CHECKPOINT_NAMES[arch]
     return {
         names.routed.format(layer=layer, expert=expert, proj=proj)
-        for layer in range(num_layers)
+        for layer in layers
         for expert in range(num_experts)
         for proj in names.projs
     }
@@ -74,21 +78,22 @@ def test_config_fields(built: dict[str, Path], arch: str) -> None:
 def test_expert_router_and_shared_names(built: dict[str, Path], arch: str) -> None:
     tensors = _tensors(built[arch])
     names = CHECKPOINT_NAMES[arch]
+    moe_layers = MOE_LAYERS.get(arch, (0, 1))
     expert_keys = {k for k in tensors if ".experts." in k}
-    assert expert_keys == _expected_expert_names(arch, num_layers=2, num_experts=8)
+    assert expert_keys == _expected_expert_names(arch, moe_layers, num_experts=8)
     gate, _, down = names.routed_names(layer=1, expert=7)
     assert tuple(tensors[gate].shape) == (64, 128)
     assert tuple(tensors[down].shape) == (128, 64)
-    assert tuple(tensors[names.router.format(layer=0)].shape) == (8, 128)
+    assert tuple(tensors[names.router.format(layer=moe_layers[0])].shape) == (8, 128)
     shared_keys = {k for k in tensors if ".shared_expert" in k}
     if names.shared is None:
         assert not shared_keys
     else:
         expected = {
-            names.shared.format(layer=layer, proj=p) for layer in (0, 1) for p in names.projs
+            names.shared.format(layer=layer, proj=p) for layer in moe_layers for p in names.projs
         }
         if names.shared_gate:
-            expected |= {names.shared_gate.format(layer=layer) for layer in (0, 1)}
+            expected |= {names.shared_gate.format(layer=layer) for layer in moe_layers}
         assert shared_keys == expected
 
 
@@ -129,7 +134,7 @@ def test_sharded_index_lists_every_expert(tmp_path: Path) -> None:
     shard_files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     assert shard_files == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
     weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
-    assert _expected_expert_names("qwen3_moe", 2, 8) <= weight_map.keys()
+    assert _expected_expert_names("qwen3_moe", (0, 1), 8) <= weight_map.keys()
     for shard in shard_files:
         with safe_open(str(model_dir / shard), framework="pt") as handle:
             assert set(handle.keys()) == {k for k, f in weight_map.items() if f == shard}
