@@ -406,7 +406,6 @@ def _check_microbatching(vllm_config: Any) -> None:
     model = vllm_config.model_config
     blockers = {
         "the V2 model runner (VLLM_USE_V2_MODEL_RUNNER)": vllm_config.use_v2_model_runner,
-        "speculative decoding": vllm_config.speculative_config is not None,
         "LoRA": vllm_config.lora_config is not None,
         "multimodal models": model.supports_multimodal_inputs,
         "M-RoPE models": model.uses_mrope,

@@ -112,9 +112,16 @@ def _resolve_auto(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config)
         context=vllm_config.model_config.max_model_len,
         max_batch=vllm_config.scheduler_config.max_num_seqs,
         platform_is_cpu=current_platform.is_cpu(),
+        draft_length=_draft_length(vllm_config),
     )
     logger.info("--afd-ratio auto -> %d:%d (%s)", attn, ffn, line)
     return dataclasses.replace(afd, ratio=(attn, ffn))
+
+
+def _draft_length(vllm_config) -> int:
+    """Tokens the speculative draft proposes per step (0 without speculative decoding)."""
+    speculative = vllm_config.speculative_config
+    return 0 if speculative is None else int(speculative.num_speculative_tokens or 0)
 
 
 def raise_if_ffn_group_dead() -> None:

@@ -22,20 +22,25 @@ float32 outputs are token-identical to colocated serving (tests/e2e/test_microba
 also checked by hand for k = 3 with one-token microbatches, TP = 2, and Dynamo-compiled mode):
 this rests on the CPU kernels giving each row the same result whatever rows are batched with it.
 
-Which steps are split: uniform decode steps with at least k tokens (each microbatch gets one
-or more whole requests). Prefill and mixed steps, dummy and profiling runs run whole.
+Which steps are split: decode steps of at least k requests, every request decoding one token
+or, with speculative decoding, verifying its draft (up to 1 + d tokens; an n-gram drafter's
+requests differ in d, and a microbatch boundary may fall inside one request's verify tokens,
+whose attention then runs in two parts, the first part's KV written before the second reads
+it). Prefill and mixed steps, dummy and profiling runs run whole; so does the drafter's own
+forward (an EAGLE head, a draft model).
 
 This module is the mechanism only (no vLLM or package imports). Its hooks into vLLM's CPU
 model runner, and their ledger entries M1-M7, are in vllm_afd/patches/ (cpu_runner.py). On GPUs,
 ``overlap_point`` delegates to vLLM's own DBO (``dbo_yield``) when that is active.
 
-Limits: V1 model runner only (the V2 runner is refused); no speculative decoding, LoRA,
-multimodal or M-RoPE models, pooling models; with DP > 1 an idle rank's dummy batch vetoes
-microbatching for that step. k = 2 pays only when one microbatch's FFN stage is at least about
-as long as its attention stage, since every layer's host work runs once per microbatch
-(measurements: docs/benchmarks.md). Each microbatch thread drives its own OpenMP team; with
-several OpenMP threads per attention rank, an idle team spinning (KMP_BLOCKTIME,
-GOMP_SPINCOUNT) competes with the active one: prefer a passive wait policy there.
+Limits: V1 model runner only (the V2 runner is refused); no LoRA, multimodal or M-RoPE models,
+pooling models; with DP > 1 an idle rank's dummy batch vetoes microbatching for that step, and
+vLLM's own cross-rank decision splits only uniform decode steps. k = 2 pays only when one
+microbatch's FFN stage is at least about as long as its attention stage, since every layer's
+host work runs once per microbatch (measurements: docs/benchmarks.md). Each microbatch thread
+drives its own OpenMP team; with several OpenMP threads per attention rank, an idle team
+spinning (KMP_BLOCKTIME, GOMP_SPINCOUNT) competes with the active one: prefer a passive wait
+policy there.
 """
 
 from __future__ import annotations

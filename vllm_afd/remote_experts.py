@@ -44,15 +44,30 @@ from vllm_afd.transport.control import Mode, StepSchedule
 
 
 class AFDRoutedExperts(RoutedExperts):
-    """``RoutedExperts`` whose experts run on the FFN group when AFD is configured."""
+    """``RoutedExperts`` whose experts run on the FFN group when AFD is configured.
+
+    A speculative-decoding draft's MoE layers (an MTP layer, an MoE EAGLE head, an MoE draft
+    model) keep their experts here, on the attention ranks, by choice: the FFN ranks hold the
+    target model's experts, keyed by the target's layer numbers, which a draft's own numbering
+    may repeat. A draft is built under a vLLM model tag of its own (``_building_draft``).
+    """
 
     def _get_quant_method(self, prefix, quant_config, moe_config) -> FusedMoEMethodBase:
         # Overrides a private vLLM method: ledger entry P7 in vllm_afd/patches/__init__.py.
         from vllm.config import get_current_vllm_config
 
-        if AFDConfig.of(get_current_vllm_config()) is None:
+        if AFDConfig.of(get_current_vllm_config()) is None or _building_draft():
             return super()._get_quant_method(prefix, quant_config, moe_config)
         return AFDRemoteExpertsMethod(moe_config, layer_name=prefix)
+
+
+def _building_draft() -> bool:
+    """True while vLLM builds a speculative-decoding draft (P8: the model tag vLLM's proposers
+    set around it, ``set_model_tag("eagle_head")`` / ``"draft_model"`` / ..., is not the
+    target's ``"backbone"``)."""
+    from vllm.compilation import backends
+
+    return backends.model_tag != "backbone"
 
 
 def _discard_expert_weight(param, loaded_weight, *args, return_success=False, **kwargs):

@@ -86,6 +86,8 @@ def _generate(job: dict[str, Any]) -> dict[str, Any]:
         max_num_batched_tokens=job.get("max_num_batched_tokens", 256),
     )
     kwargs.update(job.get("engine_args") or {})  # any other LLM argument, e.g. attention_backend
+    if "speculative_config" in kwargs:
+        kwargs["disable_log_stats"] = False  # the acceptance counters
     if job.get("afd"):
         kwargs["additional_config"] = {"afd": job["afd"]}
     t0 = time.perf_counter()
@@ -122,7 +124,24 @@ def _generate(job: dict[str, Any]) -> dict[str, Any]:
     }
     if job.get("logprobs"):
         result["logprobs"] = logprobs  # per prompt, the sampled tokens' logprobs
+    if "speculative_config" in kwargs:
+        result["spec_decode"] = spec_decode_counts(llm)
     return result
+
+
+def spec_decode_counts(llm) -> dict[str, float]:
+    """Speculative decoding so far: drafts, draft tokens and accepted tokens (vLLM's counters)."""
+    wanted = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+    }
+    counts = dict.fromkeys(wanted.values(), 0.0)
+    for metric in llm.get_metrics():
+        key = wanted.get(metric.name)
+        if key is not None:
+            counts[key] += metric.value
+    return counts
 
 
 def _ffn_report() -> list[dict]:

@@ -121,6 +121,8 @@ class FFNStats:
     """
 
     requests: int = 0
+    #: Requests of a microbatch other than the first (evidence that steps were split).
+    later_microbatch_requests: int = 0
     tokens: int = 0
     bytes_in: int = 0
     busy_s: float = 0.0
@@ -131,6 +133,7 @@ class FFNStats:
     def snapshot(self) -> dict:
         return {
             "requests": self.requests,
+            "later_microbatch_requests": self.later_microbatch_requests,
             "tokens": self.tokens,
             "bytes_in": self.bytes_in,
             "busy_s": self.busy_s,
@@ -280,6 +283,7 @@ class FFNExecutor:
     def _account(self, layer: int, group: list[FFNRequest], x: torch.Tensor, dt: float) -> None:
         s = self.stats
         s.requests += len(group)
+        s.later_microbatch_requests += sum(r.microbatch > 0 for r in group)
         s.tokens += x.shape[0]
         s.bytes_in += x.nbytes
         s.busy_s += dt

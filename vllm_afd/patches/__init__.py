@@ -6,7 +6,7 @@ is inert there: it wraps a class that process never calls.
 
 - front-end (the process that parses flags and builds the ``VllmConfig``):
   ``engine_args.py`` (P1-P3), ``health.py`` (P4), ``metrics_registry.py`` (P6).
-- worker (the processes that run the model): ``layers.py`` (P5, P7), ``cpu_runner.py``
+- worker (the processes that run the model): ``layers.py`` (P5, P7, P8), ``cpu_runner.py``
   (M1-M7), ``cpu_comm.py`` (S1-S2), ``cpu_amx.py`` (S3, every process).
 - FFN rank (the FFN ranks' processes): ``ffn_rank.py`` (F1-F4). Not applied by ``apply()``:
   ``ffn/weights.py`` enters its context manager around building one rank's MoE layers, and
@@ -86,6 +86,15 @@ P7 ``RoutedExperts._get_quant_method``, overridden (private) by ``AFDRoutedExper
    Upstream: none filed; it needs a public way for an out-of-tree ``RoutedExperts`` to supply
    its ``FusedMoEMethodBase``.
    Remove when: vLLM exposes that choice publicly (or AFD becomes an all2all backend).
+P8 ``vllm.compilation.backends.model_tag`` (module global), read by ``AFDRoutedExperts``.
+   Why: a speculative-decoding draft's MoE layers (MTP, an MoE EAGLE head or draft model) must
+   not become AFD layers: the FFN ranks serve the target's experts by the target's layer
+   numbers, which the draft's may repeat (a silent use of the wrong experts, visible only in
+   the acceptance rate). vLLM builds every draft under ``set_model_tag(<not "backbone">)``.
+   How: while the tag is not ``"backbone"`` the stock quant method is returned: the draft's
+   experts load and run on the attention ranks as in stock vLLM.
+   Upstream: none filed; a public "building the draft" flag would do.
+   Remove when: vLLM marks draft models publicly, or the FFN ranks serve drafts too.
 M1 ``CPUModelRunner.__init__``, wrapped.
    Why: vLLM builds per-microbatch attention metadata (one metadata builder per microbatch)
    only when ``ParallelConfig.use_ubatching``; but the CPU platform turns ``--enable-dbo`` off

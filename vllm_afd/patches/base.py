@@ -168,6 +168,7 @@ TARGETS = (
         ordered=True,
     ),
     Target("M5", _CONTEXT, "", "_forward_context", kind="global"),
+    Target("P8", "vllm.compilation.backends", "", "model_tag", kind="global"),
     Target("M6", "vllm.config.vllm", "VllmConfig", "__post_init__"),
     Target("M7", _SHARED, "SharedExperts", "__init__", ("layer", "moe_config", "enable_dbo")),
     Target("M7", _SHARED, "SharedExperts", "_output_idx", kind="property"),

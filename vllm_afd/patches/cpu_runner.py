@@ -48,19 +48,22 @@ def _microbatching(runner) -> bool:
 
 
 def _should_ubatch(runner, args: dict) -> bool:
-    """M2's decision for data_parallel_size 1."""
+    """M2's decision for data_parallel_size 1: decode steps of at least k requests.
+
+    A decode step is one where every request decodes: one token each, or with speculative
+    decoding its verify tokens (up to 1 + the draft length, ``uniform_decode_query_len``; an
+    n-gram drafter proposes a different number for each request, so such a step is rarely
+    uniform). Prefill and mixed steps run whole.
+    """
     from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds
 
     if not args["allow_microbatching"]:
         return False
-    uniform = runner._is_uniform_decode(
-        max_num_scheduled_tokens=args["max_num_scheduled_tokens"],
-        uniform_decode_query_len=runner.uniform_decode_query_len,
-        num_tokens=args["num_tokens"],
-        num_reqs=args["num_reqs"],
-        force_uniform_decode=args["force_uniform_decode"],
-    )
-    return check_ubatch_thresholds(runner.parallel_config, args["num_tokens"], uniform)
+    decode = args["max_num_scheduled_tokens"] <= runner.uniform_decode_query_len
+    k = runner.parallel_config.ubatch_size
+    if decode and args["num_reqs"] < k:
+        return False
+    return check_ubatch_thresholds(runner.parallel_config, args["num_tokens"], decode)
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 The attention ranks are what the user launched (data parallel x tensor parallel); the planner
 predicts tokens/s per device, counting all devices, for every FFN rank count ``f`` that divides
 both the attention ranks (whole r:1 ratios, the planner's candidates) and the routed experts,
-at the scheduler's batch cap (``--max-num-seqs``) per attention rank, and the best one is used.
+at the scheduler's batch cap (``--max-num-seqs``) per attention rank and the speculative draft
+length (``--speculative-config``'s ``num_speculative_tokens``), and the best one is used.
 Hardware and profile come from the environment, because the serving command line is vLLM's:
 ``VLLM_AFD_PLAN_HARDWARE`` (a preset such as ``h200`` or a hardware file; on GPUs it defaults
 to ``h200``) and optionally ``VLLM_AFD_PLAN_PROFILE`` (a file written by ``vllm-afd
@@ -45,8 +46,13 @@ def recommend_for_deployment(
     context: int,
     max_batch: int,
     platform_is_cpu: bool,
+    draft_length: int = 0,
 ) -> tuple[int, int, str]:
-    """Return ``(A, F, one-line prediction)`` for the best FFN rank count."""
+    """Return ``(A, F, one-line prediction)`` for the best FFN rank count.
+
+    ``draft_length``: tokens a speculative draft proposes per step (``num_speculative_tokens``),
+    0 without speculation: each request then sends ``1 + d`` tokens per step through the FFN.
+    """
     from vllm_afd.planner import PlanRequest, get_hardware, load_hf_config, load_profile, plan
     from vllm_afd.planner.hardware import load_hardware
 
@@ -64,6 +70,7 @@ def recommend_for_deployment(
             ratios=(attention_ranks // ffn,),
             ffn_gpus=ffn,
             batch=max(2, max_batch),
+            draft_length=draft_length,
         )
         try:
             row = max(plan(request, profile).rows, key=lambda r: r.tokens_per_gpu)
@@ -78,7 +85,8 @@ def recommend_for_deployment(
         )
     attn, ffn, row = best
     line = (
-        f"planner on {hardware.name}: batch {row.batch}, step {row.step_ms:.2f} ms, "
+        f"planner on {hardware.name}: batch {row.batch}, d={draft_length}, "
+        f"step {row.step_ms:.2f} ms, "
         f"{row.tokens_per_gpu:.0f} tok/s per device, FFN hidden: {row.covered}"
     )
     return attn, ffn, line
