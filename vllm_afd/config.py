@@ -12,15 +12,22 @@ A:F semantics. A attention ranks per F FFN ranks. Attention ranks are vLLM's eng
 a whole number. Routed experts are sharded contiguously over the FFN ranks (expert parallel
 inside the FFN group), so the expert count must divide evenly.
 
-Every error names the flag (and its ``additional_config`` key) and what is allowed.
+Every error names the flag (and its ``additional_config`` key) and what is allowed. The checks
+run in the front-end before anything starts (``deployment.setup_afd`` calls them all, in this
+order): ``AFDConfig.of`` (each value on its own: ``__post_init__``), ``check_supported`` (the
+rest of the vLLM config), ``check_this_host`` (what depends on this machine: the shm backend's
+CPU, ``--afd-ffn-host``), then ``envs.check_all`` (the variables) and ``placement``'s Ray and
+secret checks.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import math
 import re
+import socket
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -28,6 +35,9 @@ FFNDevice = Literal["auto", "cpu", "cuda"]
 #: Most ping-pong microbatches per step (``--afd-microbatches``).
 MAX_MICROBATCHES = 8
 _RATIO_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+#: ``--afd-ray-address`` values that mean a Ray instance on this machine.
+LOCAL_RAY = (None, "", "local", "auto")
+logger = logging.getLogger("vllm.afd")
 
 
 class AFDConfigError(ValueError):
@@ -40,10 +50,25 @@ def _flag(name: str, help: str, metavar: str | None = None, **argparse_kwargs: A
 
 
 def afd_section(additional_config: Any) -> dict[str, Any] | None:
-    """The raw ``additional_config["afd"]`` dict, or None when AFD is not configured."""
-    if not isinstance(additional_config, dict):
+    """The raw ``additional_config["afd"]`` dict, or None when AFD is not configured.
+
+    A present but empty or non-dict ``afd`` entry is an error, not "AFD off": a user who wrote
+    ``{"afd": {}}`` meant to turn it on.
+    """
+    if not isinstance(additional_config, dict) or additional_config.get("afd") is None:
         return None
-    return additional_config.get("afd") or None
+    raw = additional_config["afd"]
+    if not isinstance(raw, dict):
+        raise AFDConfigError(
+            f"additional_config.afd: expected an object of AFD settings such as "
+            f'{{"ratio": "2:1"}}, got {raw!r}'
+        )
+    if not raw:
+        raise AFDConfigError(
+            f"additional_config.afd is empty: {_where('ratio')} is required to turn AFD on "
+            "(A:F with integers >= 1, e.g. 2:1, or 'auto'); remove the afd entry to run without"
+        )
+    return raw
 
 
 def parse_ratio(text: str) -> tuple[int, int] | None:
@@ -159,9 +184,10 @@ class AFDConfig:
             raise AFDConfigError(
                 f"{_where('ffn_device')}: {self.ffn_device!r}; allowed: {', '.join(devices)}"
             )
-        if not self.timeout_s > 0:
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise AFDConfigError(
-                f"{_where('timeout_s')}: must be > 0 seconds, got {self.timeout_s}"
+                f"{_where('timeout_s')}: must be a finite number of seconds > 0, "
+                f"got {self.timeout_s}"
             )
         if not 1 <= self.microbatches <= MAX_MICROBATCHES:
             raise AFDConfigError(
@@ -177,7 +203,7 @@ class AFDConfig:
         cores, workers) gets its settings through here.
         """
         raw = afd_section(vllm_config.additional_config)
-        return cls.from_dict(raw) if raw else None
+        return None if raw is None else cls.from_dict(raw)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> AFDConfig:
@@ -196,6 +222,11 @@ class AFDConfig:
             if key in kwargs:
                 kwargs[key] = _coerce(key, kwargs[key], typ)
         return cls(**kwargs)
+
+    @property
+    def ray_is_local(self) -> bool:
+        """The FFN group runs in a Ray instance on this machine (no cluster address given)."""
+        return self.ray_address in LOCAL_RAY
 
     def to_dict(self) -> dict[str, Any]:
         """Inverse of ``from_dict`` (JSON-serialisable)."""
@@ -400,6 +431,115 @@ def check_supported(vllm_config: Any) -> None:
         raise AFDConfigError("--afd-ratio: --enable-eplb is not supported with AFD")
     if afd.microbatches > 1:
         _check_microbatching(vllm_config)
+    _check_kv_transfer(vllm_config, afd)
+
+
+#: KV connectors whose per-layer hooks (``save_kv_layer``, ``wait_for_layer_load``) are no-ops
+#: or idempotent, so that running each attention layer once per ping-pong microbatch (twice
+#: per decode step at k = 2, each time with that microbatch's attention metadata) cannot
+#: double-send, mis-count layers or save a microbatch's slice as the whole step's. Checked:
+#: ExampleConnector (rewrites the same file; tested, tests/e2e/test_pd_e2e.py), Nixl (pulls
+#: whole blocks outside the forward), the offloading connectors (save after the step),
+#: DecodeBenchConnector and Mooncake (no per-layer work).
+MICROBATCH_SAFE_KV_CONNECTORS = frozenset(
+    {
+        "ExampleConnector",
+        "NixlConnector",
+        "NixlPullConnector",
+        "NixlPushConnector",
+        "DecodeBenchConnector",
+        "OffloadingConnector",
+        "SimpleCPUOffloadConnector",
+        "MooncakeConnector",
+    }
+)
+
+
+def kv_connectors(vllm_config: Any) -> list[str]:
+    """The KV connectors of a vLLM config (a MultiConnector's members), empty without one."""
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    name = getattr(kv, "kv_connector", None)
+    if not name:
+        return []
+    if name != "MultiConnector":
+        return [name]
+    members = (kv.kv_connector_extra_config or {}).get("connectors", [])
+    return [name] + [m.get("kv_connector", "?") for m in members]
+
+
+def _check_kv_transfer(vllm_config: Any, afd: AFDConfig) -> None:
+    """A KV connector (disaggregated prefill/decode, KV offloading) with AFD.
+
+    The connector only touches the attention ranks' KV cache, which AFD leaves to stock vLLM,
+    so any connector runs with ``--afd-microbatches 1``; with ping-pong microbatches only the
+    connectors whose per-layer hooks tolerate one call per microbatch
+    (``MICROBATCH_SAFE_KV_CONNECTORS``).
+    """
+    names = kv_connectors(vllm_config)
+    unsafe = [n for n in names if n not in MICROBATCH_SAFE_KV_CONNECTORS | {"MultiConnector"}]
+    if afd.microbatches > 1 and unsafe:
+        raise AFDConfigError(
+            f"--afd-microbatches (additional_config.afd.microbatches) {afd.microbatches} with "
+            f"--kv-transfer-config kv_connector {', '.join(unsafe)}: with ping-pong "
+            "microbatches every attention layer runs once per microbatch, and this "
+            "connector's per-layer hooks (save_kv_layer, wait_for_layer_load) are not known "
+            "to tolerate that; use --afd-microbatches 1 (or one of "
+            f"{', '.join(sorted(MICROBATCH_SAFE_KV_CONNECTORS))})"
+        )
+
+
+def check_this_host(afd: AFDConfig) -> None:
+    """Raise ``AFDConfigError`` if this machine cannot run ``afd`` (front-end only: other
+    processes may run elsewhere).
+
+    - ``--afd-transport shm`` needs x86-64 store ordering (``host.shm_platform_problem``).
+    - ``--afd-ffn-host`` must be an IP address or a host name that resolves; with a local Ray
+      instance (the FFN ranks run here) it must also be an address of this machine (the
+      wildcard ``0.0.0.0`` included), i.e. one the FFN ranks can listen on.
+    """
+    from vllm_afd.host import shm_platform_problem
+
+    if afd.transport == "shm":
+        problem = shm_platform_problem()
+        if problem is not None:
+            raise AFDConfigError(f"{_where('transport')}: {problem}")
+    host = afd.ffn_host
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise AFDConfigError(
+            f"{_where('ffn_host')}: {host!r} is neither an IP address nor a host name that "
+            f"resolves ({exc}); use 127.0.0.1 (default) or an address of the FFN ranks' host"
+        ) from None
+    if afd.ray_is_local and not any(_can_bind(info) for info in infos):
+        raise AFDConfigError(
+            f"{_where('ffn_host')}: {host!r} is not an address of this machine, where the "
+            "FFN ranks of the local Ray instance listen; use 127.0.0.1 (default), 0.0.0.0 or "
+            "one of this machine's addresses"
+        )
+    if afd.transport == "tcp" and not _is_loopback(infos):
+        logger.warning(
+            "AFD: the tcp transport listens on %s: peers are authenticated (HMAC with the "
+            "deployment's secret) but hidden states cross the network unencrypted; keep it on "
+            "a private network",
+            host,
+        )
+
+
+def _can_bind(info: tuple) -> bool:
+    family, kind, proto, _, address = info
+    try:
+        with socket.socket(family, kind, proto) as sock:
+            sock.bind((address[0], 0))
+        return True
+    except OSError:
+        return False
+
+
+def _is_loopback(infos: list[tuple]) -> bool:
+    import ipaddress
+
+    return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
 def _check_microbatching(vllm_config: Any) -> None:

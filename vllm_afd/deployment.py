@@ -2,8 +2,11 @@
 
 Runs in the front-end process, inside ``EngineArgs.create_engine_config`` (patch P3), i.e.
 after vLLM has validated its own arguments and before any engine core or worker starts. Every
-AFD input is validated here first, so bad input fails with one clear message and nothing
-running; then the FFN group is started and its address exported to the attention ranks.
+AFD input is validated here first (``check_settings``: the flags, the vLLM config, this host,
+the variables, the tcp secret and the Ray address), so bad input fails with one
+``AFDConfigError`` naming the flag or variable and what is allowed (``vllm-afd serve`` exits 2
+with it) and nothing running; then the FFN group is started and its address exported to the
+attention ranks.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import logging
 from pathlib import Path
 
 from vllm_afd import envs
-from vllm_afd.config import AFDConfig, check_supported, moe_model_info
+from vllm_afd.config import AFDConfig, check_supported, check_this_host, moe_model_info
 
 logger = logging.getLogger("vllm.afd")
 
@@ -76,8 +79,8 @@ def setup_afd(vllm_config) -> None:
     if afd.ratio is None:
         afd = _resolve_auto(afd, info, ranks, model_dir, vllm_config)
         vllm_config.additional_config["afd"] = afd.to_dict()
-    info.check_ffn_ranks(afd.num_ffn_ranks(ranks))
-    envs.check_all(afd.num_ffn_ranks(ranks))
+    check_settings(afd, info, ranks)
+    log_kv_transfer_requirements(vllm_config)
     from vllm_afd.placement import start_ffn_group
 
     group = start_ffn_group(
@@ -94,6 +97,70 @@ def setup_afd(vllm_config) -> None:
         ranks,
         group.spec.num_ffn_ranks,
         group.spec.backend,
+    )
+
+
+def check_settings(afd: AFDConfig, info, ranks: int) -> None:
+    """Every check of a resolved configuration that needs no engine and starts nothing: the
+    FFN rank count against the model, this host, the ``VLLM_AFD_*`` variables (against the
+    timeout and, with a local Ray instance, this machine's CPUs), a user-given tcp secret file
+    and the Ray address."""
+    from vllm_afd.placement import check_ray_address
+
+    num_ffn = afd.num_ffn_ranks(ranks)
+    info.check_ffn_ranks(num_ffn)
+    check_this_host(afd)
+    envs.check_all(num_ffn, timeout_s=afd.timeout_s, local=afd.ray_is_local)
+    if afd.transport == "tcp" and envs.VLLM_AFD_AUTH_FILE:
+        from vllm_afd.transport.auth import load_secret
+
+        load_secret()
+    check_ray_address(afd.ray_address)
+
+
+def log_kv_transfer_requirements(vllm_config) -> None:
+    """With a KV connector (disaggregated prefill/decode), warn what the other side must share.
+
+    AFD changes nothing in the attention ranks' KV cache, so a stock vLLM prefill instance
+    hands its KV to an AFD decode instance (and back) through vLLM's own connectors; but
+    nothing checks, at start-up, that the two instances agree, and a mismatch shows only as
+    wrong tokens or a failed load at the first transfer.
+    """
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    connector = getattr(kv, "kv_connector", None)
+    if not connector:
+        return
+    role = kv.kv_role or "kv_both"
+    cache = vllm_config.cache_config
+    model = vllm_config.model_config
+    side = "prefill" if role == "kv_producer" else "decode"
+    other = "decode" if side == "prefill" else "prefill"
+    must = [
+        f"the model ({model.model}, same weights, revision and tokenizer)",
+        f"--dtype {str(model.dtype).removeprefix('torch.')}",
+        f"--kv-cache-dtype {cache.cache_dtype}",
+        f"--block-size {cache.block_size}",
+        "the KV layout (the same attention backend and platform, or a connector that converts)",
+        f"--max-model-len >= {model.max_model_len} (the prompts this instance accepts)",
+    ]
+    if connector == "ExampleConnector":
+        extra = kv.kv_connector_extra_config or {}
+        must += [
+            f"shared_storage_path {extra.get('shared_storage_path', '/tmp')}",
+            f"--tensor-parallel-size {vllm_config.parallel_config.tensor_parallel_size}",
+            "each prompt scheduled whole on the prefill side (--max-num-batched-tokens >= the "
+            "longest prompt: ExampleConnector saves a request's first scheduled chunk only)",
+        ]
+    elif connector.startswith("Nixl"):
+        must.append(f"kv_buffer_device {kv.kv_buffer_device} and a reachable side channel")
+    logger.warning(
+        "AFD: %s instance of a disaggregated deployment (%s, %s): the %s instances must share "
+        "%s. vLLM checks none of this at start-up.",
+        side,
+        connector,
+        role,
+        other,
+        "; ".join(must),
     )
 
 

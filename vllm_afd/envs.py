@@ -12,11 +12,19 @@ Variables a user sets:
     CPU binding of the FFN ranks: one CPU list per FFN rank, ``|``-separated, in the syntax of
     vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` (``"1"``, ``"2-3|4-5"``). Unset: no binding. On a CPU
     host this keeps the FFN ranks off the cores vLLM binds the attention ranks to.
+    Every CPU must be one this process may run on (``os.sched_getaffinity``), checked before
+    anything starts when the FFN ranks run on this host.
 ``VLLM_AFD_FFN_THREADS``
-    PyTorch threads per FFN rank (integer >= 1, default 1).
+    PyTorch threads per FFN rank (integer 1..``MAX_FFN_THREADS``, default 1; at most the CPUs
+    this process may run on when the FFN ranks run on this host).
 ``VLLM_AFD_POLL_MS``
     Milliseconds a waiting transport endpoint polls (spin, then yield the CPU) before it
-    sleeps (number >= 0, default 20); see ``transport/p2p.py``.
+    sleeps (number >= 0, default 20, at most ``--afd-timeout``); see ``transport/p2p.py``.
+``VLLM_AFD_AUTH_FILE``
+    Path of the tcp transport's shared secret (``transport/auth.py``): this user's file, mode
+    0600, at least 16 bytes. Unset: the front-end creates one per deployment in a private
+    directory and sets this variable for the processes it starts. Set it (to the same file on
+    every host) when FFN ranks run on other hosts.
 ``VLLM_AFD_PLAN_HARDWARE`` / ``VLLM_AFD_PLAN_PROFILE``
     Planner inputs of ``--afd-ratio auto``: a hardware preset or file, and a profile file
     written by ``vllm-afd profile`` (see docs/planner.md).
@@ -51,7 +59,9 @@ PLAN_HARDWARE = "VLLM_AFD_PLAN_HARDWARE"
 PLAN_PROFILE = "VLLM_AFD_PLAN_PROFILE"
 BENCH_CPUS = "VLLM_AFD_BENCH_CPUS"
 FAULT_FILE = "VLLM_AFD_FAULT_FILE"
+AUTH_FILE = "VLLM_AFD_AUTH_FILE"
 DEFAULT_POLL_MS = 20.0
+MAX_FFN_THREADS = 4096
 
 
 def non_negative_number(text: str) -> float | None:
@@ -86,10 +96,10 @@ def _ffn_threads() -> int:
     text = _text(FFN_THREADS)
     if text is None:
         return 1
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_FFN_THREADS:
         raise AFDConfigError(
             f"{FFN_THREADS}={text!r}: expected the PyTorch threads of each FFN rank, "
-            "an integer >= 1 (default 1)"
+            f"an integer in 1..{MAX_FFN_THREADS} (default 1)"
         )
     return int(text)
 
@@ -144,6 +154,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     PLAN_PROFILE: lambda: _text(PLAN_PROFILE),
     BENCH_CPUS: _bench_cpus,
     FAULT_FILE: lambda: _text(FAULT_FILE),
+    AUTH_FILE: lambda: _text(AUTH_FILE),
 }
 
 
@@ -176,8 +187,49 @@ def runtime_json() -> str:
     return text
 
 
-def check_all(num_ffn_ranks: int) -> None:
-    """Parse every user-set variable now (front-end, before anything starts)."""
-    ffn_cpu_lists(num_ffn_ranks)
-    for name in (FFN_THREADS, POLL_MS, BENCH_CPUS):
-        environment_variables[name]()
+def check_all(num_ffn_ranks: int, timeout_s: float | None = None, local: bool = True) -> None:
+    """Parse and check every user-set variable now (front-end, before anything starts).
+
+    Args:
+        num_ffn_ranks: the FFN rank count (``VLLM_AFD_FFN_CPUS`` needs one list per rank).
+        timeout_s: ``--afd-timeout``; the poll window may not be longer.
+        local: the FFN ranks run on this host (a local Ray instance): their CPU binding and
+            thread count are checked against the CPUs this process may run on.
+
+    ``VLLM_AFD_AUTH_FILE`` is checked by ``deployment.setup_afd`` (``transport.auth``).
+    """
+    lists = ffn_cpu_lists(num_ffn_ranks)
+    threads = _ffn_threads()
+    poll_ms = _poll_ms()
+    _bench_cpus()
+    if timeout_s is not None and poll_ms > 1e3 * timeout_s:
+        raise AFDConfigError(
+            f"{POLL_MS}={os.environ[POLL_MS]!r}: the poll window may not be longer than "
+            f"--afd-timeout ({timeout_s:g} s = {1e3 * timeout_s:g} ms); use a number in "
+            f"0..{1e3 * timeout_s:g}"
+        )
+    if not local:
+        return
+    allowed = sorted(os.sched_getaffinity(0))
+    absent = sorted({cpu for cpus in lists or () for cpu in cpus} - set(allowed))
+    if absent:
+        raise AFDConfigError(
+            f"{FFN_CPUS}={os.environ[FFN_CPUS]!r}: CPU(s) {absent} are not available to this "
+            f"process; allowed: {_cpu_ranges(allowed)}"
+        )
+    if threads > len(allowed):
+        raise AFDConfigError(
+            f"{FFN_THREADS}={os.environ[FFN_THREADS]!r}: more threads than the "
+            f"{len(allowed)} CPU(s) this process may run on; use 1..{len(allowed)}"
+        )
+
+
+def _cpu_ranges(cpus: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

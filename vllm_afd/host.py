@@ -8,15 +8,134 @@ identifies it for its whole life.
 CPU binding: ``os.sched_setaffinity(0, ...)`` binds only the calling thread (and the threads it
 starts later); a process that already runs helper threads (a Ray worker) is bound thread by
 thread (``bind_process``).
+
+Files other users can plant. ``/dev/shm`` (and ``/tmp``) are shared by every user of the host:
+another user can create a file under a name we are about to use, or a symbolic link to one of
+ours. Every file of the product there is therefore opened with ``O_NOFOLLOW`` (and
+``O_NONBLOCK`` when only read, so a planted FIFO cannot block the opener), created with
+``O_EXCL`` and mode 0600, and checked after opening (``check_owned``: a regular file, owned by
+this user, no access for group or others) before a byte of it is trusted. Secrets (the Ray
+token, the tcp transport's shared secret) live in a private directory (``private_dir``:
+``mkdtemp``, mode 0700) in files of mode 0600 (``write_private_file``, ``read_private_file``).
 """
 
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 import socket
+import stat
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 
 SHM_DIR = "/dev/shm"
+#: Stores become visible to other CPUs in program order here (x86-64 total store order). The
+#: shm transport relies on it and refuses to run elsewhere (aarch64 is weakly ordered).
+STORE_ORDER_TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def shm_platform_problem() -> str | None:
+    """Why this machine cannot run the shm transport (``None``: it can): the one check behind
+    ``--afd-transport``'s start-up refusal and the shm endpoints' own."""
+    if STORE_ORDER_TSO:
+        return None
+    return (
+        f"the shm transport relies on x86-64 store ordering and this CPU ({platform.machine()}) "
+        "is weakly ordered (messages could be read torn); use --afd-transport tcp"
+    )
+
+
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class UnsafeFileError(PermissionError):
+    """A file the product was about to trust is not its own (planted by another user, a link,
+    not a regular file, or readable by others). The message names the file and what is wrong."""
+
+
+def check_owned(fd: int, path: str, exact_mode: int | None = 0o600) -> os.stat_result:
+    """``fstat(fd)`` if ``fd`` (opened from ``path``) is a regular file owned by this user with
+    no access for group or others (and, if given, exactly ``exact_mode``); else
+    ``UnsafeFileError``."""
+    info = os.fstat(fd)
+    mode = stat.S_IMODE(info.st_mode)
+    problem = None
+    if not stat.S_ISREG(info.st_mode):
+        problem = "not a regular file"
+    elif info.st_uid != os.geteuid():
+        problem = f"owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
+    elif mode & 0o077 or (exact_mode is not None and mode != exact_mode):
+        want = f"{exact_mode:#o}" if exact_mode is not None else "no group/other access"
+        problem = f"mode {mode:#o}, expected {want}"
+    if problem is not None:
+        raise UnsafeFileError(f"refusing {path}: {problem} (planted by another user?)")
+    return info
+
+
+def private_dir(prefix: str = "vllm_afd_") -> str:
+    """A new directory only this user can enter (``mkdtemp``: mode 0700, unguessable name)."""
+    return tempfile.mkdtemp(prefix=prefix)
+
+
+def remove_private_dir(path: str | None) -> None:
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def write_private_file(path: str, data: bytes) -> str:
+    """Create ``path`` (must not exist; never through a link) with mode 0600 holding ``data``."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    return path
+
+
+def read_private_file(path: str, max_bytes: int = 4096) -> bytes:
+    """The content of ``path`` if it is this user's own regular file, closed to group and
+    others (0600 or 0400), at most ``max_bytes`` long; else ``UnsafeFileError`` (``OSError``
+    if it cannot be opened)."""
+    fd = os.open(path, _READ_FLAGS)
+    try:
+        info = check_owned(fd, path, exact_mode=None)
+        if info.st_size > max_bytes:
+            raise UnsafeFileError(f"refusing {path}: {info.st_size} bytes, at most {max_bytes}")
+        return os.read(fd, max_bytes)
+    finally:
+        os.close(fd)
+
+
+def open_owned_segment(name: str, writable: bool = False) -> int:
+    """Open ``/dev/shm/<name>`` without following links and check it is ours (mode 0600);
+    returns the descriptor. Raises ``FileNotFoundError`` or ``UnsafeFileError``."""
+    path = os.path.join(SHM_DIR, name)
+    flags = (os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC) if writable else _READ_FLAGS
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise UnsafeFileError(f"refusing {path}: {exc}") from None  # ELOOP: a link
+    try:
+        check_owned(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def create_segment(name: str, size: int) -> int:
+    """Create ``/dev/shm/<name>`` (``O_EXCL``, never through a link, mode 0600) of ``size``
+    bytes; returns the descriptor. ``FileExistsError`` if the name is taken."""
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        unlink_segment(name)
+        raise
+    return fd
 
 
 def process_start_time(pid: int) -> int | None:
@@ -70,12 +189,18 @@ def unlink_segment(name: str) -> bool:
 
 
 def read_segment_header(name: str, words: int) -> Sequence[int] | None:
-    """The first ``words`` int64 words of ``/dev/shm/<name>``, or ``None`` if unreadable/short."""
+    """The first ``words`` int64 words of ``/dev/shm/<name>``, or ``None`` if unreadable, short
+    or not this user's own file (``open_owned_segment``: another user's file is never read)."""
     try:
-        with open(os.path.join(SHM_DIR, name), "rb") as fh:
-            raw = fh.read(8 * words)
+        fd = open_owned_segment(name)
     except OSError:
         return None
+    try:
+        raw = os.pread(fd, 8 * words, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     if len(raw) < 8 * words:
         return None
     return memoryview(raw).cast("q")
@@ -85,7 +210,8 @@ def reap_segments(
     prefix: str, words: int, is_stale: Callable[[str, Sequence[int]], bool]
 ) -> list[str]:
     """Unlink the segments named ``<prefix>...`` whose header (``words`` int64 words) makes
-    ``is_stale(name, header)`` true; returns the names unlinked."""
+    ``is_stale(name, header)`` true; returns the names unlinked. Only this user's own segments
+    are looked at (``read_segment_header``)."""
     try:
         names = os.listdir(SHM_DIR)
     except OSError:

@@ -57,6 +57,7 @@ class Server:
         extra: tuple[str, ...] = ("--afd-ratio", "2:1"),
         dtype: str = "float32",
         env: dict[str, str] | None = None,
+        max_num_batched_tokens: int = 64,
     ):
         self.model, self.log, self.port = model, log, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -74,7 +75,7 @@ class Server:
             "--max-model-len",
             "512",
             "--max-num-batched-tokens",
-            "64",
+            str(max_num_batched_tokens),
             "--enforce-eager",
             "--enable-prefix-caching",
             "--enable-chunked-prefill",

@@ -7,6 +7,7 @@ engine or FFN start in its output and by the time it took.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import subprocess
 import sys
 import time
@@ -92,12 +93,62 @@ def _cases(qwen3: str, dense: str) -> list[tuple[str, tuple[str, ...], str, dict
             "cannot reach Ray at 127.0.0.1:9",
         ),
         ("option without ratio", (qwen3, "--afd-transport", "tcp"), "--afd-ratio is required"),
+        (
+            "infinite timeout",
+            (qwen3, "--afd-ratio", "1:1", "--afd-timeout", "inf"),
+            "--afd-timeout (additional_config.afd.timeout_s): must be a finite number",
+        ),
+        (
+            "empty afd section",
+            (qwen3, "--additional-config", '{"afd": {}}'),
+            "additional_config.afd is empty: --afd-ratio (additional_config.afd.ratio) is required",
+        ),
+        (
+            "FFN host not on this machine",
+            (
+                qwen3,
+                "--afd-ratio",
+                "1:1",
+                "--afd-transport",
+                "tcp",
+                "--afd-ffn-host",
+                "203.0.113.7",
+            ),
+            "--afd-ffn-host (additional_config.afd.ffn_host): '203.0.113.7' is not an address of "
+            "this machine",
+        ),
     ]
     bad_cpus = {"VLLM_AFD_FFN_CPUS": "0|1"}  # two CPU lists for one FFN rank
     bad_poll = {"VLLM_AFD_POLL_MS": "-1"}
+    absent_cpu = str(max(os.sched_getaffinity(0)) + 1)
+    tcp = (qwen3, "--afd-ratio", "1:1", "--afd-transport", "tcp")
     return [(*case, None) for case in flag_cases] + [
         ("FFN CPU lists", (qwen3, "--afd-ratio", "1:1"), "VLLM_AFD_FFN_CPUS", bad_cpus),
         ("poll window", (qwen3, "--afd-ratio", "1:1"), "VLLM_AFD_POLL_MS='-1'", bad_poll),
+        (
+            "poll window longer than the timeout",
+            (qwen3, "--afd-ratio", "1:1", "--afd-timeout", "1"),
+            "VLLM_AFD_POLL_MS='5000': the poll window may not be longer than --afd-timeout",
+            {"VLLM_AFD_POLL_MS": "5000"},
+        ),
+        (
+            "absent FFN CPU",
+            (qwen3, "--afd-ratio", "1:1"),
+            f"VLLM_AFD_FFN_CPUS='{absent_cpu}': CPU(s) [{absent_cpu}] are not available",
+            {"VLLM_AFD_FFN_CPUS": absent_cpu},
+        ),
+        (
+            "FFN threads",
+            (qwen3, "--afd-ratio", "1:1"),
+            "VLLM_AFD_FFN_THREADS='99999999999999999999'",
+            {"VLLM_AFD_FFN_THREADS": "99999999999999999999"},
+        ),
+        (
+            "tcp secret file",
+            tcp,
+            "VLLM_AFD_AUTH_FILE='/nonexistent/afd_secret': cannot use it",
+            {"VLLM_AFD_AUTH_FILE": "/nonexistent/afd_secret"},
+        ),
     ]
 
 

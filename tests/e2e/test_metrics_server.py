@@ -45,7 +45,6 @@ def test_serve_exposes_afd_metrics(tiny_qwen3, tmp_path):
         **os.environ,
         "VLLM_HOST_IP": "127.0.0.1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "RAY_AUTH_MODE": "disabled",
     }
     env.pop(envs.RUNTIME, None)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)

@@ -1,4 +1,5 @@
-"""The FFN group joins an existing Ray cluster given by --afd-ray-address."""
+"""The FFN group joins an existing Ray cluster given by --afd-ray-address: one with token
+authentication, whose token the user passes through (``RAY_AUTH_TOKEN_PATH``)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,14 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def ray_head(tmp_path):
+def ray_token(tmp_path) -> str:
+    from vllm_afd.host import write_private_file
+
+    return write_private_file(str(tmp_path / "ray_token"), os.urandom(32).hex().encode())
+
+
+@pytest.fixture
+def ray_head(tmp_path, ray_token):
     port = _free_port()
     ray = Path(sys.executable).with_name("ray")
     head = subprocess.Popen(
@@ -44,7 +52,7 @@ def ray_head(tmp_path):
             "false",
             "--block",
         ],
-        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+        env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": ray_token},
         stdout=(tmp_path / "head.log").open("w"),
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -68,11 +76,13 @@ def ray_head(tmp_path):
         head.wait(timeout=30)
 
 
-def test_ffn_group_runs_on_a_given_cluster(tiny_qwen3, ray_head):
+def test_ffn_group_runs_on_a_given_cluster(tiny_qwen3, ray_head, ray_token):
     address, head = ray_head
     job = {"model": tiny_qwen3, "prompts": ["hello world", "1 2 3"], "max_tokens": 8}
     colocated = run_generation(job)
-    result = run_generation({**job, "afd": {"ratio": "1:1", "ray_address": address}})
+    afd = {"ratio": "1:1", "ray_address": address}
+    # The user's token, passed through (RAY_AUTH_MODE defaults to token when one is given).
+    result = run_generation({**job, "afd": afd, "env": {"RAY_AUTH_TOKEN_PATH": ray_token}})
     assert result["token_ids"] == colocated["token_ids"]
     assert len(result["ffn"]) == 1
     # The deployment only joined the cluster: stopping it must leave the cluster running.

@@ -149,3 +149,44 @@ def test_pipeline_parallelism_and_eplb_are_refused_with_afd_only():
     with pytest.raises(AFDConfigError, match="--enable-eplb"):
         check_supported(_vllm_config({"ratio": "1:1"}, eplb=True))
     check_supported(_vllm_config(None, pp=2, eplb=True))  # AFD off: stock vLLM decides
+
+
+@pytest.mark.parametrize("timeout", ["inf", "-inf", "nan", "0", "-1"])
+def test_timeout_must_be_finite_and_positive(timeout):
+    with pytest.raises(AFDConfigError, match=r"--afd-timeout .*finite number of seconds > 0"):
+        AFDConfig.from_dict({"ratio": "1:1", "timeout_s": timeout})
+
+
+@pytest.mark.parametrize("section", [{}, "1:1", ["1:1"]])
+def test_an_empty_or_malformed_afd_section_is_an_error_not_afd_off(section):
+    config = SimpleNamespace(additional_config={"afd": section})
+    with pytest.raises(AFDConfigError, match="additional_config.afd"):
+        AFDConfig.of(config)
+    if section == {}:
+        with pytest.raises(AFDConfigError, match=r"--afd-ratio \(additional_config.afd.ratio\)"):
+            AFDConfig.of(config)
+    assert AFDConfig.of(SimpleNamespace(additional_config={"afd": None})) is None
+    assert AFDConfig.of(SimpleNamespace(additional_config={})) is None
+
+
+@pytest.mark.parametrize("host", ["no-such-host.invalid", "300.1.2.3", "192.0.2.254"])
+def test_ffn_host_must_be_an_address_of_this_machine(host):
+    from vllm_afd.config import check_this_host
+
+    with pytest.raises(
+        AFDConfigError, match=rf"--afd-ffn-host \(additional_config.afd.ffn_host\): '{host}'"
+    ):
+        check_this_host(AFDConfig(ratio=(1, 1), transport="tcp", ffn_host=host))
+
+
+def test_ffn_host_accepts_local_addresses_and_remote_ffn_hosts():
+    from vllm_afd.config import check_this_host
+
+    for host in ("127.0.0.1", "0.0.0.0", "localhost"):
+        check_this_host(AFDConfig(ratio=(1, 1), transport="tcp", ffn_host=host))
+    # FFN ranks in a given Ray cluster may run elsewhere: only resolvable is required.
+    check_this_host(AFDConfig(ratio=(1, 1), ffn_host="192.0.2.254", ray_address="10.0.0.1:6379"))
+    with pytest.raises(AFDConfigError, match="--afd-ffn-host"):
+        check_this_host(
+            AFDConfig(ratio=(1, 1), ffn_host="no-such-host.invalid", ray_address="10.0.0.1:6379")
+        )

@@ -96,3 +96,38 @@ def test_no_module_but_envs_reads_a_vllm_afd_variable():
 def test_user_guide_documents_every_variable():
     guide = (PACKAGE.parent / "docs" / "user-guide.md").read_text()
     assert [n for n in envs.environment_variables if f"`{n}`" not in guide] == []
+
+
+def test_poll_window_may_not_exceed_the_timeout(monkeypatch):
+    monkeypatch.setenv(envs.POLL_MS, "5000")
+    envs.check_all(num_ffn_ranks=1, timeout_s=5.0)
+    with pytest.raises(AFDConfigError, match=r"VLLM_AFD_POLL_MS='5000'.*--afd-timeout \(2 s"):
+        envs.check_all(num_ffn_ranks=1, timeout_s=2.0)
+
+
+def test_ffn_cpus_must_be_available_here(monkeypatch):
+    allowed = sorted(os.sched_getaffinity(0))
+    absent = max(allowed) + 1
+    monkeypatch.setenv(envs.FFN_CPUS, str(absent))
+    with pytest.raises(
+        AFDConfigError, match=rf"VLLM_AFD_FFN_CPUS='{absent}'.*\[{absent}\].*allowed"
+    ):
+        envs.check_all(num_ffn_ranks=1)
+    envs.check_all(num_ffn_ranks=1, local=False)  # FFN ranks elsewhere: not checkable here
+    monkeypatch.setenv(envs.FFN_CPUS, str(allowed[0]))
+    envs.check_all(num_ffn_ranks=1)
+
+
+@pytest.mark.parametrize("bad", ["99999999999999999999", "²", "1.5", "-2"])
+def test_ffn_threads_are_bounded(monkeypatch, bad):
+    monkeypatch.setenv(envs.FFN_THREADS, bad)
+    with pytest.raises(AFDConfigError, match=re.escape(f"{envs.FFN_THREADS}={bad!r}")):
+        envs.check_all(num_ffn_ranks=1, local=False)
+
+
+def test_ffn_threads_at_most_the_cpus_here(monkeypatch):
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setenv(envs.FFN_THREADS, str(cpus + 1))
+    with pytest.raises(AFDConfigError, match=rf"more threads than the {cpus} CPU"):
+        envs.check_all(num_ffn_ranks=1)
+    envs.check_all(num_ffn_ranks=1, local=False)

@@ -2,7 +2,8 @@
 
     vllm-afd bench [--recipe NAME] [--model DIR] [--ratios 1:1,2:1] [--microbatches 1,2]
                    [--ep-sizes 2] [--batch 16] [--prompt-len 128] [--output-len 64]
-                   [--profile P.json] [--json out.json] [--plot out.png]
+                   [--speculative-config JSON] [--profile P.json] [--json out.json]
+                   [--plot out.png]
 
 ``--recipe`` names a complete configuration from ``bench.recipes``; flags override it.
 
@@ -30,6 +31,15 @@ configuration and Eq. 2's split (``bench.metrics``), whether the greedy tokens a
 single-rank colocated, and with ``--profile`` the planner's CPU prediction (``planner.cpu``) and
 its error. A microbatch count the product does not apply is reported as
 unsupported (the FFN counters show how many requests per layer and step arrived).
+
+``--speculative-config`` (vLLM's JSON, e.g. ``'{"method": "ngram", "num_speculative_tokens": 3,
+"prompt_lookup_max": 3}'``) applies the same speculation to every configuration, so that S_all
+and S_att compare AFD with speculation against the same speculation colocated and on wide EP.
+A step then emits 1 to 1 + d tokens per request: tokens/s counts the tokens emitted (tau per
+request and step over the window, ``tok/step``), and each configuration reports vLLM's
+acceptance rate (accepted / draft tokens) and mean acceptance length (1 + accepted / drafts)
+over its decodes. The planner's predictions verify 1 + d positions per request
+(d = ``num_speculative_tokens``).
 """
 
 from __future__ import annotations
@@ -44,7 +54,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_afd.bench.metrics import BenchConfig, Measurement, build_rows, prediction_error
+from vllm_afd.bench.metrics import (
+    BenchConfig,
+    Measurement,
+    build_rows,
+    prediction_error,
+    spec_summary,
+)
 from vllm_afd.bench.recipes import BenchRecipe, get_recipe, recipe_names
 from vllm_afd.bench.window import period_stats, window_intervals
 
@@ -83,6 +99,28 @@ def _positive(text: str) -> int:
 
 def _ep_sizes(text: str) -> list[int]:
     return [] if text.strip().lower() == "none" else _list(_positive)(text)
+
+
+def _speculative_config(text: str) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` JSON; the bench needs its draft length d."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(spec, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    d = spec.get("num_speculative_tokens")
+    if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+        raise argparse.ArgumentTypeError(
+            f"needs num_speculative_tokens >= 1 (the draft length d), got {text!r}"
+        )
+    return spec
+
+
+def draft_length(settings: dict[str, Any]) -> int:
+    """d: tokens drafted per request and step (0 without ``--speculative-config``)."""
+    spec = settings.get("speculative_config") or {}
+    return int(spec.get("num_speculative_tokens") or 0)
 
 
 def _recipe(name: str) -> BenchRecipe:
@@ -128,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip", type=_positive, default=None, help="steady steps dropped (2)")
     p.add_argument("--threads", type=_positive, default=None, help="threads per rank (1)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help="vLLM's speculative config, applied to every configuration "
+        '(\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}\')',
+    )
     p.add_argument("--profile", help="CPU profile from `vllm-afd profile` (adds predictions)")
     p.add_argument("--json", dest="json_path", help="write rows and settings as JSON")
     p.add_argument("--plot", help="write a PNG of tokens/s per device and S_all")
@@ -160,6 +206,9 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             settings[key] = value
     settings["model"] = args.model or settings.get("model")
+    spec = getattr(args, "speculative_config", None) or settings.get("speculative_config")
+    if spec:  # absent without speculation: the settings (and their JSON) stay as they were
+        settings["speculative_config"] = spec
     settings["afd_batch"] = settings["afd_batch"] or settings["batch"]
     return settings
 
@@ -207,13 +256,15 @@ def job_for(config: BenchConfig, settings: dict[str, Any]) -> dict[str, Any]:
         "output_len": settings["output_len"],
         "skip": settings["skip"],
         "max_model_len": settings["prompt_len"] + settings["output_len"] + 16,
-        "max_num_batched_tokens": max(512, config.engine_batch),
+        "max_num_batched_tokens": max(512, config.engine_batch * (1 + draft_length(settings))),
         "tensor_parallel_size": config.tensor_parallel,
         "enable_expert_parallel": config.expert_parallel,
         "instrument": config.tensor_parallel == 1,
     }
     if config.data_parallel > 1:
         job["dp"] = {"size": config.data_parallel}
+    if settings.get("speculative_config"):
+        job["speculative_config"] = settings["speculative_config"]
     from vllm_afd.bench.launch import core_plan
 
     plan = core_plan(config.attention_ranks, config.ffn_ranks, settings["threads"])
@@ -276,6 +327,26 @@ def step_breakdown(runs: list[dict], batch: int, skip: int) -> dict[str, float]:
     }
 
 
+def speculation_summary(runs: list[dict], batch: int, skip: int) -> dict[str, Any]:
+    """With speculation: tokens per request and step over the windows (tau), and vLLM's
+    counters summed over every decode and rank with the acceptance they give; {} without."""
+    from vllm_afd.bench.window import steady_window
+
+    if not any("spec_decode" in run for run in runs):
+        return {}
+    new = steps = 0
+    for run in runs:
+        window = steady_window([s["decoding"] for s in run["steps"]], batch, skip)
+        new += sum(run["steps"][i]["new"] for i in window)
+        steps += len(window)
+    keys = ("drafts", "draft_tokens", "accepted_tokens")
+    counts = {k: sum(run.get("spec_decode", {}).get(k, 0) for run in runs) for k in keys}
+    out: dict[str, Any] = {"spec_decode": counts, **spec_summary(counts)}
+    if steps:
+        out["tokens_per_step"] = new / (steps * batch)
+    return out
+
+
 def tokens_by_request(ready: list[dict], first_round: list[dict]) -> dict[int, list[int]]:
     """Request index -> greedy tokens of the first decode (each DP rank holds its own range)."""
     out: dict[int, list[int]] = {}
@@ -299,6 +370,7 @@ def measure(
         intervals += window_intervals(run["steps"], config.engine_batch, skip)
     m = Measurement(config, period=period_stats(intervals).to_dict())
     m.extra |= step_breakdown(runs, config.engine_batch, skip)
+    m.extra |= speculation_summary(runs, config.engine_batch, skip)
     m.extra["startup_s"] = max(info["startup_s"] for info in ready)
     m.extra["tokens_by_request"] = tokens_by_request(ready, rounds[0])
     ffn = ffn_window_summary(runs, config) if config.kind == "afd" else None
@@ -455,6 +527,7 @@ def add_predictions(
     configuration with more rank cores than the ``cpus`` this bench may use (default: its
     affinity) time-shares cores, which the model does not describe: such a row gets the
     prediction for its layout with one device per rank and a ``prediction_note``, but no error.
+    With a speculative config every rank verifies ``1 + d`` positions per request and step.
     """
     from vllm_afd.planner.cpu import load_cpu_fit, predict_afd, predict_colocated
     from vllm_afd.planner.models import get_model
@@ -463,6 +536,7 @@ def add_predictions(
     model = get_model(settings["model"])
     context = settings["prompt_len"] + settings["output_len"] / 2
     cpus = cpus or len(os.sched_getaffinity(0))
+    d = draft_length(settings)
     for row in rows:
         if "step_ms" not in row or row["kind"] == "wide-ep":
             continue
@@ -471,9 +545,9 @@ def add_predictions(
         if row["kind"] == "afd":
             k = 1 if row["status"].startswith("unsupported") else row["microbatches"]
             r = row["attention_ranks"] / row["ffn_ranks"]
-            pred = predict_afd(fit, model, b, r, row["ffn_ranks"], context, min(k, 2))
+            pred = predict_afd(fit, model, b, r, row["ffn_ranks"], context, min(k, 2), d)
         else:
-            pred = predict_colocated(fit, model, b, context)
+            pred = predict_colocated(fit, model, b, context, d)
         row |= pred.to_dict()
         if cores > cpus:
             row["prediction_note"] = (

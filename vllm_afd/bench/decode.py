@@ -10,7 +10,8 @@ and timestamps the end of every step, recording how many requests were decoding 
 stays up between decodes, answering each stdin command with one ``RESULT_PREFIX`` line, so that
 the parent can interleave configurations decode by decode (``bench.launch``). The
 parent (``bench.ab``) picks the steady-state window from those records (``bench.window``): steps
-in which every request emits exactly one token, after prefill, minus a few transition steps and
+in which every request emits a token (exactly one; with a ``speculative_config``, one to
+``1 + d``: the step records how many, ``new``), after prefill, minus a few transition steps and
 the final step. Driving ``step()`` directly works for every layout used here: in-process single
 rank, tensor parallel (multiprocess executor), and offline SPMD data parallel (one child per DP
 rank, ``VLLM_DP_*`` environment), where ranks step in lockstep.
@@ -20,6 +21,10 @@ parent gets the FFN service time and the number of FFN requests per layer and st
 whether microbatching is in effect). With ``instrument`` set, the core-attention modules and the
 routed experts are timed through wrappers (eager mode only), which is how ``vllm-afd profile``
 splits the colocated step into attention, MoE and the auxiliary rest D_V.
+
+With a ``speculative_config`` (vLLM's, e.g. n-gram) the engine logs stats, and every decode
+reports vLLM's speculative counters over it (``spec_decode``: drafts, draft tokens, accepted
+tokens; ``offline_run.spec_decode_counts``, read through ``LLM.get_metrics``).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from collections import defaultdict
 from typing import Any
 
 from vllm_afd import envs
-from vllm_afd.bench.offline_run import param_bytes
+from vllm_afd.bench.offline_run import param_bytes, spec_decode_counts
 from vllm_afd.host import bind_process
 
 RESULT_PREFIX = "VLLM_AFD_BENCH "
@@ -138,7 +143,16 @@ def _engine_kwargs(job: dict[str, Any]) -> dict[str, Any]:
         kwargs["distributed_executor_backend"] = "uni"
     if job.get("afd"):
         kwargs["additional_config"] = {"afd": job["afd"]}
+    if job.get("speculative_config"):
+        kwargs["speculative_config"] = job["speculative_config"]
+        kwargs["disable_log_stats"] = False  # the acceptance counters (every config alike)
     return kwargs
+
+
+def draft_length(job: dict[str, Any]) -> int:
+    """Tokens the job's speculative config drafts per request and step (0 without one)."""
+    spec = job.get("speculative_config") or {}
+    return int(spec.get("num_speculative_tokens") or 0)
 
 
 def _ffn_stats() -> list[dict] | None:
@@ -185,7 +199,13 @@ class Driver:
         for i, rid in enumerate(ids):
             prompt = {"prompt_token_ids": prompt_tokens(first + i, prompt_len, self.vocab, seed)}
             self.engine.add_request(rid, prompt, params)
-        return self._loop(ids, output_len)
+        if not self.job.get("speculative_config"):
+            return self._loop(ids, output_len)
+        before = spec_decode_counts(self.llm)
+        run = self._loop(ids, output_len)
+        after = spec_decode_counts(self.llm)
+        run["spec_decode"] = {key: after[key] - before[key] for key in after}
+        return run
 
     def _loop(self, ids: list[str], output_len: int) -> dict:
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
@@ -206,9 +226,9 @@ class Driver:
         for out in outputs:
             if out.request_id in tokens:
                 tokens[out.request_id].extend(out.outputs[0].token_ids)
-        decoding = sum(
-            1 for rid, t in tokens.items() if before[rid] >= 1 and len(t) == before[rid] + 1
-        )
+        # a request decodes when it had its first token and emits more: exactly one without
+        # speculation, 1 to 1 + d (the accepted draft tokens and the bonus token) with it
+        decoding = sum(1 for rid, t in tokens.items() if before[rid] >= 1 and len(t) > before[rid])
         new = sum(len(t) for t in tokens.values()) - sum(before.values())
         return {"dt": dt, "decoding": decoding, "new": new, **self.timers.take()}
 
@@ -217,7 +237,9 @@ class Driver:
 
         The window starts after the ``skip``-th step in which every request decodes and ends
         with the last step before the first request completes (that final step is excluded),
-        the same rule ``window.steady_window`` applies to the timestamps.
+        the same rule ``window.steady_window`` applies to the timestamps. With speculation a
+        step emits up to ``1 + d`` tokens per request, so the window's FFN counters end at the
+        first step after which a request could complete (up to ``d`` steps early).
         """
         if record["decoding"] != len(tokens):
             return time.perf_counter()
@@ -225,7 +247,7 @@ class Driver:
         edges = []
         if ffn["steady_seen"] == self.job.get("skip", 2):
             edges.append(("before", "first_step"))
-        if max(len(t) for t in tokens.values()) == output_len - 1:
+        if max(len(t) for t in tokens.values()) >= output_len - 1 - draft_length(self.job):
             edges.append(("after", "last_step"))
         for key, step_key in edges:
             stats = _ffn_stats()

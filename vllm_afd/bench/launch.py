@@ -194,18 +194,22 @@ class SharedRay:
     Without it each AFD child would start its own Ray (GCS, raylet, workers): slower start-up,
     and several idle clusters' background work competing with the configuration being measured.
     Workers (the FFN ranks) run at nice 0 like every other rank of the benchmark.
-    Children reach it through ``additional_config.afd.ray_address``.
+    Children reach it through ``additional_config.afd.ray_address``. It is secured as the
+    product's own local instance is (``placement.use_local_ray_credentials``: token
+    authentication, loopback); the children inherit the token's path from this process.
     """
 
     def __init__(self, num_cpus: int) -> None:
         import ray
 
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        from vllm_afd.placement import use_local_ray_credentials
+
         # Ray starts workers at nice 15; on a machine shared with other users that starves the
         # FFN ranks (the colocated configurations run at nice 0), so start them at nice 0.
         os.environ.setdefault("RAY_worker_niceness", "0")
         self._owns = not ray.is_initialized()
         if self._owns:
+            use_local_ray_credentials()
             ray.init(
                 address="local",  # never join another user's cluster (ray_current_cluster)
                 num_cpus=num_cpus,
@@ -221,3 +225,7 @@ class SharedRay:
 
         if self._owns and ray.is_initialized():
             ray.shutdown()
+        if self._owns:
+            from vllm_afd.placement import release_credentials
+
+            release_credentials()

@@ -12,6 +12,13 @@ with r = A / F, split into batch gain b_A / b_V, overlap gain T_V / T_A and disa
 r / (r + 1) by the planner's own ``decompose`` so the harness and the planner agree by
 construction. On the CPU there is no HBM limit at these sizes, so b_A = b_V unless
 ``--afd-batch`` differs from ``--batch``: the batch gain is 1 by design, not measured.
+
+With speculative decoding a step emits tau tokens per request (1 <= tau <= 1 + d: the accepted
+draft tokens plus the bonus token, measured over the window), so tokens/s counts tau b / T and
+Eq. 2 gains a fourth factor, the token gain tau_A / tau_V (``token_gain``; 1 when both sides
+accept alike, as greedy decoding of the same tokens does). ``spec_summary`` turns vLLM's
+counters into the acceptance rate (accepted / draft tokens) and the mean acceptance length
+(1 + accepted / drafts, vLLM's definition: tokens per verify step of a request that drafted).
 """
 
 from __future__ import annotations
@@ -79,10 +86,18 @@ class Measurement:
     def step_s(self) -> float:
         return self.period["median_ms"] / 1e3
 
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens per request and step over the window (tau; 1 without speculation)."""
+        return self.extra.get("tokens_per_step", 1.0)
 
-def throughput(config: BenchConfig, step_s: float) -> dict[str, float]:
-    """Tokens/s in total, per device (all devices) and per attention device."""
-    total = config.per_rank_batch * config.attention_ranks / step_s
+
+def throughput(
+    config: BenchConfig, step_s: float, tokens_per_step: float = 1.0
+) -> dict[str, float]:
+    """Tokens/s in total, per device (all devices) and per attention device, with
+    ``tokens_per_step`` tokens per request and step (tau)."""
+    total = config.per_rank_batch * config.attention_ranks * tokens_per_step / step_s
     return {
         "tok_s": total,
         "tok_s_per_device": total / config.devices,
@@ -95,13 +110,18 @@ def best_colocated(measurements: list[Measurement]) -> Measurement | None:
     candidates = [m for m in measurements if m.ok and m.config.kind != "afd"]
     if not candidates:
         return None
-    return max(candidates, key=lambda m: throughput(m.config, m.step_s)["tok_s_per_device"])
+    return max(
+        candidates,
+        key=lambda m: throughput(m.config, m.step_s, m.tokens_per_step)["tok_s_per_device"],
+    )
 
 
 def speedups(m: Measurement, base: Measurement) -> dict[str, float | None]:
-    """S_all, S_att and Eq. 2's three factors of ``m`` against ``base``."""
-    x = throughput(m.config, m.step_s)
-    x_v = throughput(base.config, base.step_s)["tok_s_per_device"]
+    """S_all, S_att and Eq. 2's three factors of ``m`` against ``base`` (four with
+    speculation: the token gain tau_A / tau_V)."""
+    x = throughput(m.config, m.step_s, m.tokens_per_step)
+    x_v = throughput(base.config, base.step_s, base.tokens_per_step)["tok_s_per_device"]
+    token_gain = m.tokens_per_step / base.tokens_per_step
     out: dict[str, float | None] = {
         "s_all": x["tok_s_per_device"] / x_v,
         "s_att": x["tok_s_per_attention_device"] / x_v,
@@ -109,6 +129,8 @@ def speedups(m: Measurement, base: Measurement) -> dict[str, float | None]:
         "overlap_gain": base.step_s / m.step_s,
         "disaggregation_cost": None,
     }
+    if "tokens_per_step" in m.extra or "tokens_per_step" in base.extra:
+        out["token_gain"] = token_gain
     r = m.config.r
     if r is not None:
         d = decompose(m.config.per_rank_batch, m.step_s, base.config.per_rank_batch, base.step_s, r)
@@ -116,7 +138,7 @@ def speedups(m: Measurement, base: Measurement) -> dict[str, float | None]:
             "batch_gain": d.batch_gain,
             "overlap_gain": d.overlap_gain,
             "disaggregation_cost": d.disaggregation_cost,
-            "eq2_s_all": d.s_all,
+            "eq2_s_all": d.s_all * token_gain,
         }
     return out
 
@@ -151,11 +173,22 @@ def build_rows(measurements: list[Measurement]) -> list[dict[str, Any]]:
                 "step_mean_ms": m.period["mean_ms"],
                 "intervals": m.period["intervals"],
             }
-            row |= throughput(c, m.step_s)
+            row |= throughput(c, m.step_s, m.tokens_per_step)
             if base is not None:
                 row |= speedups(m, base)
         rows.append(row)
     return rows
+
+
+def spec_summary(counts: dict[str, float]) -> dict[str, float | None]:
+    """Acceptance rate (accepted / draft tokens) and mean acceptance length (1 + accepted /
+    drafts) from vLLM's counters; None where nothing was drafted."""
+    drafts, draft_tokens = counts.get("drafts", 0), counts.get("draft_tokens", 0)
+    accepted = counts.get("accepted_tokens", 0)
+    return {
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
 
 
 def prediction_error(predicted_ms: float, measured_ms: float) -> float:

@@ -23,7 +23,6 @@ RESULT_PREFIX = "VLLM_AFD_RESULT "
 DEFAULT_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
-    "RAY_AUTH_MODE": "disabled",
     "TOKENIZERS_PARALLELISM": "false",
     # lets collective_rpc ship the small parameter-counting function to MP workers
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
@@ -100,7 +99,8 @@ def _generate(job: dict[str, Any]) -> dict[str, Any]:
         logprobs=0 if job.get("logprobs") else None,  # 0: the sampled token's only
     )
     prompts = job["prompts"]
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+    if job.get("warmup", True):
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))
     t1 = time.perf_counter()
     if job.get("one_at_a_time"):  # each prompt alone: the batches a server sees, one request
         outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
@@ -119,6 +119,10 @@ def _generate(job: dict[str, Any]) -> dict[str, Any]:
         "startup_s": startup_s,
         "generate_s": gen_s,
         "output_tokens": sum(len(t) for t in tokens),
+        "prompt_lens": [len(o.prompt_token_ids or ()) for o in outputs],
+        # prompt tokens not computed here: local prefix cache hits plus KV loaded through a
+        # KV connector (a disaggregated decode instance's prefill)
+        "num_cached_tokens": [o.num_cached_tokens or 0 for o in outputs],
         "attention_param_bytes": llm.collective_rpc(param_bytes)[0],
         "ffn": _ffn_report(),
     }

@@ -6,10 +6,15 @@ Columns (one row per configuration; docs/benchmarks.md explains each):
     devices), tok/s/att (attention devices), S_all, S_att, batch x overlap x r/(r+1), same
     (greedy tokens identical to single-rank colocated), pred ms, err % and err@V % (the error
     with the prediction scaled to the colocated baseline's measured speed) with --profile, status.
+
+With --speculative-config: tok/step (tokens per request and step over the window), acc %
+(accepted / draft tokens), acc len (mean acceptance length, 1 + accepted / drafts), and the
+split gains the token gain: batch x tok x overlap x r/(r+1).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 COLUMNS = (
@@ -19,6 +24,9 @@ COLUMNS = (
     ("b", "per_rank_batch", "{}"),
     ("T ms", "step_ms", "{:.2f}"),
     ("p90", "step_p90_ms", "{:.2f}"),
+    ("tok/step", "tokens_per_step", "{:.2f}"),
+    ("acc %", "_acceptance_pct", "{:.1f}"),
+    ("acc len", "mean_acceptance_length", "{:.2f}"),
     ("tok/s/dev", "tok_s_per_device", "{:.0f}"),
     ("tok/s/att", "tok_s_per_attention_device", "{:.0f}"),
     ("S_all", "s_all", "{:.3f}"),
@@ -38,7 +46,10 @@ def _derived(row: dict[str, Any]) -> dict[str, Any]:
     if row.get("batch_gain") is not None and row.get("overlap_gain") is not None:
         cost = row.get("disaggregation_cost")
         cost_text = f"{cost:.3f}" if cost is not None else "1"
-        out["_split"] = f"{row['batch_gain']:.2f} x {row['overlap_gain']:.3f} x {cost_text}"
+        token = f"{row['token_gain']:.3f} x " if row.get("token_gain") is not None else ""
+        out["_split"] = f"{row['batch_gain']:.2f} x {token}{row['overlap_gain']:.3f} x {cost_text}"
+    if row.get("acceptance_rate") is not None:
+        out["_acceptance_pct"] = 100 * row["acceptance_rate"]
     same = row.get("identical")
     out["_same"] = "-" if same is None else ("yes" if same else "NO")
     status = row["status"]
@@ -60,9 +71,26 @@ def has_predictions(rows: list[dict[str, Any]]) -> bool:
     return any("predicted_ms" in r for r in rows)
 
 
+SPEC_COLUMNS = {"tok/step", "acc %", "acc len"}
+SPLIT = "batch x overlap x r/(r+1)"
+
+
+def has_speculation(rows: list[dict[str, Any]]) -> bool:
+    return any("spec_decode" in r or "token_gain" in r for r in rows)
+
+
 def _columns(rows: list[dict[str, Any]]) -> list[int]:
     drop = set() if has_predictions(rows) else {"pred ms", "err %", "err@V %"}
+    if not has_speculation(rows):
+        drop |= SPEC_COLUMNS
     return [i for i, (title, _, _) in enumerate(COLUMNS) if title not in drop]
+
+
+def _title(i: int, rows: list[dict[str, Any]]) -> str:
+    title = COLUMNS[i][0]
+    if title == SPLIT and any(r.get("token_gain") is not None for r in rows):
+        return "batch x tok x overlap x r/(r+1)"
+    return title
 
 
 def footnotes(rows: list[dict[str, Any]]) -> list[str]:
@@ -73,7 +101,7 @@ def footnotes(rows: list[dict[str, Any]]) -> list[str]:
 def format_plain(rows: list[dict[str, Any]]) -> str:
     """A fixed-width text table and its footnotes."""
     keep = _columns(rows)
-    table = [[COLUMNS[i][0] for i in keep]] + [[cells(r)[i] for i in keep] for r in rows]
+    table = [[_title(i, rows) for i in keep]] + [[cells(r)[i] for i in keep] for r in rows]
     widths = [max(len(line[j]) for line in table) for j in range(len(keep))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in table]
     lines.insert(1, "-" * len(lines[0]))
@@ -81,11 +109,15 @@ def format_plain(rows: list[dict[str, Any]]) -> str:
 
 
 def header(settings: dict[str, Any]) -> str:
-    return (
+    text = (
         f"vllm-afd bench: {settings['model']}  prompt {settings['prompt_len']} + "
         f"output {settings['output_len']} tokens, {settings['threads']} thread(s) per rank, "
         f"{settings['rounds']} interleaved decode(s) per config, {settings['dtype']}"
     )
+    spec = settings.get("speculative_config")
+    if spec:
+        text += f", speculative {json.dumps(spec, separators=(',', ':'))} in every config"
+    return text
 
 
 def print_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> None:
@@ -100,7 +132,8 @@ def print_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> None:
     table = Table(title=header(settings), title_justify="left")
     keep = _columns(rows)
     for i in keep:
-        table.add_column(COLUMNS[i][0], justify="left" if i in (0, 1, 14) else "right")
+        left = COLUMNS[i][0] in ("config", "layout", "status")
+        table.add_column(_title(i, rows), justify="left" if left else "right")
     for row in rows:
         c = cells(row)
         table.add_row(*[c[i] for i in keep])

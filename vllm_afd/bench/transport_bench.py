@@ -64,6 +64,7 @@ from collections.abc import Callable
 
 import torch
 
+from vllm_afd import envs
 from vllm_afd.testing.ffn import EchoForward, ffn_worker_main
 from vllm_afd.transport import TransportSpec, create_attention_transport
 from vllm_afd.transport.p2p import WaitPolicy
@@ -487,6 +488,19 @@ def _machine() -> dict:
     }
 
 
+def _tcp_secret() -> str | None:
+    """The tcp endpoints authenticate with a deployment's shared secret: give the benchmark's
+    one (a private directory, removed at the end), unless ``VLLM_AFD_AUTH_FILE`` names one."""
+    if envs.VLLM_AFD_AUTH_FILE:
+        return None
+    from vllm_afd.host import private_dir, write_private_file
+    from vllm_afd.transport.auth import new_secret
+
+    directory = private_dir()
+    os.environ[envs.AUTH_FILE] = write_private_file(f"{directory}/tcp_secret", new_secret())
+    return directory
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -494,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     cpus = allowed[:2] if args.pin and len(allowed) >= 2 else None
     if cpus:
         os.sched_setaffinity(0, {cpus[0]})
-    ctx = mp.get_context("forkserver")
+    secret_dir = _tcp_secret() if "tcp" in args.backends else None
+    ctx = mp.get_context("forkserver")  # its children inherit the secret's path
     ctx.set_forkserver_preload(["vllm_afd.testing.ffn"])
     print("  ".join(f"{c:>11}" for c in _COLUMNS))
     results = []
@@ -508,6 +523,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         peer.close()
         os.sched_setaffinity(0, allowed)
+        if secret_dir is not None:
+            from vllm_afd.host import remove_private_dir
+
+            remove_private_dir(secret_dir)
+            os.environ.pop(envs.AUTH_FILE, None)
     summary = summarize(results)
     for backend, s in summary.items():
         print(

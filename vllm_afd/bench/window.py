@@ -3,7 +3,8 @@
 FastAFD (A.1) measures the decode step period T over a steady window: after the last prefill
 step, with every slot occupied, ending at the first completion. The decode driver records, per
 engine step, its wall-clock duration ``dt`` (end of the previous step to end of this one) and how
-many requests emitted exactly one token having already emitted one before (``decoding``). Here:
+many requests emitted a token having already emitted one before (``decoding``; exactly one
+token each without speculative decoding, up to ``1 + d`` with it). Here:
 
 * a step is *steady* when ``decoding == batch`` (every request decodes; no prefill in it);
 * the window is the steady steps minus the first ``skip`` (the transition right after prefill:

@@ -39,14 +39,16 @@ colocated.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-
-from vllm_afd.host import free_port
 
 logger = logging.getLogger("vllm.afd")
 
@@ -72,16 +74,22 @@ def engine_config(model_dir: str | Path, dtype: torch.dtype):
 
 
 def _ensure_world() -> None:
-    """A vLLM world of this one process (gloo), as a worker has, unless there is one."""
+    """A vLLM world of this one process (gloo), as a worker has, unless there is one.
+
+    Its rendezvous is a file in a private directory, not ``tcp://``: torch's TCP store
+    listens on every interface whatever host the URL names, with no authentication.
+    """
     from vllm.distributed import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         return
     if not torch.distributed.is_initialized():
+        private = tempfile.mkdtemp(prefix="vllm_afd_world_")  # mode 0700
+        atexit.register(shutil.rmtree, private, ignore_errors=True)
         parallel_state.init_distributed_environment(
             world_size=1,
             rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+            distributed_init_method=f"file://{os.path.join(private, 'store')}",
             local_rank=0,
             backend="gloo",
         )
@@ -92,9 +100,14 @@ def _materialise(layer: torch.nn.Module, device: str) -> None:
     """Real NaN-filled memory for ``layer``'s own parameters (zeros for integer ones).
 
     New ``Parameter`` objects carry over the old ones' attributes (``weight_loader`` and the
-    other loader metadata vLLM sets), which ``Module.to_empty`` would drop.
+    other loader metadata vLLM sets), which ``Module.to_empty`` would drop. Parameters that
+    another module holds too (marked ``_afd_elsewhere``: the router's
+    ``e_score_correction_bias``, which vLLM hands the layer) stay on meta: they are routing
+    state, and routing runs on the attention ranks.
     """
     for name, param in list(layer.named_parameters(recurse=False)):
+        if getattr(param, "_afd_elsewhere", False):
+            continue
         fill = float("nan") if param.is_floating_point() else 0
         new = torch.nn.Parameter(
             torch.full(param.shape, fill, dtype=param.dtype, device=device), requires_grad=False
@@ -145,7 +158,7 @@ def _check_loaded(name: str, layer) -> None:
     local = layer.expert_map_manager.get_local_expert_ids()
     missing: dict[str, list[int]] = {}
     for pname, param in layer.named_parameters(recurse=False):
-        if not param.is_floating_point():
+        if not param.is_floating_point() or param.is_meta:  # meta: routing state (_materialise)
             continue
         nan = torch.isnan(param.detach())
         per_expert = nan.reshape(nan.shape[0], -1).any(1) if nan.dim() else nan.reshape(1)
@@ -192,6 +205,10 @@ def load_routed_experts(
             named = {n: m for n, m in model.named_modules() if isinstance(m, RoutedExperts)}
             if not named:
                 raise ValueError(f"{model_dir}: the model has no routed-expert layers")
+            for module in model.modules():
+                if not isinstance(module, RoutedExperts):
+                    for param in module.parameters(recurse=False):
+                        param._afd_elsewhere = True  # not the layer's own (_materialise)
             for layer in named.values():
                 _materialise(layer, device)
             held = next(iter(named.values())).expert_map_manager.get_local_expert_ids()

@@ -26,6 +26,14 @@ stops) or any new writer (``reap_stale_blocks``: blocks whose writer, in this pi
 gone). A dead FFN rank's block is kept until then, so ``vllm_afd_ffn_rank_alive`` reads 0 and its
 last counters stay visible.
 
+Other users. The names are derived, so another user of the host can guess them and plant a
+file first (or a link). Blocks are created with ``O_EXCL``/``O_NOFOLLOW``, mode 0600; a writer
+that finds its name taken by a stale block of its own reaps it and retries, and otherwise runs
+without metrics (logged; metrics never keep a rank from serving). Readers open with
+``O_NOFOLLOW``/``O_NONBLOCK`` and read only this user's own regular 0600 files whose size is
+exactly what their header's layout needs (``read_block``): a planted block is never read, so it
+can neither spoof counters nor make a scrape read a large (sparse) file.
+
 Liveness (``vllm_afd_ffn_rank_alive``): 1 when the FFN rank's block exists, is open and its writer
 process exists with the start time it recorded (no pid reuse); 0 otherwise. Blocks of another
 pid namespace are trusted on their state word alone. Blocks live in this host's ``/dev/shm``:

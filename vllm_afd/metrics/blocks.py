@@ -33,8 +33,12 @@ from dataclasses import dataclass
 
 from vllm_afd.host import (
     SHM_DIR,
+    UnsafeFileError,
+    create_segment,
+    open_owned_segment,
     pid_namespace,
     process_start_time,
+    read_segment_header,
     reap_segments,
     unlink_segment,
 )
@@ -52,6 +56,10 @@ BUCKETS: tuple[float, ...] = (
 #: counted in the totals only).
 ATTENTION_LAYER_CAPACITY = 1024
 ERROR_KINDS = ("timeout", "ffn_dead", "ffn_error", "other")
+#: Largest layer count / peer count a reader accepts in a block header (a corrupted or forged
+#: header cannot make a scrape allocate more).
+MAX_LAYERS = 1 << 16
+MAX_PEERS = 1 << 16
 
 _MAGIC = 0x3130_5354_4D44_4641  # b"AFDMST01" little-endian
 _VERSION = 1
@@ -173,16 +181,8 @@ class _Writer:
         self.rank = rank
         self.layout = layout = _Layout(max(1, layers), max(0, peers), len(BUCKETS))
         size = 8 * layout.words
-        path = os.path.join(SHM_DIR, name)
+        fd = _create_block(name, size)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except FileExistsError:
-            # Same address as a deployment whose writer is still alive: do not steal it.
-            raise RuntimeError(
-                f"AFD metrics block {name!r} exists and its writer is alive"
-            ) from None
-        try:
-            os.ftruncate(fd, size)
             self._mm = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
@@ -229,6 +229,27 @@ class _Writer:
             d[self._o_calls + layer] += 1.0
             d[self._o_seconds + layer] += seconds
             d[self._o_tokens + layer] += tokens
+
+
+def _create_block(name: str, size: int) -> int:
+    """Create block ``name`` (``host.create_segment``). A taken name is reaped if it is a stale
+    block of ours (``reap_stale_blocks`` already ran, so only a race leaves one) and refused
+    otherwise: a live writer's block is not stolen, another user's file is not touched."""
+    try:
+        return create_segment(name, size)
+    except FileExistsError:
+        pass
+    path = os.path.join(SHM_DIR, name)
+    header = read_segment_header(name, _HEADER_WORDS)
+    if header is None:
+        raise UnsafeFileError(
+            f"AFD metrics block {path} exists and is not this user's (planted by another "
+            "user?); metrics of this rank are off"
+        )
+    if header[_H_MAGIC] == _MAGIC and not _writer_alive(header[_H_PID], header[_H_START]):
+        unlink_segment(name)
+        return create_segment(name, size)
+    raise RuntimeError(f"AFD metrics block {name!r} exists and its writer is alive")
 
 
 class FFNStatsBlock(_Writer):
@@ -359,20 +380,36 @@ class BlockSnapshot:
 
 
 def read_block(name: str) -> BlockSnapshot | None:
-    """Copy block ``name``; ``None`` if it does not exist or is not (yet) a valid block."""
+    """Copy block ``name``; ``None`` if it does not exist, is not (yet) a valid block, or is
+    not this user's own file (``host.open_owned_segment``: regular, ours, mode 0600, opened
+    without following links). Only the header's layout worth of bytes is read, and only when
+    the file has exactly that size."""
     try:
-        with open(os.path.join(SHM_DIR, name), "rb") as fh:
-            raw = fh.read()
+        fd = open_owned_segment(name)
     except OSError:
         return None
-    if len(raw) < 8 * _HEADER_WORDS:
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8 * _HEADER_WORDS, 0)
+        if len(head) < 8 * _HEADER_WORDS:
+            return None
+        q = memoryview(head).cast("q")
+        if q[_H_MAGIC] != _MAGIC or q[_H_VERSION] != _VERSION:
+            return None
+        layers, peers, buckets = q[_H_LAYERS], q[_H_PEERS], q[_H_BUCKETS]
+        if not (0 < layers <= MAX_LAYERS and 0 <= peers <= MAX_PEERS and buckets == len(BUCKETS)):
+            return None
+        layout = _Layout(layers, peers, buckets)
+        if size != 8 * layout.words:
+            return None
+        raw = os.pread(fd, size, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) != size:
         return None
     q = memoryview(raw).cast("q")
-    if q[_H_MAGIC] != _MAGIC or q[_H_VERSION] != _VERSION:
-        return None
-    layout = _Layout(q[_H_LAYERS], q[_H_PEERS], q[_H_BUCKETS])
-    if len(raw) < 8 * layout.words:
-        return None
     d = memoryview(raw).cast("d")
     calls = d[layout.calls : layout.seconds]
     seconds = d[layout.seconds : layout.tokens]

@@ -34,6 +34,13 @@ def configure_runner(runner) -> int:
     k = 1 if afd is None else afd.microbatches
     if k <= 1:
         return 1
+    if runner.vllm_config.model_config.use_mla:
+        logger.warning(
+            "AFD: --afd-microbatches %d -> 1 for this MLA model: on vLLM's CPU build its "
+            "attention gives other tokens when a decode step is split into microbatches",
+            k,
+        )
+        return 1
     check_supported(runner.vllm_config)
     parallel = runner.parallel_config
     parallel.ubatch_size = parallel._afd_ubatch_size = k  # M6 reads the marker
@@ -148,8 +155,18 @@ def _forward_microbatches(runner, original, parent, arguments: dict) -> Any:
     resume = [functools.partial(_set_forward_context, c) for c in contexts]
     with override_forward_context(None):
         outputs = _pingpong(runner, len(slices)).run(jobs, resume)
-    if isinstance(outputs[0], tuple):
-        return tuple(torch.cat(parts) for parts in zip(*outputs, strict=True))
+    return _concat_outputs(outputs)
+
+
+def _concat_outputs(outputs: list) -> Any:
+    """The microbatches' model outputs joined along tokens, in the structure of one: a tensor,
+    or a tuple whose items are tensors or lists of tensors (EAGLE-3 targets return
+    ``(hidden_states, [aux hidden states])``)."""
+    import torch
+
+    first = outputs[0]
+    if isinstance(first, (tuple, list)):
+        return type(first)(_concat_outputs(list(parts)) for parts in zip(*outputs, strict=True))
     return torch.cat(outputs)
 
 

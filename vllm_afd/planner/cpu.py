@@ -19,6 +19,11 @@ Predicted step periods (b requests per attention rank, r = A / F, m = r n routed
     AFD, k = 2  T_A = 2 sum_l max(S, F(r n)) + min(S, F(r n)),  S = A(n, c) + D_V(n) / L,
                 n = b / 2                                      (Eq. 3 + the pipeline's fill/drain)
 
+With speculative decoding (draft length d) a verify step carries ``q = 1 + d`` positions per
+request through every term, so each formula is evaluated at ``q b`` positions in place of ``b``
+requests (attention at ``q`` queries per request over the same context); the draft's own time
+T_draft is not modelled (n-gram drafting is host work; a draft model would add its own step).
+
 ``k = 2`` is the paper's two-microbatch form with D_V spread over the layers; on the CPU it
 charges the host part of D_V twice, which only a microbatched engine would actually pay. The
 ``min`` term is the two-stage pipeline's fill or drain: when attention is the bottleneck, the
@@ -119,8 +124,11 @@ class CpuPrediction:
         }
 
 
-def predict_colocated(fit: CpuFit, model: ModelSpec, batch: float, context: float) -> CpuPrediction:
-    """T_V for ``batch`` requests on one colocated rank."""
+def predict_colocated(
+    fit: CpuFit, model: ModelSpec, batch: float, context: float, draft_length: int = 0
+) -> CpuPrediction:
+    """T_V for ``batch`` requests on one colocated rank, ``1 + draft_length`` positions each."""
+    batch = batch * (1 + draft_length)
     attention = model.num_layers * fit.attention_s(batch, context)
     moe = model.num_moe_layers * fit.kernel_s(batch)
     aux = fit.aux_s(batch)
@@ -135,14 +143,20 @@ def predict_afd(
     ffn_ranks: int,
     context: float,
     microbatches: int = 1,
+    draft_length: int = 0,
 ) -> CpuPrediction:
-    """T_A for ``batch`` requests per attention rank at ``ratio`` = A / F and k microbatches.
+    """T_A for ``batch`` requests per attention rank at ``ratio`` = A / F and k microbatches,
+    ``1 + draft_length`` positions per request.
 
     ``k = 1`` sums attention, auxiliary and remote FFN service in series; ``k = 2`` is Eq. 3.
     Raises ValueError for other k or non-positive inputs.
     """
-    if not (batch > 0 and ratio > 0 and ffn_ranks >= 1):
-        raise ValueError(f"need batch, ratio > 0 and ffn_ranks >= 1: {batch}, {ratio}, {ffn_ranks}")
+    if not (batch > 0 and ratio > 0 and ffn_ranks >= 1 and draft_length >= 0):
+        raise ValueError(
+            f"need batch, ratio > 0, ffn_ranks >= 1 and draft_length >= 0: "
+            f"{batch}, {ratio}, {ffn_ranks}, {draft_length}"
+        )
+    batch = batch * (1 + draft_length)
     if microbatches == 1:
         attention = model.num_layers * fit.attention_s(batch, context)
         ffn = model.num_moe_layers * ffn_service(model, fit.hardware, ratio * batch, ffn_ranks)

@@ -47,7 +47,12 @@ from typing import Generic, TypeVar
 import torch
 
 from vllm_afd import envs
-from vllm_afd.transport.base import AttentionTransport, DispatchHandle, TransportSpec
+from vllm_afd.transport.base import (
+    AttentionTransport,
+    DispatchHandle,
+    ProtocolError,
+    TransportSpec,
+)
 from vllm_afd.transport.control import StepSchedule, Tag
 
 #: Cached row counts per ``ViewCache`` before the cache is dropped and rebuilt (bounds memory).
@@ -184,11 +189,19 @@ def combine_partials(handle: DispatchHandle, partials: dict[int, torch.Tensor]) 
     Returns:
         ``[T, H]`` ``handle.dtype``: row ``t`` is ``0 + sum_f partial_f[t]`` over ranks in
         ascending order. Rows that no rank answered are zero.
+    Raises:
+        ProtocolError: if an answer has another row count than the tokens sent to its rank
+            (a corrupted header: never a silently short or long result).
     """
     num_tokens = handle.num_tokens
     out: torch.Tensor | None = None
     for rank, rows in handle.token_index.items():
         part = partials[rank]
+        if part.shape[0] != rows.shape[0]:
+            raise ProtocolError(
+                f"FFN rank {rank} answered {part.shape[0]} rows for the {rows.shape[0]} "
+                f"token(s) of layer {handle.layer} sent to it"
+            )
         if out is None and rows.numel() == num_tokens:
             out = part.clone()  # 0 + part == part exactly: skip the zero fill
             continue

@@ -32,8 +32,15 @@ and combine does one ``clone`` (measured numbers: docs/benchmarks.md).
 Publish order. The writer stores the payload, then the other header words, then the sequence
 number; the reader loads the sequence number, then the rest. This relies on x86-64 total store
 order (stores become visible in program order, loads are not reordered with older loads) and on
-CPython/PyTorch doing plain stores (glibc fences its non-temporal large copies). It is not safe
-on weakly ordered CPUs (aarch64): a warning is emitted there; use the tcp backend.
+CPython/PyTorch doing plain stores (glibc fences its non-temporal large copies). Python has no
+portable store/load barrier to add on weakly ordered CPUs (aarch64), so there the backend is
+refused (``--afd-transport`` names it at start-up, and both endpoints refuse to be created):
+use ``--afd-transport tcp``.
+
+Header fields are checked, never trusted: a request whose token count is negative or above
+``max_tokens`` is answered with an error (and not read), and an answer whose row count or error
+length is out of range, or whose rows differ from the tokens sent, fails the combine with
+``ProtocolError`` (``p2p.combine_partials``).
 
 Sequence numbers count per (attention rank, FFN rank) channel, start after the highest number
 found in the segment (a restarted attention rank never repeats one), and tie a response to its
@@ -58,8 +65,14 @@ The pid check is skipped (timeout only) when the FFN rank lives in another pid n
 Cleanup. The creator unlinks its segment on ``close()``, at interpreter exit and when collected
 (``weakref.finalize``); attachers never unlink (the raw-file approach also keeps
 ``multiprocessing.resource_tracker`` out of it). A SIGKILLed creator leaks its segment until
-``reap_stale_segments`` runs: every FFN rank calls it for its prefix at start-up, and launchers
-can call it after an FFN rank died.
+``reap_stale_segments`` runs: every FFN rank calls it for its prefix at start-up, so does the
+front-end before it starts an FFN group, and launchers can call it after an FFN rank died.
+
+Other users. ``/dev/shm`` is shared by every user of the host. Segment names end in 8 random
+bytes (unguessable before they exist); a segment is created with ``O_EXCL``/``O_NOFOLLOW`` and
+mode 0600, and a name that is taken (planted) is replaced by a fresh one instead of failing;
+attaching opens with ``O_NOFOLLOW`` and refuses a segment that is not this user's own regular
+file of mode 0600 (``host.open_owned_segment``). Reaping only reads this user's own files.
 
 Addresses. The FFN side's ``address`` is the segment name. ``spec.addresses[rank]``, when set on
 the FFN side, is taken as the segment-name prefix to use (default ``DEFAULT_PREFIX``).
@@ -70,10 +83,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import platform
 import secrets
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -82,9 +93,13 @@ import torch
 
 from vllm_afd.host import (
     SHM_DIR,
+    UnsafeFileError,
+    create_segment,
+    open_owned_segment,
     pid_namespace,
     process_start_time,
     reap_segments,
+    shm_platform_problem,
     unlink_segment,
 )
 from vllm_afd.transport.base import (
@@ -122,7 +137,8 @@ _REQ_SEQ, _REQ_LAYER, _REQ_NTOK, _REQ_STEP, _REQ_MB = range(5)
 _RESP = _LINE // 8
 _RESP_SEQ, _RESP_NTOK, _RESP_ERR, _RESP_STEP, _RESP_LAYER, _RESP_MB = range(_RESP, _RESP + 6)
 
-_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+#: Fresh names an FFN rank tries when its segment name is taken (planted by someone else).
+_CREATE_ATTEMPTS = 8
 
 
 def _cpu_getter() -> Callable[[], int]:
@@ -277,16 +293,17 @@ class _Segment:
 
     @classmethod
     def create(cls, name: str, layout: _Layout) -> _Segment:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        """``FileExistsError`` if ``name`` is taken (see ``host.create_segment``)."""
+        fd = create_segment(name, layout.total_bytes)
         try:
-            os.ftruncate(fd, layout.total_bytes)
             return cls(name, mmap.mmap(fd, layout.total_bytes), layout)
         finally:
             os.close(fd)
 
     @classmethod
     def attach(cls, name: str, layout: _Layout) -> _Segment:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        """Map an existing segment: ours (``host.open_owned_segment``), of the spec's size."""
+        fd = open_owned_segment(name, writable=True)
         try:
             size = os.fstat(fd).st_size
             if size != layout.total_bytes:
@@ -338,14 +355,10 @@ def reap_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
     return reap_segments(prefix, _G_LAYOUT, is_stale)
 
 
-def _warn_if_not_tso() -> None:
-    if not _X86:
-        warnings.warn(
-            f"the shm AFD transport assumes x86-64 store ordering; {platform.machine()} is "
-            "weakly ordered and may read torn messages: use the tcp backend",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+def _refuse_if_not_tso() -> None:
+    problem = shm_platform_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
 
 
 class ShmAttentionTransport(PointToPointAttentionTransport):
@@ -354,7 +367,7 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
     backend_name = "shm"
 
     def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
-        _warn_if_not_tso()
+        _refuse_if_not_tso()
         super().__init__(spec, rank, wait)
         self._layout = layout = _Layout.of(spec)
         self._segments = [self._attach(f, name, layout) for f, name in enumerate(spec.addresses)]
@@ -372,6 +385,8 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
                 f"FFN rank {ffn_rank}: shared-memory segment {name!r} not found "
                 "(FFN rank not started, or already gone)"
             ) from None
+        except UnsafeFileError as exc:
+            raise TransportError(f"FFN rank {ffn_rank}: {exc}") from None
         words = segment.words
         found = tuple(words[_G_LAYOUT : _G_LAYOUT + len(layout.params)])
         if words[_G_MAGIC] != _MAGIC or words[_G_VERSION] != _VERSION or found != layout.params:
@@ -473,14 +488,19 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
                             f"timeout_s={self.spec.timeout_s}"
                         )
                     next_check = now + LIVENESS_INTERVAL_S
-        error = words[buffers.resp_err]
+        error, rows = words[buffers.resp_err], words[buffers.resp_ntok]
+        if not (0 <= error <= len(buffers.error_text) and 0 <= rows <= self.spec.max_tokens):
+            raise ProtocolError(
+                f"FFN rank {ffn_rank}: corrupted response header in slot {slot}: {rows} rows, "
+                f"{error} error bytes (max_tokens={self.spec.max_tokens})"
+            )
         if error:
             text = bytes(buffers.error_text[:error]).decode(errors="replace")
             raise FFNServeError(f"FFN rank {ffn_rank}: {text}")
         answer = (words[buffers.resp_step], words[buffers.resp_layer], words[buffers.resp_mb])
         if answer != (tag.step, tag.layer, tag.microbatch):
             raise ProtocolError(answer_mismatch(ffn_rank, tag, Tag(*answer)))
-        return buffers.views[words[buffers.resp_ntok]][3]
+        return buffers.views[rows][3]
 
     def _check_alive(self, ffn_rank: int) -> None:
         """Raise ``TransportError`` if FFN rank ``ffn_rank`` closed its endpoint or died."""
@@ -506,13 +526,13 @@ class ShmFFNTransport(FFNTransport):
 
     def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
         super().__init__(spec, rank)
-        _warn_if_not_tso()
+        _refuse_if_not_tso()
         requested = spec.addresses[rank] if rank < len(spec.addresses) else ""
         prefix = requested or DEFAULT_PREFIX
         reap_stale_segments(prefix)
         self._layout = layout = _Layout.of(spec)
-        name = f"{prefix}{os.getpid()}_f{rank}_{secrets.token_hex(4)}"
-        self._segment = _Segment.create(name, layout)
+        self._segment = self._create(prefix, rank, layout)
+        name = self._segment.name
         self._finalizer = weakref.finalize(self, _unlink_if_creator, name, os.getpid())
         self._write_header(layout)
         self._words = self._segment.words
@@ -527,6 +547,22 @@ class ShmFFNTransport(FFNTransport):
         self._backoff = Backoff(wait or WaitPolicy())
         self._idle = False
         self._cpu = -1
+
+    @staticmethod
+    def _create(prefix: str, rank: int, layout: _Layout) -> _Segment:
+        """A new segment under a fresh random name; a taken name (a file someone planted) is
+        skipped, so it cannot keep the FFN rank from starting."""
+        taken = []
+        for _ in range(_CREATE_ATTEMPTS):
+            name = f"{prefix}{os.getpid()}_f{rank}_{secrets.token_hex(8)}"
+            try:
+                return _Segment.create(name, layout)
+            except FileExistsError:
+                taken.append(name)
+        raise TransportError(
+            f"FFN rank {rank}: could not create a shared-memory segment in {SHM_DIR}: "
+            f"{_CREATE_ATTEMPTS} fresh names were all taken ({', '.join(taken[:2])}, ...)"
+        )
 
     def _write_header(self, layout: _Layout) -> None:
         words = self._segment.words
@@ -574,12 +610,17 @@ class ShmFFNTransport(FFNTransport):
     def _poll(self) -> list[FFNRequest]:
         words = self._words
         requests = []
+        max_tokens = self.spec.max_tokens
         for i, (attention_rank, slot) in enumerate(self._slots):
             seq = words[slot.req_seq]
             if seq == self._seen[i]:
                 continue
             self._seen[i] = seq
-            x, ids, weights, out = slot.views[words[slot.req_ntok]]
+            num_tokens = words[slot.req_ntok]
+            if not 0 <= num_tokens <= max_tokens:
+                self._refuse_header(slot, seq, num_tokens)
+                continue
+            x, ids, weights, out = slot.views[num_tokens]
             step = words[slot.req_step]
             requests.append(
                 FFNRequest(
@@ -598,6 +639,23 @@ class ShmFFNTransport(FFNTransport):
         if len(requests) > 1:
             requests.sort(key=lambda r: (r.src_rank, r.tag[1]))
         return requests
+
+    def _refuse_header(self, slot: _Slot, seq: int, num_tokens: int) -> None:
+        """Answer a request whose header is out of range with an error (its payload is not
+        read): the attention rank fails the combine with the reason."""
+        words = self._words
+        text = (
+            f"corrupted request header: {num_tokens} tokens, allowed 0..{self.spec.max_tokens} "
+            "(max_tokens)"
+        ).encode()
+        slot.error_text[: len(text)] = text
+        words[_G_FFN_CPU] = self._cpu
+        words[slot.resp_ntok] = 0
+        words[slot.resp_err] = len(text)
+        words[slot.resp_step] = words[slot.req_step]
+        words[slot.resp_layer] = words[slot.req_layer]
+        words[slot.resp_mb] = words[slot.req_mb]
+        words[slot.resp_seq] = seq  # publish last (x86-64 TSO)
 
     def _schedule(self, attention_rank: int, step: int) -> StepSchedule | None:
         """The last schedule ``attention_rank`` announced (read again when a request names

@@ -7,10 +7,31 @@ attention rank opens one connection to every FFN rank and introduces itself with
 carrying its rank and the layout fields of its spec; an FFN rank that disagrees answers with a
 REJECT frame (its reason as text) and closes.
 
+Authentication (``auth.py``: the deployment's shared secret, ``VLLM_AFD_AUTH_FILE``). On accept
+the FFN rank sends a CHALLENGE (a fresh nonce); the HELLO must carry the HMAC of the secret over
+that nonce, the layout fields and the attention rank's own nonce, and the FFN rank answers a
+valid HELLO with a WELCOME (its own HMAC, which the attention rank checks) and anything else
+with a REJECT. So a forged or replayed HELLO is refused, and it cannot replace a live attention
+rank's connection: only an authenticated HELLO does (a restarted attention rank). Until then a
+connection may send nothing but one HELLO of the exact size, allocates no buffer, and counts
+against ``MAX_UNAUTHENTICATED`` (the oldest is closed when a new one would exceed it) and
+``HANDSHAKE_TIMEOUT_S`` (closed when older). The attention rank's ``_connect`` runs the
+handshake blocking, bounded by ``_CONNECT_TIMEOUT_S``: the FFN side answers from its ``recv``,
+so an FFN rank must be serving while attention ranks connect. Authentication happens at connect
+only; frames after it cost what they cost before.
+
+Bounds. Every frame size is checked against the spec before its body is read (a REQUEST or
+RESPONSE holds at most ``max_tokens`` rows, a SCHEDULE exactly the schedule words, a REJECT or
+ERROR text at most ``MAX_TEXT_BYTES``); anything else closes the connection. Replies queued for
+an attention rank that does not read are bounded (``max_outbox_bytes``: twice what its slots
+can legitimately have outstanding); past that the FFN rank drops that connection and serves on.
+
 Framing. Every frame is a fixed little-endian header ``(magic u32, kind u16, slot u16, layer i32,
 num_tokens i32, seq i64, step i64, microbatch u16)`` followed by raw bytes:
 
-    HELLO     _HELLO struct (9 x int64)
+    CHALLENGE nonce (``auth.NONCE_BYTES``), FFN -> attention, first frame of a connection
+    HELLO     _HELLO struct (9 x int64) | attention nonce | HMAC (``auth.hello_mac``)
+    WELCOME   HMAC (``auth.welcome_mac``), FFN -> attention: the HELLO was accepted
     SCHEDULE  the attention rank's next step (``control.StepSchedule.words``), ``num_tokens``
               bytes; ``step`` is the step
     REQUEST   x [n, H] spec.dtype | topk_ids [n, K] int32 | topk_weights [n, K] float32
@@ -54,6 +75,8 @@ from collections.abc import Callable, Collection
 
 import torch
 
+from vllm_afd.config import AFDConfigError
+from vllm_afd.transport import auth
 from vllm_afd.transport.base import (
     FFNRequest,
     FFNServeError,
@@ -77,10 +100,17 @@ _HEADER = struct.Struct("<IHHiiqqH6x")
 # version, rank, A, slots, max_tokens, hidden, top_k, itemsize, schedule words
 _HELLO = struct.Struct("<9q")
 _MAGIC = 0x41464454  # "AFDT"
-_VERSION = 2
+_VERSION = 3
 _HELLO_KIND, _REQUEST, _RESPONSE, _REJECT, _ERROR, _SCHEDULE = 1, 2, 3, 4, 5, 6
+_CHALLENGE, _WELCOME = 7, 8
+#: HELLO body: the layout fields, the attention rank's nonce, its HMAC.
+_HELLO_BODY = _HELLO.size + auth.NONCE_BYTES + auth.MAC_BYTES
 #: Longest REJECT or ERROR text a peer accepts.
 MAX_TEXT_BYTES = 16384
+#: Connections an FFN rank keeps open before they authenticated (the oldest goes first).
+MAX_UNAUTHENTICATED = 16
+#: Seconds a connection may take to authenticate before the FFN rank closes it.
+HANDSHAKE_TIMEOUT_S = 10.0
 _CONNECT_TIMEOUT_S = 10.0
 
 
@@ -116,6 +146,43 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"tcp address must be 'host:port', got {address!r}")
     return host or DEFAULT_HOST, int(port)
+
+
+def max_outbox_bytes(spec: TransportSpec) -> int:
+    """Most reply bytes an FFN rank queues for one attention rank before dropping it: twice
+    what its ``num_slots`` outstanding requests can be answered with."""
+    answer = max(spec.max_tokens * spec.hidden_size * spec.dtype.itemsize, MAX_TEXT_BYTES)
+    return 2 * spec.num_slots * (_HEADER.size + answer)
+
+
+def _secret() -> bytes:
+    """The deployment's shared secret, or ``TransportError`` saying why there is none."""
+    try:
+        return auth.load_secret()
+    except AFDConfigError as exc:
+        raise TransportError(f"tcp transport: {exc}") from None
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes from a blocking socket (``ConnectionError`` if the peer closes first)."""
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("connection closed by peer")
+        out += chunk
+    return bytes(out)
+
+
+def _recv_frame(sock: socket.socket, sizes: dict[int, tuple[int, int]]) -> tuple[int, bytes]:
+    """One frame from a blocking socket: ``(kind, body)``; ``sizes`` maps each allowed kind to
+    its (min, max) body bytes. Anything else raises ``ConnectionError``."""
+    header = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    magic, kind, n = header[0], header[1], header[4]
+    low, high = sizes.get(kind, (1, 0))
+    if magic != _MAGIC or not low <= n <= high:
+        raise ConnectionError(f"protocol error: unexpected frame {header} during the handshake")
+    return kind, _recv_exact(sock, n)
 
 
 def _open_socket(sock: socket.socket) -> socket.socket:
@@ -286,21 +353,53 @@ class TcpAttentionTransport(PointToPointAttentionTransport):
 
     def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
         super().__init__(spec, rank, wait)
+        self._secret = _secret()
         self._selector = selectors.DefaultSelector()
         self._schedule_words = schedule_words(spec.moe_layers)
-        self._peers = [self._connect(f, address) for f, address in enumerate(spec.addresses)]
+        self._peers: list[_FFNPeer] = []
+        for f, address in enumerate(spec.addresses):
+            self._peers.append(self._connect(f, address))
 
     def _connect(self, ffn_rank: int, address: str) -> _FFNPeer:
+        """Connect and authenticate (blocking, at most ``_CONNECT_TIMEOUT_S`` per step)."""
         try:
             sock = socket.create_connection(parse_address(address), timeout=_CONNECT_TIMEOUT_S)
-            hello = _HELLO.pack(*_hello_fields(self.spec, self.rank))
-            sock.sendall(bytes(_header(_HELLO_KIND, 0, 0, len(hello), 0)) + hello)
         except OSError as exc:
             msg = f"FFN rank {ffn_rank}: cannot connect to {address}: {exc}"
             raise TransportError(msg) from None
+        try:
+            self._handshake(sock, ffn_rank, address)
+        except BaseException:
+            sock.close()
+            raise
         peer = _FFNPeer(self.spec, ffn_rank, _open_socket(sock))
         self._selector.register(sock, selectors.EVENT_READ, peer)
         return peer
+
+    def _handshake(self, sock: socket.socket, ffn_rank: int, address: str) -> None:
+        """CHALLENGE -> HELLO -> WELCOME (see the module docstring); ``TransportError`` if the
+        FFN rank refuses this attention rank or cannot prove it holds the secret."""
+        where = f"FFN rank {ffn_rank} at {address}"
+        fields = _HELLO.pack(*_hello_fields(self.spec, self.rank))
+        nonce = auth.new_nonce()
+        try:
+            _, ffn_nonce = _recv_frame(sock, {_CHALLENGE: (auth.NONCE_BYTES, auth.NONCE_BYTES)})
+            mac = auth.hello_mac(self._secret, ffn_nonce, fields, nonce)
+            body = fields + nonce + mac
+            sock.sendall(bytes(_header(_HELLO_KIND, 0, 0, len(body), 0)) + body)
+            kind, answer = _recv_frame(
+                sock, {_WELCOME: (auth.MAC_BYTES, auth.MAC_BYTES), _REJECT: (0, MAX_TEXT_BYTES)}
+            )
+        except OSError as exc:  # timeouts, resets, protocol errors
+            raise TransportError(f"{where}: handshake failed ({exc})") from None
+        if kind == _REJECT:
+            reason = answer.decode(errors="replace")
+            raise TransportError(f"{where} rejected this attention rank: {reason}")
+        if not auth.verify(auth.welcome_mac(self._secret, ffn_nonce, fields, nonce), answer):
+            raise TransportError(
+                f"{where} failed authentication: it does not hold this deployment's shared "
+                "secret (VLLM_AFD_AUTH_FILE); is another process listening there?"
+            )
 
     def _announce_to(self, ffn_rank: int, schedule: StepSchedule) -> None:
         """A SCHEDULE frame, ahead of the step's requests on the same connection."""
@@ -435,11 +534,15 @@ class _AttentionPeer:
     ) -> None:
         self.sock = sock
         self.spec = spec
+        #: The attention rank, once its HELLO authenticated (None before).
         self.rank: int | None = None
         self.on_hello = on_hello
         self.requests: list[FFNRequest] = []
         self.reader = _FrameReader(sock, self._targets, self._on_frame)
-        self.hello = bytearray(_HELLO.size)
+        self.hello = bytearray(_HELLO_BODY)
+        #: The CHALLENGE nonce of this connection, and when it was accepted.
+        self.nonce = auth.new_nonce()
+        self.accepted_at = time.monotonic()
         self.outbox: list[memoryview] = []
         self.watching_write = False
         self.closed = False
@@ -460,8 +563,10 @@ class _AttentionPeer:
 
     def _targets(self, header: tuple) -> list[memoryview]:
         _, kind, slot, _, n, _, _, _ = header
-        if kind == _HELLO_KIND and self.rank is None and n == _HELLO.size:
-            return [memoryview(self.hello)]
+        if self.rank is None:  # before authentication: one HELLO of the exact size, nothing else
+            if kind == _HELLO_KIND and n == _HELLO_BODY:
+                return [memoryview(self.hello)]
+            raise ConnectionError(f"protocol error: frame {header} before authentication")
         if kind == _SCHEDULE and self.rank is not None and n == len(self._schedule_body):
             return [memoryview(self._schedule_body)]
         if kind != _REQUEST or self.rank is None or slot >= len(self.x):
@@ -507,9 +612,14 @@ class TcpFFNTransport(FFNTransport):
     def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
         super().__init__(spec, rank)
         self.wait = wait or WaitPolicy()
+        self._secret = _secret()
+        self._max_outbox = max_outbox_bytes(spec)
+        #: Connections not authenticated yet, oldest first.
+        self._pending: dict[_AttentionPeer, None] = {}
         requested = spec.addresses[rank] if rank < len(spec.addresses) else ""
         host, port = parse_address(requested) if requested else (DEFAULT_HOST, 0)
-        self._listener = socket.create_server((host, port), backlog=2 * spec.num_attention_ranks)
+        backlog = 2 * spec.num_attention_ranks + MAX_UNAUTHENTICATED
+        self._listener = socket.create_server((host, port), backlog=backlog)
         self._listener.setblocking(False)
         bound = self._listener.getsockname()[1]
         shown = socket.gethostname() if host in ("", "0.0.0.0") else host
@@ -528,6 +638,8 @@ class TcpFFNTransport(FFNTransport):
         backoff = Backoff(self.wait)
         deadline = backoff.start + timeout_s
         wait = 0.0
+        if self._pending:
+            self._expire_pending()
         while True:
             ready = self._selector.select(wait)
             for key, events in ready:
@@ -566,11 +678,33 @@ class TcpFFNTransport(FFNTransport):
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            while len(self._pending) >= MAX_UNAUTHENTICATED:
+                self._drop(next(iter(self._pending)))  # the oldest unauthenticated one
             peer = _AttentionPeer(_open_socket(sock), self.spec, self._on_hello)
             self._selector.register(sock, selectors.EVENT_READ, peer)
+            self._pending[peer] = None
+            challenge = [_header(_CHALLENGE, 0, 0, len(peer.nonce), 0), memoryview(peer.nonce)]
+            self._queue(peer, challenge)
+
+    def _expire_pending(self) -> None:
+        """Close connections that did not authenticate within ``HANDSHAKE_TIMEOUT_S``."""
+        too_old = time.monotonic() - HANDSHAKE_TIMEOUT_S
+        for peer in [p for p in self._pending if p.accepted_at < too_old]:
+            self._drop(peer)
 
     def _on_hello(self, peer: _AttentionPeer) -> None:
-        fields = _HELLO.unpack(peer.hello)
+        body = memoryview(peer.hello)
+        raw_fields = bytes(body[: _HELLO.size])
+        nonce = bytes(body[_HELLO.size : _HELLO.size + auth.NONCE_BYTES])
+        mac = body[_HELLO.size + auth.NONCE_BYTES :]
+        if not auth.verify(auth.hello_mac(self._secret, peer.nonce, raw_fields, nonce), mac):
+            self._reject(
+                peer,
+                "authentication failed: the HELLO does not carry this deployment's HMAC "
+                "(another VLLM_AFD_AUTH_FILE, or a forged or replayed HELLO)",
+            )
+            return
+        fields = _HELLO.unpack(raw_fields)
         rank = fields[1]
         expected = _hello_fields(self.spec, rank)
         if fields != expected or not 0 <= rank < self.spec.num_attention_ranks:
@@ -579,17 +713,20 @@ class TcpFFNTransport(FFNTransport):
         old = self._peers.get(rank)
         if old is not None:
             self._drop(old)  # a restarted attention rank replaces its old connection
+        self._pending.pop(peer, None)
         peer.rank = rank
         peer.allocate()
         self._peers[rank] = peer
+        welcome = auth.welcome_mac(self._secret, peer.nonce, raw_fields, nonce)
+        self._queue(peer, [_header(_WELCOME, 0, 0, len(welcome), 0), memoryview(welcome)])
 
     def _reject(self, peer: _AttentionPeer, reason: str) -> None:
-        body = reason.encode()
+        """Send a REJECT if the socket takes it now (never blocks: the serve loop must not
+        wait for a peer that does not read), then close."""
+        body = reason.encode()[:MAX_TEXT_BYTES]
         frame = bytes(_header(_REJECT, 0, 0, len(body), 0)) + body
         try:
-            peer.sock.setblocking(True)
-            peer.sock.settimeout(1.0)
-            peer.sock.sendall(frame)
+            peer.sock.send(frame)
         except OSError:
             pass
         self._drop(peer)
@@ -620,7 +757,8 @@ class TcpFFNTransport(FFNTransport):
         self._queue(peer, [header, memoryview(body)])
 
     def _queue(self, peer: _AttentionPeer, frame: list[memoryview]) -> None:
-        """Send ``frame`` after what is queued for ``peer``, as far as the socket takes it."""
+        """Send ``frame`` after what is queued for ``peer``, as far as the socket takes it. A
+        peer whose queue grows past ``max_outbox_bytes`` (it does not read) is dropped."""
         queued = bool(peer.outbox)
         peer.outbox += frame
         if not queued:
@@ -628,6 +766,8 @@ class TcpFFNTransport(FFNTransport):
                 self._flush(peer)
             except OSError:
                 self._drop(peer)
+        elif sum(len(view) for view in peer.outbox) > self._max_outbox:
+            self._drop(peer)
 
     def _flush(self, peer: _AttentionPeer) -> None:
         """Send queued replies without blocking; watch for writability while some remain."""
@@ -644,6 +784,7 @@ class TcpFFNTransport(FFNTransport):
             return
         peer.closed = True
         peer.outbox = []
+        self._pending.pop(peer, None)
         self._selector.unregister(peer.sock)
         peer.sock.close()
         if peer.rank is not None and self._peers.get(peer.rank) is peer:

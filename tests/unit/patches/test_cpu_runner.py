@@ -17,6 +17,7 @@ def _runner(afd: dict | None, **overrides) -> SimpleNamespace:
         supports_multimodal_inputs=False,
         uses_mrope=False,
         runner_type="generate",
+        use_mla=False,
     )
     parallel = SimpleNamespace(
         pipeline_parallel_size=1,
@@ -55,6 +56,14 @@ def test_m1_turns_vllm_microbatching_on_for_decode_steps():
     parallel = runner.parallel_config
     assert parallel.ubatch_size == 3 and parallel.dbo_decode_token_threshold == 3
     assert parallel.dbo_prefill_token_threshold == 65  # above max_num_batched_tokens
+
+
+def test_m1_runs_an_mla_model_with_one_microbatch():
+    """MLA models fall back to one microbatch (their CPU attention differs when split)."""
+    runner = _runner({"ratio": "1:1", "microbatches": 2})
+    runner.vllm_config.model_config.use_mla = True
+    assert cpu_runner.configure_runner(runner) == 1
+    assert runner.parallel_config.ubatch_size == 0
 
 
 def test_m1_refuses_what_microbatching_cannot_run():

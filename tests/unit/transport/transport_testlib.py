@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -119,6 +121,31 @@ def attach_and_exit(spec: TransportSpec) -> None:
 EXPERTS = ScaleExperts(torch.arange(1.0, 9.0) / 4)
 
 
+T = TypeVar("T")
+
+
+def while_serving(ffn: Sequence[FFNTransport], connect: Callable[[], T]) -> T:
+    """``connect()`` while a thread keeps the FFN endpoints' ``recv`` going: a tcp attention
+    endpoint authenticates at connect (CHALLENGE, HELLO, WELCOME), which the FFN side answers
+    from ``recv``. No request may arrive meanwhile."""
+    stop = threading.Event()
+    stray: list = []
+
+    def pump() -> None:
+        while not stop.is_set():
+            for endpoint in ffn:
+                stray.extend(endpoint.recv(0.005))
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    try:
+        return connect()
+    finally:
+        stop.set()
+        thread.join(5)
+        assert not stray, f"requests arrived while connecting: {stray}"
+
+
 class Loopback:
     """FFN endpoints created here, attention endpoints attached to them (one process)."""
 
@@ -126,9 +153,13 @@ class Loopback:
         self.ffn = [create_ffn_transport(spec, f) for f in range(spec.num_ffn_ranks)]
         addresses = tuple(endpoint.address for endpoint in self.ffn)
         self.spec = dataclasses.replace(spec, addresses=addresses)
-        self.attention = [
-            create_attention_transport(self.spec, a) for a in range(spec.num_attention_ranks)
-        ]
+        self.attention = [self.connect(a) for a in range(spec.num_attention_ranks)]
+
+    def connect(self, rank: int, spec: TransportSpec | None = None):
+        """A new attention endpoint (closed by the test) for ``rank``, of ``spec`` (default:
+        the loopback's)."""
+        spec = spec or self.spec
+        return while_serving(self.ffn, lambda: create_attention_transport(spec, rank))
 
     def serve(self, expect: int | None = None) -> list:
         """Answer what every FFN rank has pending; return the requests seen."""

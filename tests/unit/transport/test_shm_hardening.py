@@ -1,0 +1,140 @@
+"""The shm transport against other users and corruption: planted files never block an FFN
+rank nor get attached to, header fields are checked, weakly ordered CPUs are refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transport_testlib import SHM_PREFIX, expected, make_spec, recv_all, routing
+
+from vllm_afd import host
+from vllm_afd.config import AFDConfig, AFDConfigError, check_this_host
+from vllm_afd.transport import (
+    FFNServeError,
+    ProtocolError,
+    TransportError,
+    create_attention_transport,
+    create_ffn_transport,
+    shm,
+)
+from vllm_afd.transport.base import DispatchHandle
+from vllm_afd.transport.p2p import combine_partials
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _plant(name: str, mode: int = 0o644) -> str:
+    path = os.path.join(host.SHM_DIR, name)
+    with open(path, "wb") as fh:
+        fh.write(b"\0" * 4096)
+    os.chmod(path, mode)
+    return path
+
+
+def test_a_planted_name_does_not_keep_the_ffn_rank_from_starting(monkeypatch):
+    names = iter(["planted00000000", "fresh000000000000"])
+    monkeypatch.setattr(shm.secrets, "token_hex", lambda n: next(names))
+    planted = _plant(f"{SHM_PREFIX}{os.getpid()}_f0_planted00000000")
+    ffn = None
+    try:
+        ffn = create_ffn_transport(make_spec("shm", 1, 1), 0)
+        assert ffn.address.endswith("_fresh000000000000")
+    finally:
+        if ffn is not None:
+            ffn.close()
+        os.unlink(planted)
+
+
+@pytest.mark.parametrize("kind", ["mode", "link", "owner"])
+def test_attach_refuses_a_segment_that_is_not_ours(kind, tmp_path):
+    spec = make_spec("shm", 1, 1)
+    ffn = create_ffn_transport(spec, 0)
+    name = f"{SHM_PREFIX}planted_{kind}"
+    path = os.path.join(host.SHM_DIR, name)
+    try:
+        if kind == "link":  # a link to our real segment: never followed
+            os.symlink(os.path.join(host.SHM_DIR, ffn.address), path)
+        else:
+            os.link(os.path.join(host.SHM_DIR, ffn.address), path)  # the right size and header
+            if kind == "mode":
+                os.chmod(path, 0o644)
+            elif os.geteuid() == 0:
+                os.chown(path, 65534, 65534)
+            else:
+                pytest.skip("changing a file's owner needs root")
+        spec = spec.__class__(**{**spec.__dict__, "addresses": (name,)})
+        with pytest.raises(TransportError, match="refusing"):
+            create_attention_transport(spec, 0)
+    finally:
+        if kind == "mode":
+            os.chmod(path, 0o600)  # the hard link shares the real segment's inode
+        elif kind == "owner" and os.geteuid() == 0:
+            os.chown(path, 0, 0)
+        os.unlink(path)
+        ffn.close()
+
+
+def test_reaping_reads_only_our_own_files():
+    planted = _plant(f"{SHM_PREFIX}999999_f0_dead", mode=0o644)
+    try:
+        assert host.read_segment_header(os.path.basename(planted), 8) is None
+        assert shm.reap_stale_segments(SHM_PREFIX) == []
+        assert os.path.exists(planted)
+    finally:
+        os.unlink(planted)
+
+
+def test_a_corrupted_request_count_is_answered_with_an_error(loopback):
+    lb = loopback(make_spec("shm", 1, 1))
+    att, ffn = lb.attention[0], lb.ffn[0]
+    for bad in (lb.spec.max_tokens + 1, -1):
+        x, ids, weights = routing(1, lb.spec, seed=0)
+        handle = att.dispatch(0, x, ids, weights)
+        slot = att._slots[0][handle.state.slot]
+        att._words[0][slot.req_ntok] = bad  # before the FFN rank reads it
+        assert ffn.recv(0.05) == []
+        with pytest.raises(FFNServeError, match=f"corrupted request header: {bad} tokens"):
+            att.combine(handle)
+    x, ids, weights = routing(2, lb.spec, seed=1)
+    handle = att.dispatch(0, x, ids, weights)
+    lb.serve(expect=1)
+    assert torch.equal(att.combine(handle), expected(lb.spec, x, ids, weights))
+
+
+@pytest.mark.parametrize("rows", [3, -1, 10**6])
+def test_a_corrupted_answer_count_is_an_error(loopback, rows):
+    """One token sent, the response header says ``rows``: an error, never ``rows`` rows."""
+    lb = loopback(make_spec("shm", 1, 1))
+    att, ffn = lb.attention[0], lb.ffn[0]
+    x, ids, weights = routing(1, lb.spec, seed=2)
+    handle = att.dispatch(0, x, ids, weights)
+    for request in recv_all(ffn, 1):
+        ffn.reply(request, torch.zeros(1, lb.spec.hidden_size))
+    slot = att._slots[0][handle.state.slot]
+    att._words[0][slot.resp_ntok] = rows
+    with pytest.raises(ProtocolError, match="rows"):
+        att.combine(handle)
+
+
+def test_combine_checks_the_row_count_of_every_answer():
+    handle = DispatchHandle(
+        layer=4,
+        num_tokens=1,
+        hidden_size=2,
+        dtype=torch.float32,
+        token_index={0: torch.tensor([0])},
+    )
+    with pytest.raises(ProtocolError, match="FFN rank 0 answered 3 rows for the 1 token"):
+        combine_partials(handle, {0: torch.zeros(3, 2)})
+
+
+def test_weakly_ordered_cpus_refuse_shm(monkeypatch):
+    monkeypatch.setattr(host, "STORE_ORDER_TSO", False)
+    monkeypatch.setattr(host.platform, "machine", lambda: "aarch64")
+    with pytest.raises(AFDConfigError, match=r"--afd-transport .*aarch64.*--afd-transport tcp"):
+        check_this_host(AFDConfig(ratio=(1, 1)))
+    check_this_host(AFDConfig(ratio=(1, 1), transport="tcp"))
+    with pytest.raises(RuntimeError, match="use --afd-transport tcp"):
+        create_ffn_transport(make_spec("shm", 1, 1), 0)
