@@ -170,6 +170,22 @@ def _check_layers(spec: TransportSpec, rank: int, layers: dict) -> None:
         )
 
 
+def _check_split_on_attention_ranks(model_dir: str, layers: dict) -> None:
+    """ValueError unless the attention ranks will hand these layers to the FFN group: they get
+    ``AFDRoutedExperts`` only where the model builds vLLM's ``RoutedExperts`` itself (the
+    plugin's out-of-tree swap); a model class with its own subclass of it would start, give
+    colocated tokens and never send a token here (gpt-oss, dbrx)."""
+    from vllm_afd.remote_experts import AFDRoutedExperts
+
+    kept = sorted({type(layer).__name__ for layer in layers.values()} - {"AFDRoutedExperts"})
+    if not all(isinstance(layer, AFDRoutedExperts) for layer in layers.values()):
+        raise ValueError(
+            f"--afd-ratio: {model_dir}: this model's MoE layers are vLLM's {', '.join(kept)} (a "
+            "subclass of RoutedExperts the plugin does not replace), so its attention ranks "
+            "would keep every expert: AFD cannot split this model yet"
+        )
+
+
 def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The requests' rows stacked (no copy for a single request)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
@@ -185,6 +201,7 @@ class FFNExecutor:
         start = time.perf_counter()
         layers = load_routed_experts(model_dir, rank, spec.num_ffn_ranks, spec.dtype, device)
         _check_layers(spec, rank, layers)
+        _check_split_on_attention_ranks(model_dir, layers)
         self.layers = sorted(layers)  # the model's own numbers of the MoE layers served here
         self.param_bytes = expert_bytes(layers)
         self.kernel = ExpertKernel(layers, device)

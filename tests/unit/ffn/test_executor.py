@@ -178,3 +178,13 @@ def test_the_ffn_rank_refuses_a_request_its_schedule_does_not_have(tiny_qwen3):
         if endpoint is not None:
             endpoint.close()
         executor.stop()
+
+
+def test_a_model_whose_moe_layers_the_plugin_cannot_replace_is_refused(family_model):
+    """gpt-oss builds vLLM's own RoutedExperts subclass: its attention ranks would keep every
+    expert and never call the FFN rank, so the FFN rank refuses to start, naming the class."""
+    from tests.unit.ffn.conftest import GPT_OSS
+
+    spec = TransportSpec("shm", 1, 1, 8, 64, 2, 4, moe_layers=(0, 1))
+    with pytest.raises(ValueError, match="GptOssRoutedExperts.*AFD cannot split this model"):
+        FFNExecutor(spec, 0, family_model(GPT_OSS), "cpu")
