@@ -144,6 +144,17 @@ class AFDConfig:
             type=float,
         ),
     )
+    #: How long attention ranks wait for a lost FFN rank's replacement; 0 turns failover off.
+    failover_s: float = field(
+        default=60.0,
+        metadata=_flag(
+            "--afd-failover-timeout",
+            "How long in-flight requests wait for a lost FFN rank (died, stopped or wedged) to "
+            "be replaced before they fail; 0 turns failover off.",
+            "SECONDS",
+            type=float,
+        ),
+    )
     #: Ray cluster address for the FFN group; ``None`` starts a local Ray instance.
     ray_address: str | None = field(
         default=None,
@@ -189,6 +200,11 @@ class AFDConfig:
                 f"{_where('timeout_s')}: must be a finite number of seconds > 0, "
                 f"got {self.timeout_s}"
             )
+        if not (self.failover_s >= 0 and math.isfinite(self.failover_s)):
+            raise AFDConfigError(
+                f"{_where('failover_s')}: must be a finite number of seconds >= 0 (0: no "
+                f"failover), got {self.failover_s}"
+            )
         if not 1 <= self.microbatches <= MAX_MICROBATCHES:
             raise AFDConfigError(
                 f"{_where('microbatches')}: must be an integer in 1..{MAX_MICROBATCHES}, "
@@ -218,7 +234,7 @@ class AFDConfig:
             raise AFDConfigError(f"{_where('ratio')}: required when AFD is configured")
         kwargs: dict[str, Any] = dict(raw)
         kwargs["ratio"] = parse_ratio(raw["ratio"])
-        for key, typ in (("timeout_s", float), ("microbatches", int)):
+        for key, typ in (("timeout_s", float), ("failover_s", float), ("microbatches", int)):
             if key in kwargs:
                 kwargs[key] = _coerce(key, kwargs[key], typ)
         return cls(**kwargs)

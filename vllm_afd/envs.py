@@ -37,9 +37,8 @@ Variables a user sets:
 Variables the product sets (the front-end's hand-off to every process it starts afterwards):
 
 ``VLLM_AFD_RUNTIME``
-    The running FFN group's ``TransportSpec`` as JSON (``TransportSpec.to_json``).
-``VLLM_AFD_FFN_PIDS``
-    ``host:pid`` of each FFN rank, comma-separated (``/health`` checks they are alive).
+    The running FFN group's ``TransportSpec`` as JSON (``TransportSpec.to_json``); its
+    ``directory`` says where each FFN rank is now (``transport/directory.py``).
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ from typing import Any
 from vllm_afd.config import AFDConfigError
 
 RUNTIME = "VLLM_AFD_RUNTIME"
-FFN_PIDS = "VLLM_AFD_FFN_PIDS"
 FFN_CPUS = "VLLM_AFD_FFN_CPUS"
 FFN_THREADS = "VLLM_AFD_FFN_THREADS"
 POLL_MS = "VLLM_AFD_POLL_MS"
@@ -127,14 +125,6 @@ def _ffn_cpus_error(text: str, num_ffn_ranks: int | None) -> str:
     )
 
 
-def _ffn_pids() -> list[tuple[str, int]]:
-    out = []
-    for entry in filter(None, (_text(FFN_PIDS) or "").split(",")):
-        host, _, pid = entry.rpartition(":")
-        out.append((host, int(pid)))
-    return out
-
-
 def _bench_cpus() -> list[int] | None:
     text = _text(BENCH_CPUS)
     if text is None:
@@ -146,7 +136,6 @@ def _bench_cpus() -> list[int] | None:
 
 environment_variables: dict[str, Callable[[], Any]] = {
     RUNTIME: lambda: _text(RUNTIME),
-    FFN_PIDS: _ffn_pids,
     FFN_CPUS: _ffn_cpus,
     FFN_THREADS: _ffn_threads,
     POLL_MS: _poll_ms,

@@ -59,7 +59,8 @@ from vllm_afd.host import (
     remove_private_dir,
     write_private_file,
 )
-from vllm_afd.transport import TransportSpec
+from vllm_afd.transport import TransportSpec, directory
+from vllm_afd.transport.directory import RankEntry
 
 logger = logging.getLogger("vllm.afd")
 START_TIMEOUT_S = 300.0
@@ -67,6 +68,12 @@ START_TIMEOUT_S = 300.0
 #: ``ffn_group_problems`` calls the rank stopped.
 HEARTBEAT_INTERVAL_S = 0.1
 HEARTBEAT_TIMEOUT_S = 1.0
+#: Failover (``Supervisor``): a replacement that served this long ends a streak of failures;
+#: after this many failures of one rank in a row the supervisor gives up on it; the longest
+#: wait before starting a replacement.
+FAILOVER_STABLE_S = 60.0
+FAILOVER_MAX_STREAK = 5
+FAILOVER_MAX_DELAY_S = 30.0
 #: Ray's variables for token authentication (``ray/_private/authentication``).
 RAY_AUTH_MODE, RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH = (
     "RAY_AUTH_MODE",
@@ -109,18 +116,44 @@ class FFNRank:
 
 @dataclass
 class FFNGroup:
-    """A running FFN executor group."""
+    """A running FFN executor group.
+
+    ``spec`` is the running group's (addresses of the first incarnations; the FFN directory,
+    ``spec.directory``, has the current ones); ``launch`` is what each FFN rank is started with
+    (requested addresses), kept to start replacements.
+    """
 
     spec: TransportSpec
     actors: list
     infos: list[dict]
     placement_group: object
     owns_ray: bool
+    launch: TransportSpec
+    model_dir: str
+    device: str
+    supervisor: Supervisor | None = None
 
     def stats(self) -> list[dict]:
         import ray
 
         return ray.get([a.stats.remote() for a in self.actors], timeout=10)
+
+    def start_rank(self, rank: int) -> None:
+        """Start FFN rank ``rank`` in its bundle (first start or replacement) and wait until it
+        serves; ``actors[rank]`` and ``infos[rank]`` then describe it."""
+        import ray
+
+        actor = _new_actor(self.placement_group, rank, self.launch, self.model_dir, self.device)
+        try:
+            info = ray.get(actor.info.remote(), timeout=START_TIMEOUT_S)
+        except BaseException:
+            ray.kill(actor)
+            raise
+        if rank < len(self.actors):
+            self.actors[rank], self.infos[rank] = actor, info
+        else:
+            self.actors.append(actor)
+            self.infos.append(info)
 
 
 _LOCK = threading.Lock()
@@ -347,6 +380,7 @@ def start_ffn_group(
         # What the FFN side is asked to listen on (tcp: interface, any free port); the
         # addresses it actually got replace these once it is up.
         addresses=(f"{afd.ffn_host}:0",) * num_ffn if afd.transport == "tcp" else (),
+        failover_s=afd.failover_s,
     )
     key = json.dumps([spec.to_json(), model_dir, device, afd.ray_address, afd.ffn_host])
     with _LOCK:
@@ -356,25 +390,187 @@ def start_ffn_group(
         check_ray_address(afd.ray_address)
         reap_dead_segments()
         prepare_tcp_secret(afd)
+        spec = dataclasses.replace(spec, directory=_ffn_directory())
         try:
             _GROUP = _launch(spec, afd, model_dir, device)
         except BaseException:
             release_credentials()
             raise
         _GROUP_KEY = key
+        if afd.failover_s > 0:
+            _GROUP.supervisor = Supervisor(_GROUP)
         # The hand-off to every process started from here on (engine cores, workers).
         os.environ[envs.RUNTIME] = _GROUP.spec.to_json()
-        os.environ[envs.FFN_PIDS] = ",".join(f"{i['host']}:{i['pid']}" for i in _GROUP.infos)
         return _GROUP
+
+
+def _ffn_directory() -> str:
+    """The deployment's FFN directory (``transport/directory.py``), in its private directory."""
+    path = os.path.join(_private(), "ffn")
+    os.mkdir(path, 0o700)
+    return path
+
+
+def restart_delay(streak: int) -> float:
+    """Seconds before starting the replacement after the ``streak``-th failure of a rank in a
+    row: 0 for the first, then 1, 3, 7, 15 s (at most ``FAILOVER_MAX_DELAY_S``)."""
+    return min(2.0 ** (streak - 1) - 1, FAILOVER_MAX_DELAY_S)
+
+
+class Supervisor:
+    """Failover: a thread of the front-end that replaces FFN ranks that died, stopped or wedged.
+
+    Every ``HEARTBEAT_INTERVAL_S`` it checks each ``up`` rank of the FFN directory as
+    ``/health`` does (``_rank_problem``: pid, heartbeat, busy-since; ranks on this host), so a
+    loss is seen within ``HEARTBEAT_TIMEOUT_S`` plus one interval. Then it marks the rank
+    ``recovering``, kills what is left of it (a stopped or wedged process would never answer),
+    removes its shared-memory segments, starts a replacement in the same placement bundle
+    (``FFNGroup.start_rank``: same experts, loaded again) and publishes it ``up`` with the next
+    incarnation, the failover count and the seconds from detection to serving. The attention
+    ranks, which noticed the loss themselves, wait for that entry and send the replacement what
+    the lost rank had not answered (``transport/p2p.py``).
+
+    Repeated failures back off: a rank that fails again within ``FAILOVER_STABLE_S`` of its
+    replacement extends its streak, and the replacement waits ``restart_delay(streak)``; after
+    ``FAILOVER_MAX_STREAK`` failures in a row the rank is published ``failed`` with the reason,
+    waiting requests fail at once with it, and ``/health`` says so.
+    """
+
+    def __init__(self, group: FFNGroup) -> None:
+        self.group = group
+        num_ffn = group.spec.num_ffn_ranks
+        self._streak = [0] * num_ffn
+        self._started = [time.monotonic()] * num_ffn
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="afd-ffn-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop supervising (a replacement being started is given up)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=START_TIMEOUT_S)
+
+    def _run(self) -> None:
+        spec = self.group.spec
+        while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+            for entry in directory.entries(spec.directory, spec.num_ffn_ranks):
+                if entry is None or entry.state != directory.UP:
+                    continue
+                problem, _ = _rank_problem(entry, spec.timeout_s)
+                if problem is not None and not self._stop.is_set():
+                    try:
+                        self._fail_over(entry, problem)
+                    except Exception:  # noqa: BLE001 - the supervisor must outlive one failover
+                        logger.exception("AFD: failover of FFN rank %d failed", entry.rank)
+
+    def _publish(self, entry: RankEntry, **changes) -> RankEntry:
+        entry = dataclasses.replace(entry, **changes)
+        directory.publish(self.group.spec.directory, entry)
+        return entry
+
+    def _fail_over(self, entry: RankEntry, problem: str) -> None:
+        rank, detected = entry.rank, time.monotonic()
+        stable = detected - self._started[rank] >= FAILOVER_STABLE_S
+        streak = 1 if stable else self._streak[rank] + 1
+        logger.warning("AFD: %s; replacing it (failure %d in a row)", problem, streak)
+        entry = self._publish(entry, state=directory.RECOVERING, reason=problem)
+        self._kill(rank, entry)
+        while True:
+            if streak > FAILOVER_MAX_STREAK:
+                reason = (
+                    f"FFN rank {rank} failed {streak - 1} times in a row, each within "
+                    f"{FAILOVER_STABLE_S:g}s of its start; the last: {problem}"
+                )
+                logger.error("AFD: %s; giving up on it: requests fail until a restart", reason)
+                self._publish(entry, state=directory.FAILED, reason=reason)
+                return
+            if self._stop.wait(restart_delay(streak)):
+                return
+            try:
+                self.group.start_rank(rank)
+                break
+            except Exception as exc:  # noqa: BLE001 - counted as the next failure
+                problem = f"FFN rank {rank}: its replacement did not start ({exc})"
+                logger.warning("AFD: %s", problem)
+                streak += 1
+        info = self.group.infos[rank]
+        took = time.monotonic() - detected
+        self._streak[rank], self._started[rank] = streak, time.monotonic()
+        self._publish(
+            entry,
+            incarnation=entry.incarnation + 1,
+            state=directory.UP,
+            address=info["address"],
+            host=info["host"],
+            pid=info["pid"],
+            failovers=entry.failovers + 1,
+            recovery_s=entry.recovery_s + took,
+        )
+        _log_rank_up(info)
+        logger.warning(
+            "AFD: FFN rank %d replaced in %.1fs (failover %d; it had %s)",
+            rank,
+            took,
+            entry.failovers + 1,
+            problem.split(") ", 1)[-1],
+        )
+
+    def _kill(self, rank: int, entry: RankEntry) -> None:
+        """Kill the lost rank's process (stopped and wedged ones too) and reap its segments."""
+        import ray
+
+        actor = self.group.actors[rank]
+        if actor is not None and ray.is_initialized():
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if entry.host != socket.gethostname():
+            return
+        if pid_alive(entry.pid):
+            try:
+                os.kill(entry.pid, signal.SIGKILL)  # the pid of the process this group started
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5.0
+        while pid_alive(entry.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        reap_dead_segments()
+
+
+def _bundle(device: str) -> dict[str, float]:
+    return {"CPU": 1} if device != "cuda" else {"CPU": 1, "GPU": 1}
+
+
+def _new_actor(pg, rank: int, launch: TransportSpec, model_dir: str, device: str):
+    """An ``FFNRank`` actor for ``rank`` in bundle ``rank`` of the placement group."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = _bundle(device)
+    return (
+        ray.remote(FFNRank)
+        .options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=rank
+            ),
+            num_cpus=bundle["CPU"],
+            num_gpus=bundle.get("GPU", 0),
+            runtime_env={"env_vars": ffn_runtime_env()},
+            name=None,
+            max_restarts=0,  # replacements are the supervisor's (``Supervisor``)
+        )
+        .remote(launch.to_json(), rank, model_dir, device)
+    )
 
 
 def _launch(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) -> FFNGroup:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     owns_ray = _ensure_ray(afd.ray_address, num_cpus=max(os.cpu_count() or 1, spec.num_ffn_ranks))
-    bundle = {"CPU": 1} if device != "cuda" else {"CPU": 1, "GPU": 1}
+    bundle = _bundle(device)
     pg = placement_group([dict(bundle) for _ in range(spec.num_ffn_ranks)], strategy="PACK")
     if not _wait(pg.ready(), START_TIMEOUT_S):
         remove_placement_group(pg)
@@ -382,43 +578,37 @@ def _launch(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) ->
             f"AFD: Ray could not place {spec.num_ffn_ranks} FFN rank(s) with {bundle} each "
             f"within {START_TIMEOUT_S:.0f}s; check the cluster's free resources"
         )
-    actor_cls = ray.remote(FFNRank)
-    env = {"env_vars": ffn_runtime_env()}
-    spec_json = spec.to_json()
-    actors = [
-        actor_cls.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=r
-            ),
-            num_cpus=bundle["CPU"],
-            num_gpus=bundle.get("GPU", 0),
-            runtime_env=env,
-            name=None,
-            max_restarts=0,
-        ).remote(spec_json, r, model_dir, device)
-        for r in range(spec.num_ffn_ranks)
-    ]
+    group = FFNGroup(spec, [], [], pg, owns_ray, spec, model_dir, device)
+    group.actors = [_new_actor(pg, r, spec, model_dir, device) for r in range(spec.num_ffn_ranks)]
     try:
-        infos = ray.get([a.info.remote() for a in actors], timeout=START_TIMEOUT_S)
+        group.infos = ray.get([a.info.remote() for a in group.actors], timeout=START_TIMEOUT_S)
     except Exception:
-        for a in actors:
+        for a in group.actors:
             ray.kill(a)
         remove_placement_group(pg)
         if owns_ray:
             ray.shutdown()
         raise
-    spec = dataclasses.replace(spec, addresses=tuple(i["address"] for i in infos))
-    for info in infos:
-        logger.info(
-            "AFD: FFN rank %d up: pid %d on %s, experts [%d, %d), %.2f MiB, address %s",
-            info["rank"],
-            info["pid"],
-            info["host"],
-            *info["experts"],
-            info["param_bytes"] / 2**20,
-            info["address"],
+    group.spec = dataclasses.replace(spec, addresses=tuple(i["address"] for i in group.infos))
+    for info in group.infos:
+        _log_rank_up(info)
+        directory.publish(
+            spec.directory,
+            RankEntry(info["rank"], 1, directory.UP, info["address"], info["host"], info["pid"]),
         )
-    return FFNGroup(spec, actors, infos, pg, owns_ray)
+    return group
+
+
+def _log_rank_up(info: dict) -> None:
+    logger.info(
+        "AFD: FFN rank %d up: pid %d on %s, experts [%d, %d), %.2f MiB, address %s",
+        info["rank"],
+        info["pid"],
+        info["host"],
+        *info["experts"],
+        info["param_bytes"] / 2**20,
+        info["address"],
+    )
 
 
 def _wait(ref, timeout: float) -> bool:
@@ -457,10 +647,11 @@ def stop_ffn_group() -> None:
     global _GROUP, _GROUP_KEY
     group, _GROUP, _GROUP_KEY = _GROUP, None, None
     os.environ.pop(envs.RUNTIME, None)
-    os.environ.pop(envs.FFN_PIDS, None)
     if group is None:
         release_credentials()
         return
+    if group.supervisor is not None:
+        group.supervisor.stop()  # before the ranks: no replacement may start meanwhile
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -482,16 +673,10 @@ def stop_ffn_group() -> None:
     release_credentials()
 
 
-def ffn_group_problems() -> list[str]:
-    """What keeps the deployment's FFN ranks from serving, one line each (empty: healthy).
-
-    Readable from any process of the deployment (``/health`` runs in the API server). A rank
-    on this host is unhealthy when its process is gone, when its heartbeat (a thread of the
-    rank, every ``HEARTBEAT_INTERVAL_S``) is older than ``HEARTBEAT_TIMEOUT_S`` (stopped, e.g.
-    SIGSTOP, or frozen), when one layer batch has been running longer than the transport
-    timeout (wedged), or once a request failed there (``FFNServeError``). Ranks on other hosts
-    are not checked here: their failures surface as transport errors.
-    """
+def _rank_problem(entry: RankEntry, timeout_s: float) -> tuple[str | None, float]:
+    """Why the process of ``entry`` (an ``up`` FFN rank) cannot serve, or ``None``; and the
+    count of requests that failed on it. Only ranks on this host are checked (pid, stats
+    block); others are ``(None, 0)``: their failures surface as transport errors."""
     from vllm_afd.metrics.blocks import (
         F_BUSY_SINCE,
         F_FAILURES,
@@ -500,34 +685,58 @@ def ffn_group_problems() -> list[str]:
         read_block,
     )
 
-    here = socket.gethostname()
+    if entry.host != socket.gethostname():
+        return None, 0.0
+    who = f"FFN rank {entry.rank} (pid {entry.pid})"
+    if not pid_alive(entry.pid):
+        return f"{who} died", 0.0
+    block = read_block(ffn_block_name(entry.address, entry.rank))
+    if block is None:
+        return None, 0.0
+    now = time.monotonic()
+    beat, busy, failures = (block.scalars[i] for i in (F_HEARTBEAT, F_BUSY_SINCE, F_FAILURES))
+    if beat and now - beat > HEARTBEAT_TIMEOUT_S:
+        return f"{who} stopped: no heartbeat for {now - beat:.1f}s", failures
+    if busy and now - busy > timeout_s:
+        return (
+            f"{who} wedged: one layer batch running for {now - busy:.1f}s "
+            f"(timeout_s={timeout_s:g})",
+            failures,
+        )
+    return None, failures
+
+
+def ffn_group_problems() -> list[str]:
+    """What keeps the deployment's FFN ranks from serving, one line each (empty: healthy).
+
+    Readable from any process of the deployment (``/health`` runs in the API server), from the
+    FFN directory (``VLLM_AFD_RUNTIME``'s ``directory``). A rank is unhealthy while it is being
+    replaced, once the supervisor gave up on it, and, on this host, when its process is gone,
+    when its heartbeat (a thread of the rank, every ``HEARTBEAT_INTERVAL_S``) is older than
+    ``HEARTBEAT_TIMEOUT_S`` (stopped, e.g. SIGSTOP, or frozen), when one layer batch has been
+    running longer than the transport timeout (wedged), or once a request failed there
+    (``FFNServeError``).
+    """
     runtime = envs.VLLM_AFD_RUNTIME
     spec = TransportSpec.from_json(runtime) if runtime else None
+    if spec is None or not spec.directory:
+        return []
     problems = []
-    for rank, (host, pid) in enumerate(envs.VLLM_AFD_FFN_PIDS):
-        if host != here:
+    for rank, entry in enumerate(directory.entries(spec.directory, spec.num_ffn_ranks)):
+        if entry is None:
             continue
-        if not pid_alive(pid):
-            problems.append(f"FFN rank {rank} (pid {pid}) died")
-            continue
-        if spec is None or rank >= len(spec.addresses):
-            continue
-        block = read_block(ffn_block_name(spec.addresses[rank], rank))
-        if block is None:
-            continue
-        now = time.monotonic()
-        beat, busy, failures = (block.scalars[i] for i in (F_HEARTBEAT, F_BUSY_SINCE, F_FAILURES))
-        if beat and now - beat > HEARTBEAT_TIMEOUT_S:
-            problems.append(
-                f"FFN rank {rank} (pid {pid}) stopped: no heartbeat for {now - beat:.1f}s"
-            )
-        elif busy and now - busy > spec.timeout_s:
-            problems.append(
-                f"FFN rank {rank} (pid {pid}) wedged: one layer batch running for "
-                f"{now - busy:.1f}s (timeout_s={spec.timeout_s:g})"
-            )
-        if failures:
-            problems.append(f"FFN rank {rank} (pid {pid}) failed {failures:.0f} request(s)")
+        if entry.state == directory.RECOVERING:
+            problems.append(f"FFN rank {rank} is being replaced: {entry.reason}")
+        elif entry.state == directory.FAILED:
+            problems.append(entry.reason)
+        else:
+            problem, failures = _rank_problem(entry, spec.timeout_s)
+            if problem:
+                problems.append(problem)
+            if failures:
+                problems.append(
+                    f"FFN rank {rank} (pid {entry.pid}) failed {failures:.0f} request(s)"
+                )
     return problems
 
 

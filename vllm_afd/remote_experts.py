@@ -326,6 +326,7 @@ def _round_trip(
         raise
     if session.stats is not None:
         session.stats.record_combine(handle, time.perf_counter() - start)
+        session.stats.set_redispatched(endpoint.redispatched)
     return out
 
 

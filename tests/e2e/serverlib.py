@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -19,7 +21,18 @@ import psutil
 from vllm_afd.bench.offline_run import child_env
 from vllm_afd.host import free_port
 
-__all__ = ["Server", "free_port", "http_request", "session_processes"]
+__all__ = ["Server", "Streamed", "free_port", "http_request", "session_processes"]
+
+
+@dataclass
+class Streamed:
+    """A streamed completion: HTTP status, text and token ids, and when each chunk arrived
+    (``time.monotonic()``)."""
+
+    status: int
+    text: str
+    token_ids: list[int]
+    times: list[float]
 
 
 def session_processes(sid: int) -> list[psutil.Process]:
@@ -103,10 +116,11 @@ class Server:
             time.sleep(2)
         raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log.read_text()[-3000:]}")
 
-    def ffn_pid(self) -> int:
-        match = re.search(r"AFD: FFN rank 0 up: pid (\d+)", self.log.read_text())
-        assert match, "the server did not log its FFN rank's pid"
-        return int(match.group(1))
+    def ffn_pid(self, rank: int = 0) -> int:
+        """The pid of FFN rank ``rank``'s latest process (a replacement's after a failover)."""
+        found = re.findall(rf"AFD: FFN rank {rank} up: pid (\d+)", self.log.read_text())
+        assert found, "the server did not log its FFN rank's pid"
+        return int(found[-1])
 
     def complete(self, prompt: str, max_tokens: int, timeout: float = 120.0):
         body = {
@@ -118,6 +132,41 @@ class Server:
             "return_token_ids": True,
         }
         return http_request(self.url + "/v1/completions", body, timeout=timeout)
+
+    def stream(self, prompt: str, max_tokens: int, timeout: float = 300.0) -> Streamed:
+        """A streamed greedy completion, read chunk by chunk as a client would."""
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+        }
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        out = Streamed(0, "", [], [])
+        try:
+            headers = {"Content-Type": "application/json"}
+            connection.request("POST", "/v1/completions", json.dumps(body), headers)
+            response = connection.getresponse()
+            out.status = response.status
+            for line in response:
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "choices" not in chunk:  # an error object
+                    out.status = 500
+                    out.text += json.dumps(chunk)
+                    continue
+                choice = chunk["choices"][0]
+                out.text += choice.get("text") or ""
+                out.token_ids += choice.get("token_ids") or []
+                out.times.append(time.monotonic())
+        finally:
+            connection.close()
+        return out
 
     def terminate(self) -> None:
         """Stop the server as an operator would (SIGTERM) and wait for it to exit."""

@@ -92,8 +92,9 @@ def _listeners(sid: int) -> list[tuple[psutil.Process, str, int]]:
 
 
 def _name(proc: psutil.Process) -> str:
+    """The full command line: checks below match on it, so never truncate (paths vary)."""
     try:
-        return " ".join(proc.cmdline())[:120] or proc.name()
+        return " ".join(proc.cmdline()) or proc.name()
     except psutil.NoSuchProcess:
         return "?"
 

@@ -21,7 +21,7 @@ def test_defaults(monkeypatch):
     assert envs.VLLM_AFD_POLL_MS == envs.DEFAULT_POLL_MS
     assert envs.VLLM_AFD_FFN_THREADS == 1
     assert envs.VLLM_AFD_FFN_CPUS is None and envs.ffn_cpu_lists(3) is None
-    assert envs.VLLM_AFD_FFN_PIDS == [] and envs.VLLM_AFD_RUNTIME is None
+    assert envs.VLLM_AFD_RUNTIME is None
     assert envs.VLLM_AFD_BENCH_CPUS is None
     with pytest.raises(RuntimeError, match="VLLM_AFD_RUNTIME is unset"):
         envs.runtime_json()
@@ -36,8 +36,6 @@ def test_values_are_parsed_at_each_access(monkeypatch):
     assert envs.VLLM_AFD_POLL_MS == 0.0
     monkeypatch.setenv(envs.FFN_THREADS, "4")
     assert envs.VLLM_AFD_FFN_THREADS == 4
-    monkeypatch.setenv(envs.FFN_PIDS, "host-a:12,host:b:34")
-    assert envs.VLLM_AFD_FFN_PIDS == [("host-a", 12), ("host:b", 34)]
     monkeypatch.setenv(envs.BENCH_CPUS, "0,3")
     assert envs.VLLM_AFD_BENCH_CPUS == [0, 3]
 

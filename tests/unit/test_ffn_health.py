@@ -1,26 +1,43 @@
-"""``/health``'s view of the FFN ranks (``placement.ffn_group_problems``): from the pid, the
-heartbeat, the busy-since word and the failure count in each rank's stats block."""
+"""``/health``'s view of the FFN ranks (``placement.ffn_group_problems``) and failover's
+supervisor (``placement.Supervisor``), from the FFN directory, the pid, the heartbeat, the
+busy-since word and the failure count in each rank's stats block."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
+from vllm_afd import placement
 from vllm_afd.metrics.blocks import F_BUSY_SINCE, F_FAILURES, F_HEARTBEAT, FFNStatsBlock
-from vllm_afd.placement import HEARTBEAT_TIMEOUT_S, ffn_group_problems
+from vllm_afd.placement import HEARTBEAT_TIMEOUT_S, Supervisor, ffn_group_problems, restart_delay
 from vllm_afd.transport import TransportSpec
+from vllm_afd.transport import directory as ffn_directory
+from vllm_afd.transport.directory import FAILED, RECOVERING, UP, RankEntry
+
+HOST = socket.gethostname()
+
+
+def _spec(tmp_path, address: str = "unused") -> TransportSpec:
+    return TransportSpec(
+        "shm", 1, 1, 8, 16, 2, 4, timeout_s=5.0, addresses=(address,), directory=str(tmp_path)
+    )
+
+
+def _publish(tmp_path, pid: int, address: str = "unused", state: str = UP, **kw) -> None:
+    ffn_directory.publish(str(tmp_path), RankEntry(0, 1, state, address, HOST, pid, **kw))
 
 
 @pytest.fixture
-def rank_block(monkeypatch):
-    """This process posing as FFN rank 0 of a deployment: its pid and its stats block."""
+def rank_block(monkeypatch, tmp_path):
+    """This process posing as FFN rank 0 of a deployment: its directory entry and stats block."""
     address = f"afdhealthtest{os.getpid()}"
-    spec = TransportSpec("shm", 1, 1, 8, 16, 2, 4, timeout_s=5.0, addresses=(address,))
-    monkeypatch.setenv("VLLM_AFD_RUNTIME", spec.to_json())
-    monkeypatch.setenv("VLLM_AFD_FFN_PIDS", f"{socket.gethostname()}:{os.getpid()}")
+    monkeypatch.setenv("VLLM_AFD_RUNTIME", _spec(tmp_path, address).to_json())
+    _publish(tmp_path, os.getpid(), address)
     block = FFNStatsBlock(address, 0, [0, 1])
     yield block
     block.close()
@@ -58,7 +75,94 @@ def test_a_rank_that_failed_a_request_stays_unhealthy(rank_block):
     assert rank_block.d[rank_block._o_scalars + F_BUSY_SINCE] == 0
 
 
-def test_a_dead_rank_is_dead(monkeypatch):
-    monkeypatch.setenv("VLLM_AFD_FFN_PIDS", f"{socket.gethostname()}:999999999")
-    monkeypatch.delenv("VLLM_AFD_RUNTIME", raising=False)
+def test_dead_recovering_and_failed_ranks(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_AFD_RUNTIME", _spec(tmp_path).to_json())
+    _publish(tmp_path, 999999999)
     assert ffn_group_problems() == ["FFN rank 0 (pid 999999999) died"]
+    _publish(tmp_path, 999999999, state=RECOVERING, reason="FFN rank 0 (pid 9) died")
+    assert ffn_group_problems() == ["FFN rank 0 is being replaced: FFN rank 0 (pid 9) died"]
+    _publish(tmp_path, 0, state=FAILED, reason="FFN rank 0 failed 5 times in a row")
+    assert ffn_group_problems() == ["FFN rank 0 failed 5 times in a row"]
+    monkeypatch.delenv("VLLM_AFD_RUNTIME")
+    assert ffn_group_problems() == []
+
+
+def test_restart_delays_back_off():
+    assert [restart_delay(n) for n in range(1, 6)] == [0, 1, 3, 7, 15]
+    assert restart_delay(50) == placement.FAILOVER_MAX_DELAY_S
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+class _Group:
+    """What the supervisor uses of an ``FFNGroup``; each start runs a new sleeper process."""
+
+    def __init__(self, spec: TransportSpec, fail_starts: int = 0) -> None:
+        self.spec, self.actors, self.infos = spec, [None], [{}]
+        self.procs: list[subprocess.Popen] = []
+        self.fail_starts = fail_starts
+
+    def start_rank(self, rank: int) -> None:
+        if self.fail_starts:
+            self.fail_starts -= 1
+            raise RuntimeError("no room")
+        self.procs.append(_sleeper())
+        self.infos[rank] = {
+            "rank": rank,
+            "pid": self.procs[-1].pid,
+            "host": HOST,
+            "address": f"replacement{len(self.procs)}",
+            "experts": [0, 8],
+            "param_bytes": 0,
+        }
+
+
+def _wait_for(tmp_path, state: str, timeout_s: float = 10.0) -> RankEntry:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        entry = ffn_directory.lookup(str(tmp_path), 0)
+        done = entry is not None and entry.state == state
+        if done and (state == FAILED or entry.incarnation > 1):
+            return entry
+        time.sleep(0.05)
+    raise AssertionError(f"no {state} entry: {ffn_directory.lookup(str(tmp_path), 0)}")
+
+
+def test_the_supervisor_replaces_a_killed_rank_and_publishes_it(tmp_path):
+    first = _sleeper()
+    group = _Group(_spec(tmp_path))
+    _publish(tmp_path, first.pid, address="first")
+    supervisor = Supervisor(group)
+    try:
+        killed = time.monotonic()
+        first.kill()
+        first.wait()
+        entry = _wait_for(tmp_path, UP)
+        assert time.monotonic() - killed < 5.0
+        assert (entry.incarnation, entry.address, entry.failovers) == (2, "replacement1", 1)
+        assert entry.pid == group.procs[0].pid and 0 < entry.recovery_s < 5.0
+        assert entry.reason == f"FFN rank 0 (pid {first.pid}) died"
+    finally:
+        supervisor.stop()
+        for proc in group.procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_supervisor_gives_up_after_failures_in_a_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(placement, "FAILOVER_MAX_STREAK", 2)
+    first = _sleeper()
+    group = _Group(_spec(tmp_path), fail_starts=5)
+    _publish(tmp_path, first.pid)
+    supervisor = Supervisor(group)
+    try:
+        first.kill()
+        first.wait()
+        entry = _wait_for(tmp_path, FAILED)
+        assert "FFN rank 0 failed 2 times in a row" in entry.reason
+        assert "its replacement did not start (no room)" in entry.reason
+        assert group.fail_starts == 3 and not group.procs  # two starts tried, 0 s then 1 s
+    finally:
+        supervisor.stop()

@@ -22,6 +22,7 @@ the scalars through them.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import json
 import mmap
@@ -90,6 +91,7 @@ F_HEARTBEAT, F_BUSY_SINCE, F_FAILURES = 5, 6, 7
 # Attention scalars.
 _A_ROUND_TRIPS, _A_TOKENS, _A_BYTES_SENT, _A_BYTES_RECEIVED, _A_SECONDS = range(5)
 _A_ERRORS = 5  # one word per ERROR_KINDS entry
+_A_REDISPATCHED = _A_ERRORS + len(ERROR_KINDS)  # requests sent again to a replaced FFN rank
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,6 +353,10 @@ class AttentionStatsBlock(_Writer):
         index = ERROR_KINDS.index(kind) if kind in ERROR_KINDS else len(ERROR_KINDS) - 1
         self.d[self._o_scalars + _A_ERRORS + index] += 1.0
 
+    def set_redispatched(self, total: int) -> None:
+        """The requests this rank sent again to replaced FFN ranks so far (failover)."""
+        self.d[self._o_scalars + _A_REDISPATCHED] = total
+
 
 @dataclass
 class BlockSnapshot:
@@ -458,12 +464,20 @@ def unlink_deployment_blocks(spec) -> list[str]:
 
 def spec_fields(spec) -> tuple[tuple[str, ...], int, int]:
     """(addresses, attention ranks, FFN ranks) of a TransportSpec, its dict or its JSON."""
+    spec = _as_mapping(spec)
+    return (
+        tuple(spec.get("addresses") or ()),
+        int(spec["num_attention_ranks"]),
+        int(spec["num_ffn_ranks"]),
+    )
+
+
+def spec_directory(spec) -> str:
+    """The FFN directory of a TransportSpec, its dict or its JSON ("" if none)."""
+    return str(_as_mapping(spec).get("directory") or "")
+
+
+def _as_mapping(spec) -> Mapping:
     if isinstance(spec, str):
-        spec = json.loads(spec)
-    if isinstance(spec, Mapping):
-        return (
-            tuple(spec.get("addresses") or ()),
-            int(spec["num_attention_ranks"]),
-            int(spec["num_ffn_ranks"]),
-        )
-    return tuple(spec.addresses), spec.num_attention_ranks, spec.num_ffn_ranks
+        return json.loads(spec)
+    return spec if isinstance(spec, Mapping) else dataclasses.asdict(spec)

@@ -17,6 +17,7 @@ from vllm_afd.metrics.blocks import (
     _A_BYTES_RECEIVED,
     _A_BYTES_SENT,
     _A_ERRORS,
+    _A_REDISPATCHED,
     _A_SECONDS,
     _F_BYTES_IN,
     _F_BYTES_OUT,
@@ -29,8 +30,10 @@ from vllm_afd.metrics.blocks import (
     attention_block_name,
     ffn_block_name,
     read_block,
+    spec_directory,
     spec_fields,
 )
+from vllm_afd.transport import directory as ffn_directory
 
 
 def _histogram_buckets(snapshot: BlockSnapshot | None) -> list[tuple[str, float]]:
@@ -66,15 +69,27 @@ class AFDCollector:
             return []
         try:
             addresses, num_attention, num_ffn = spec_fields(runtime)
+            where = spec_directory(runtime)
         except (ValueError, KeyError, TypeError):
             return []
         families = f = self._families()
+        # Each FFN rank's current address (a replaced rank has a new one) and failovers.
+        entries = ffn_directory.entries(where, num_ffn) if where else [None] * num_ffn
+        current = [
+            entry.address if entry else (addresses[r] if r < len(addresses) else None)
+            for r, entry in enumerate(entries)
+        ]
         ffn_blocks = [
-            read_block(ffn_block_name(addresses[r], r)) if r < len(addresses) else None
-            for r in range(num_ffn)
+            read_block(ffn_block_name(address, r)) if address else None
+            for r, address in enumerate(current)
         ]
         for r, block in enumerate(ffn_blocks):
             rank = str(r)
+            entry = entries[r]
+            f["failovers"].add_metric([rank], entry.failovers if entry else 0)
+            f["recovery"].add_metric(
+                [rank], entry.failovers if entry else 0, entry.recovery_s if entry else 0.0
+            )
             f["alive"].add_metric([rank], 1.0 if block is not None and block.alive() else 0.0)
             scalars = block.scalars if block else [0.0] * _SCALAR_WORDS
             f["ffn_requests"].add_metric([rank], scalars[_F_REQUESTS])
@@ -95,6 +110,7 @@ class AFDCollector:
             f["bytes"].add_metric([rank, "received"], scalars[_A_BYTES_RECEIVED])
             for i, kind in enumerate(ERROR_KINDS):
                 f["errors"].add_metric([rank, kind], scalars[_A_ERRORS + i])
+            f["redispatched"].add_metric([rank], scalars[_A_REDISPATCHED])
             f["exposed"].add_metric([rank], _histogram_buckets(block), scalars[_A_SECONDS])
             for layer, (calls, seconds, _) in sorted((block.layers if block else {}).items()):
                 f["layer_exposed"].add_metric([rank, str(layer)], calls, seconds)
@@ -110,6 +126,23 @@ class AFDCollector:
         )
 
         return {
+            "failovers": CounterMetricFamily(
+                "vllm_afd_ffn_failovers",
+                "Times the FFN rank was lost (died, stopped, wedged) and replaced.",
+                labels=["ffn_rank"],
+            ),
+            "recovery": SummaryMetricFamily(
+                "vllm_afd_ffn_recovery_seconds",
+                "Time from detecting the loss of the FFN rank to its replacement serving "
+                "(count = failovers).",
+                labels=["ffn_rank"],
+            ),
+            "redispatched": CounterMetricFamily(
+                "vllm_afd_redispatched_requests",
+                "Requests (one per layer, microbatch and FFN rank) the attention rank sent again "
+                "to a replaced FFN rank: the layers a failover interrupted.",
+                labels=["attention_rank"],
+            ),
             "alive": GaugeMetricFamily(
                 "vllm_afd_ffn_rank_alive",
                 "1 if the FFN rank's process is running, else 0 (same-host check).",

@@ -12,6 +12,7 @@ import importlib
 from vllm_afd.transport.base import (
     AttentionTransport,
     DispatchHandle,
+    FFNRankLost,
     FFNRequest,
     FFNServeError,
     FFNTransport,
@@ -107,6 +108,7 @@ def create_ffn_transport(spec: TransportSpec, rank: int) -> FFNTransport:
 __all__ = [
     "AttentionTransport",
     "DispatchHandle",
+    "FFNRankLost",
     "FFNRequest",
     "FFNServeError",
     "FFNTransport",

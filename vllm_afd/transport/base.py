@@ -30,10 +30,13 @@ in lockstep (vLLM data parallel) still get their tokens batched together on the 
 because their requests for the same layer arrive together. A collective backend (DeepEP) keeps
 the same attention-side contract and runs its own lockstep FFN loop.
 
-Failure: ``combine`` never waits forever. It raises ``TransportError`` when the FFN rank is
-known dead (backends check liveness while waiting) or after ``TransportSpec.timeout_s``, and
-``FFNServeError`` at once, with the FFN rank's error text, when serving the request raised on
-the FFN rank (``FFNTransport.reply_error``).
+Failure: ``combine`` never waits forever. It raises ``TransportError`` after
+``TransportSpec.timeout_s``, ``FFNServeError`` at once, with the FFN rank's error text, when
+serving the request raised on the FFN rank (``FFNTransport.reply_error``), and ``FFNRankLost``
+when the FFN rank is known gone (backends check liveness while waiting), unless failover is on
+(``TransportSpec.directory``): then the point-to-point backends wait for the rank's replacement
+and send it again what the lost rank had not answered, so that ``combine`` returns the same
+result (``p2p.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +55,19 @@ from vllm_afd.transport.control import StepSchedule
 
 class TransportError(RuntimeError):
     """An FFN rank did not answer: it died, or it did not answer within the timeout."""
+
+
+class FFNRankLost(TransportError):
+    """An FFN rank is gone: its process died or closed its endpoint, or its connection broke.
+
+    Unlike a timeout or an error answer, this is what failover recovers from: the attention
+    side waits for the rank's replacement (``directory.py``) and sends it the requests the lost
+    rank had not answered (``p2p.PointToPointAttentionTransport``).
+    """
+
+    def __init__(self, ffn_rank: int, message: str) -> None:
+        super().__init__(message)
+        self.ffn_rank = ffn_rank
 
 
 class FFNServeError(TransportError):
@@ -100,6 +116,11 @@ class TransportSpec:
     #: The model's MoE layer indices, ascending (filled by placement from the model). Backends
     #: whose FFN side cannot read the layer from the wire (DeepEP) map their calls onto it.
     moe_layers: tuple[int, ...] = ()
+    #: The deployment's FFN directory (``directory.py``), where a lost FFN rank's replacement
+    #: is announced; empty: no failover (a lost FFN rank fails the requests in flight).
+    directory: str = ""
+    #: How long an attention rank waits for a lost FFN rank's replacement, in seconds.
+    failover_s: float = 0.0
 
     @property
     def experts_per_ffn_rank(self) -> int:
@@ -202,6 +223,10 @@ class AttentionTransport(abc.ABC):
         self.rank = rank
         #: The step announced last (``begin_step``); 0 before the first.
         self.step = 0
+        #: Its schedule (a replacement FFN rank is told it again before anything else).
+        self.schedule: StepSchedule | None = None
+        #: Requests sent again to a lost FFN rank's replacement (failover), so far.
+        self.redispatched = 0
 
     def begin_step(self, schedule: StepSchedule) -> None:
         """Announce a forward step to every FFN rank, before its first ``dispatch``
@@ -210,6 +235,7 @@ class AttentionTransport(abc.ABC):
             raise ValueError(f"step {schedule.step} announced after step {self.step}")
         self._announce(schedule)
         self.step = schedule.step
+        self.schedule = schedule
 
     def _announce(self, schedule: StepSchedule) -> None:  # noqa: B027 - optional hook
         """Send ``schedule`` to every FFN rank (backends whose FFN side checks it)."""
@@ -235,6 +261,8 @@ class AttentionTransport(abc.ABC):
             microbatch: the microbatch of the step the tokens belong to.
         Returns:
             A handle for ``combine``. At most ``spec.num_slots`` handles may be outstanding.
+            The caller leaves ``x``, ``topk_ids`` and ``topk_weights`` unchanged until then
+            (failover sends them again to a lost FFN rank's replacement).
         """
 
     @abc.abstractmethod

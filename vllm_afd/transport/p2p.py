@@ -10,7 +10,19 @@ answers into the original order and frees the slot. A backend supplies only the 
   request on the wire and returns its sequence number;
 * ``_wait(ffn_rank, slot, seq, tag, deadline, awaited) -> [N, H]`` returns the answer to
   ``seq``, after checking that it carries ``tag`` (``control.check_answer``);
-* optionally ``_begin_dispatch()``, run once per dispatch before the first send.
+* optionally ``_begin_dispatch()``, run once per dispatch before the first send;
+* ``_reconnect(ffn_rank, address)`` replaces the link to a lost FFN rank by one to its
+  replacement (failover).
+
+Failover. A backend raises ``FFNRankLost`` when an FFN rank is gone (its process died, it closed
+its endpoint, its connection broke). With failover on (``spec.directory``), the attention side
+then waits for the rank's replacement (``directory.wait_for_replacement``, at most
+``spec.failover_s``), reconnects, tells it the current step's schedule, and sends it again every
+request the lost rank had not answered: a handle keeps its inputs until ``combine`` (the caller
+must leave ``x``, ``topk_ids`` and ``topk_weights`` unchanged until then; the attention hook's
+custom op does), and a request sent before the rank's last replacement is sent again before it
+is waited for. The answers are the ones the lost rank would have given (same experts, same
+inputs), so a failover changes no token. ``redispatched`` counts the requests sent again.
 
 Two pure functions define the protocol's arithmetic:
 
@@ -38,6 +50,7 @@ every call.
 from __future__ import annotations
 
 import abc
+import logging
 import os
 import time
 from collections.abc import Callable, Collection
@@ -47,16 +60,20 @@ from typing import Generic, TypeVar
 import torch
 
 from vllm_afd import envs
+from vllm_afd.transport import directory
 from vllm_afd.transport.base import (
     AttentionTransport,
     DispatchHandle,
+    FFNRankLost,
     ProtocolError,
+    TransportError,
     TransportSpec,
 )
 from vllm_afd.transport.control import StepSchedule, Tag
 
 #: Cached row counts per ``ViewCache`` before the cache is dropped and rebuilt (bounds memory).
 _MAX_CACHED_VIEWS = 1024
+logger = logging.getLogger("vllm.afd")
 
 V = TypeVar("V")
 
@@ -221,11 +238,16 @@ class P2PState:
         slot: the slot the dispatch holds on every FFN rank it sent to, until ``combine``.
         seqs: ``{ffn_rank: sequence number}`` of the requests sent, in ascending rank order.
         tag: the requests' tag, which the answers must carry.
+        inputs: ``(x, topk_ids, topk_weights)`` as ``dispatch`` got them, to send again to a
+            lost FFN rank's replacement.
+        sent: ``{ffn_rank: the transport's replacement count when the request went out}``.
     """
 
     slot: int
     seqs: dict[int, int]
     tag: Tag
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    sent: dict[int, int]
 
 
 def _check_dispatch_args(spec: TransportSpec, x: torch.Tensor, topk_ids: torch.Tensor) -> int:
@@ -271,10 +293,26 @@ class PointToPointAttentionTransport(AttentionTransport):
         self.wait = wait or WaitPolicy()
         self._free = list(range(spec.num_slots - 1, -1, -1))
         self._rows = RowViews(torch.arange(spec.max_tokens))
+        #: Where each FFN rank is now, and its incarnation (the directory's, when there is one:
+        #: a rank may have been replaced before this attention rank started).
+        self.addresses = list(spec.addresses)
+        self._incarnation = [1] * spec.num_ffn_ranks
+        if spec.directory:
+            for f, entry in enumerate(directory.entries(spec.directory, spec.num_ffn_ranks)):
+                if entry is not None and entry.state == directory.UP:
+                    self.addresses[f], self._incarnation[f] = entry.address, entry.incarnation
+        #: Replacements seen (all ranks), and the count when each rank was last replaced.
+        self.replacements = 0
+        self._replaced_at = [0] * spec.num_ffn_ranks
 
     def _announce(self, schedule: StepSchedule) -> None:
         for ffn_rank in range(self.spec.num_ffn_ranks):
-            self._announce_to(ffn_rank, schedule)
+            while True:
+                try:
+                    self._announce_to(ffn_rank, schedule)
+                    break
+                except FFNRankLost as lost:
+                    self._recover(lost)
 
     def dispatch(
         self,
@@ -284,8 +322,9 @@ class PointToPointAttentionTransport(AttentionTransport):
         topk_weights: torch.Tensor,
         microbatch: int = 0,
     ) -> DispatchHandle:
-        """See ``AttentionTransport.dispatch``. Returns once every request is handed to the wire
-        (``x`` may be reused at once); a failed send frees the slot and raises."""
+        """See ``AttentionTransport.dispatch``. Returns once every request is handed to the wire;
+        the handle keeps ``x``, ``topk_ids`` and ``topk_weights`` for failover (leave them
+        unchanged until ``combine``). A failed send frees the slot and raises."""
         spec = self.spec
         num_tokens = _check_dispatch_args(spec, x, topk_ids)
         split = split_by_ffn_rank(spec, topk_ids, self._rows[num_tokens])
@@ -301,18 +340,21 @@ class PointToPointAttentionTransport(AttentionTransport):
                 "combine one before dispatching again"
             )
         slot = free.pop()
-        tag = Tag(step, layer, microbatch)
+        state = P2PState(slot, {}, Tag(step, layer, microbatch), (x, topk_ids, topk_weights), {})
         try:
             self._begin_dispatch()
             deadline = time.perf_counter() + spec.timeout_s
-            seqs = {
-                ffn_rank: self._send(ffn_rank, slot, tag, x, topk_ids, topk_weights, rows, deadline)
-                for ffn_rank, rows in split.items()
-            }
+            for ffn_rank, rows in split.items():
+                while True:
+                    try:
+                        self._send_request(ffn_rank, state, rows, deadline)
+                        break
+                    except FFNRankLost as lost:
+                        self._recover(lost)
+                        deadline = time.perf_counter() + spec.timeout_s
         except BaseException:
             free.append(slot)
             raise
-        state = P2PState(slot, seqs, tag)
         return DispatchHandle(
             layer, num_tokens, spec.hidden_size, spec.dtype, split, state, step, microbatch
         )
@@ -322,7 +364,8 @@ class PointToPointAttentionTransport(AttentionTransport):
 
         Raises:
             ValueError: if ``handle`` was already combined.
-            TransportError: as ``_wait`` raises it (dead FFN rank, timeout).
+            TransportError: as ``_wait`` raises it (timeout; a lost FFN rank without
+                failover, or with no replacement in time: ``_recover``).
         """
         if not handle.token_index:
             return combine_partials(handle, {})
@@ -330,19 +373,87 @@ class PointToPointAttentionTransport(AttentionTransport):
         if state is None:
             raise ValueError(f"handle of layer {handle.layer} was already combined")
         handle.state = None
-        slot, seqs, tag = state.slot, state.seqs, state.tag
         deadline = time.perf_counter() + self.spec.timeout_s
         try:
             partials = {
-                ffn_rank: self._wait(ffn_rank, slot, seq, tag, deadline, seqs)
-                for ffn_rank, seq in seqs.items()
+                ffn_rank: self._answer(ffn_rank, state, rows, deadline)
+                for ffn_rank, rows in handle.token_index.items()
             }
             return combine_partials(handle, partials)
         finally:
-            self._free.append(slot)
+            self._free.append(state.slot)
+
+    def _send_request(
+        self, ffn_rank: int, state: P2PState, rows: torch.Tensor, deadline: float
+    ) -> None:
+        """Send FFN rank ``ffn_rank`` its ``rows`` of ``state``'s dispatch."""
+        x, topk_ids, topk_weights = state.inputs
+        seq = self._send(ffn_rank, state.slot, state.tag, x, topk_ids, topk_weights, rows, deadline)
+        state.seqs[ffn_rank] = seq
+        state.sent[ffn_rank] = self.replacements
+
+    def _answer(
+        self, ffn_rank: int, state: P2PState, rows: torch.Tensor, deadline: float
+    ) -> torch.Tensor:
+        """FFN rank ``ffn_rank``'s answer to ``state``'s request; a request the rank's
+        replacement never got is sent to it first (see the module docstring: failover)."""
+        while True:
+            try:
+                if state.sent[ffn_rank] < self._replaced_at[ffn_rank]:
+                    self._send_request(ffn_rank, state, rows, deadline)
+                    self.redispatched += 1
+                seq = state.seqs[ffn_rank]
+                return self._wait(ffn_rank, state.slot, seq, state.tag, deadline, state.seqs)
+            except FFNRankLost as lost:
+                self._recover(lost)
+                deadline = time.perf_counter() + self.spec.timeout_s
+
+    def _recover(self, lost: FFNRankLost) -> None:
+        """Replace the link to the lost FFN rank by one to its replacement, or re-raise.
+
+        Raises:
+            FFNRankLost: ``lost`` itself, without failover (``spec.directory`` empty).
+            TransportError: when no replacement came up within ``spec.failover_s`` or the
+                supervisor gave up on the rank (the message says which).
+        """
+        spec, ffn_rank = self.spec, lost.ffn_rank
+        if not spec.directory or spec.failover_s <= 0:
+            raise lost
+        logger.warning(
+            "AFD: attention rank %d lost FFN rank %d (%s); waiting up to %gs for its replacement",
+            self.rank,
+            ffn_rank,
+            lost,
+            spec.failover_s,
+        )
+        try:
+            entry = directory.wait_for_replacement(
+                spec.directory, ffn_rank, self._incarnation[ffn_rank], spec.failover_s
+            )
+        except directory.ReplacementTimeout as exc:
+            raise TransportError(f"{lost}; {exc}") from None
+        self._reconnect(ffn_rank, entry.address)
+        self.addresses[ffn_rank], self._incarnation[ffn_rank] = entry.address, entry.incarnation
+        self.replacements += 1
+        self._replaced_at[ffn_rank] = self.replacements
+        if self.schedule is not None:
+            self._announce_to(ffn_rank, self.schedule)
+        logger.warning(
+            "AFD: attention rank %d reconnected to FFN rank %d (incarnation %d, pid %d, %s)",
+            self.rank,
+            ffn_rank,
+            entry.incarnation,
+            entry.pid,
+            entry.address,
+        )
 
     def _begin_dispatch(self) -> None:  # noqa: B027 - optional hook
         """Runs once per dispatch that sends anything, before the first ``_send``."""
+
+    @abc.abstractmethod
+    def _reconnect(self, ffn_rank: int, address: str) -> None:
+        """Drop the link to FFN rank ``ffn_rank`` (lost) and link to its replacement at
+        ``address``. Views of the old link's buffers that a caller still holds stay valid."""
 
     @abc.abstractmethod
     def _announce_to(self, ffn_rank: int, schedule: StepSchedule) -> None:

@@ -59,7 +59,9 @@ running.
 Liveness. The FFN side writes its pid; while waiting, combine checks every
 ``LIVENESS_INTERVAL_S`` that this process still exists, is not a zombie and has the start time it
 had at attach (no pid reuse), and that the FFN side did not close the segment. It raises
-``TransportError`` naming the FFN rank within about that interval, or after ``spec.timeout_s``.
+``FFNRankLost`` naming the FFN rank within about that interval (with failover, ``p2p`` then
+attaches the replacement's segment: ``_reconnect``), or ``TransportError`` after
+``spec.timeout_s``.
 The pid check is skipped (timeout only) when the FFN rank lives in another pid namespace.
 
 Cleanup. The creator unlinks its segment on ``close()``, at interpreter exit and when collected
@@ -103,6 +105,7 @@ from vllm_afd.host import (
     unlink_segment,
 )
 from vllm_afd.transport.base import (
+    FFNRankLost,
     FFNRequest,
     FFNServeError,
     FFNTransport,
@@ -369,13 +372,35 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
     def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
         _refuse_if_not_tso()
         super().__init__(spec, rank, wait)
-        self._layout = layout = _Layout.of(spec)
-        self._segments = [self._attach(f, name, layout) for f, name in enumerate(spec.addresses)]
-        self._slots = [[seg.slot(rank, s) for s in range(spec.num_slots)] for seg in self._segments]
-        self._words = [seg.words for seg in self._segments]
-        self._seq = [self._last_seq(f) for f in range(spec.num_ffn_ranks)]
-        self._creators = [self._creator(seg) for seg in self._segments]
+        self._layout = _Layout.of(spec)
+        num_ffn = spec.num_ffn_ranks
+        self._segments: list[_Segment] = [None] * num_ffn  # type: ignore[list-item]
+        self._slots: list[list[_Slot]] = [[] for _ in range(num_ffn)]
+        self._words: list[memoryview] = [None] * num_ffn  # type: ignore[list-item]
+        self._seq = [0] * num_ffn
+        self._creators: list[tuple[int, int | None]] = [(0, None)] * num_ffn
         self._cpu = -1
+        for f, name in enumerate(self.addresses):
+            self._link(f, name)
+
+    def _link(self, ffn_rank: int, name: str) -> None:
+        """Attach FFN rank ``ffn_rank``'s segment ``name`` and take its state."""
+        segment = self._attach(ffn_rank, name, self._layout)
+        self._segments[ffn_rank] = segment
+        self._slots[ffn_rank] = [segment.slot(self.rank, s) for s in range(self.spec.num_slots)]
+        self._words[ffn_rank] = segment.words
+        self._seq[ffn_rank] = self._last_seq(ffn_rank)
+        self._creators[ffn_rank] = self._creator(segment)
+
+    def _reconnect(self, ffn_rank: int, address: str) -> None:
+        """Attach the replacement's segment and unmap the lost one (it stays mapped while an
+        answer read from it is still in use: ``_Segment.release``); the front-end reaps it."""
+        old = self._segments[ffn_rank]
+        try:
+            self._link(ffn_rank, address)
+        except (TransportError, ValueError) as exc:  # the replacement is gone too, or not ours
+            raise FFNRankLost(ffn_rank, str(exc)) from None
+        old.release()
 
     def _attach(self, ffn_rank: int, name: str, layout: _Layout) -> _Segment:
         try:
@@ -503,12 +528,12 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
         return buffers.views[rows][3]
 
     def _check_alive(self, ffn_rank: int) -> None:
-        """Raise ``TransportError`` if FFN rank ``ffn_rank`` closed its endpoint or died."""
+        """Raise ``FFNRankLost`` if FFN rank ``ffn_rank`` closed its endpoint or died."""
         pid, start = self._creators[ffn_rank]
         if self._words[ffn_rank][_G_STATE] == _STATE_CLOSED:
-            raise TransportError(f"FFN rank {ffn_rank} (pid {pid}) closed its shm endpoint")
+            raise FFNRankLost(ffn_rank, f"FFN rank {ffn_rank} (pid {pid}) closed its shm endpoint")
         if start is not None and process_start_time(pid) != start:
-            raise TransportError(f"FFN rank {ffn_rank} (pid {pid}) died")
+            raise FFNRankLost(ffn_rank, f"FFN rank {ffn_rank} (pid {pid}) died")
 
     def close(self) -> None:
         """Unmap the segments (never unlinks: the FFN side owns them)."""

@@ -52,14 +52,16 @@ buffer first.
 No deadlock on large messages: while ``dispatch`` waits for a socket to take a big request it keeps
 reading responses from every FFN rank, and the FFN side never blocks on a slow reader: replies that
 do not fit in the socket buffer are queued and flushed from ``recv``. ``dispatch`` returns once the
-kernel holds all bytes of the request, so ``x`` may be reused at once.
+kernel holds all bytes of the request.
 
 Waiting. Both sides first poll their sockets without blocking, through the spin and yield
 stages of ``WaitPolicy`` (as shm does), then block in ``epoll``: a wake-up from ``epoll`` costs
 far more than a non-blocking poll (measured numbers: docs/benchmarks.md).
 
-Failure. A closed or reset connection raises ``TransportError`` naming the FFN rank at once
-(SIGKILL of an FFN process closes its sockets); a silent FFN rank raises after ``spec.timeout_s``.
+Failure. A closed or reset connection raises ``FFNRankLost`` naming the FFN rank at once
+(SIGKILL of an FFN process closes its sockets; with failover, ``p2p`` then connects to its
+replacement: ``_reconnect``); a silent FFN rank raises ``TransportError`` after
+``spec.timeout_s``.
 The FFN side drops a dead attention rank's connection and keeps serving the others; a reconnecting
 attention rank replaces its old connection.
 """
@@ -78,6 +80,7 @@ import torch
 from vllm_afd.config import AFDConfigError
 from vllm_afd.transport import auth
 from vllm_afd.transport.base import (
+    FFNRankLost,
     FFNRequest,
     FFNServeError,
     FFNTransport,
@@ -336,14 +339,14 @@ class _FFNPeer:
         self.answered[slot], self.answer_rows[slot] = seq, n
 
     def read(self) -> None:
-        """Absorb every response that arrived; raise ``TransportError`` if the link is gone."""
+        """Absorb every response that arrived; raise ``FFNRankLost`` if the link is gone."""
         if self.error:
-            raise TransportError(self.error)
+            raise FFNRankLost(self.ffn_rank, self.error)
         try:
             self.reader.read()
         except OSError as exc:  # ConnectionError is an OSError
             self.error = f"FFN rank {self.ffn_rank}: connection lost ({exc})"
-            raise TransportError(self.error) from None
+            raise FFNRankLost(self.ffn_rank, self.error) from None
 
 
 class TcpAttentionTransport(PointToPointAttentionTransport):
@@ -357,8 +360,19 @@ class TcpAttentionTransport(PointToPointAttentionTransport):
         self._selector = selectors.DefaultSelector()
         self._schedule_words = schedule_words(spec.moe_layers)
         self._peers: list[_FFNPeer] = []
-        for f, address in enumerate(spec.addresses):
+        for f, address in enumerate(self.addresses):
             self._peers.append(self._connect(f, address))
+
+    def _reconnect(self, ffn_rank: int, address: str) -> None:
+        """Close the lost connection and connect to the replacement at ``address``."""
+        old = self._peers[ffn_rank]
+        if old.sock.fileno() >= 0:  # not closed by an earlier, failed reconnect
+            self._selector.unregister(old.sock)
+            old.sock.close()
+        try:
+            self._peers[ffn_rank] = self._connect(ffn_rank, address)
+        except TransportError as exc:  # the replacement is gone too: wait for the next one
+            raise FFNRankLost(ffn_rank, str(exc)) from None
 
     def _connect(self, ffn_rank: int, address: str) -> _FFNPeer:
         """Connect and authenticate (blocking, at most ``_CONNECT_TIMEOUT_S`` per step)."""
@@ -457,7 +471,8 @@ class TcpAttentionTransport(PointToPointAttentionTransport):
         try:
             views = _send_some(peer.sock, views)
         except OSError as exc:
-            raise TransportError(f"FFN rank {peer.ffn_rank}: connection lost ({exc})") from None
+            msg = f"FFN rank {peer.ffn_rank}: connection lost ({exc})"
+            raise FFNRankLost(peer.ffn_rank, msg) from None
         if not views:
             return
         self._selector.modify(peer.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, peer)
@@ -468,7 +483,7 @@ class TcpAttentionTransport(PointToPointAttentionTransport):
                     views = _send_some(peer.sock, views)
                 except OSError as exc:
                     msg = f"FFN rank {peer.ffn_rank}: connection lost ({exc})"
-                    raise TransportError(msg) from None
+                    raise FFNRankLost(peer.ffn_rank, msg) from None
         finally:
             self._selector.modify(peer.sock, selectors.EVENT_READ, peer)
 
@@ -520,8 +535,9 @@ class TcpAttentionTransport(PointToPointAttentionTransport):
         if not self._peers:
             return
         for peer in self._peers:
-            self._selector.unregister(peer.sock)
-            peer.sock.close()
+            if peer.sock.fileno() >= 0:
+                self._selector.unregister(peer.sock)
+                peer.sock.close()
         self._peers = []
         self._selector.close()
 

@@ -61,24 +61,36 @@ class FFNCluster:
     """FFN ranks in child processes plus the attention endpoints the test creates."""
 
     def __init__(self, ctx, spec: TransportSpec, forwards: Sequence[FFNForward]) -> None:
+        self.ctx = ctx
+        self.requested = spec
         self.stop_event = ctx.Event()
         self.procs = []
-        addresses = []
-        for rank, forward in enumerate(forwards):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=ffn_worker_main,
-                args=(spec, rank, forward, child, self.stop_event),
-                daemon=True,
-            )
-            proc.start()
-            child.close()
-            if not parent.poll(30):
-                raise TimeoutError(f"FFN rank {rank} did not report its address")
-            addresses.append(parent.recv())
-            self.procs.append(proc)
+        self.current = {}  # FFN rank -> its latest process
+        addresses = [self._start(rank, forward) for rank, forward in enumerate(forwards)]
         self.spec = dataclasses.replace(spec, addresses=tuple(addresses))
         self.attention = []
+
+    def _start(self, rank: int, forward: FFNForward) -> str:
+        """Start FFN rank ``rank`` in a new process; return its address."""
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(
+            target=ffn_worker_main,
+            args=(self.requested, rank, forward, child, self.stop_event),
+            daemon=True,
+        )
+        proc.start()
+        child.close()
+        if not parent.poll(30):
+            raise TimeoutError(f"FFN rank {rank} did not report its address")
+        self.procs.append(proc)
+        self.current[rank] = proc
+        return parent.recv()
+
+    def replace(self, rank: int, forward: FFNForward) -> tuple[str, int]:
+        """Start a replacement of FFN rank ``rank`` (what failover's supervisor does); return
+        its address and pid."""
+        address = self._start(rank, forward)
+        return address, self.current[rank].pid
 
     def connect(self, rank: int, **overrides):
         endpoint = create_attention_transport(dataclasses.replace(self.spec, **overrides), rank)
@@ -86,7 +98,8 @@ class FFNCluster:
         return endpoint
 
     def kill(self, rank: int) -> None:
-        self.procs[rank].kill()
+        """SIGKILL FFN rank ``rank``'s latest process."""
+        self.current[rank].kill()
 
     def close(self) -> None:
         for endpoint in self.attention:

@@ -1,0 +1,110 @@
+"""Failover on the attention side (``p2p``): a lost FFN rank's requests go to its replacement.
+
+FFN ranks run in child processes (``FFNCluster``); the test plays the front-end's supervisor: it
+kills a rank while requests wait on it, starts a replacement and publishes it in the FFN
+directory. Every combine then returns exactly the reference result, the requests the lost rank
+had not answered are counted as sent again, and the next step runs on the replacement.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from transport_testlib import make_spec, routing
+
+from vllm_afd.testing.ffn import DelayedForward
+from vllm_afd.transport import FFNRankLost, TransportError
+from vllm_afd.transport import directory as ffn_directory
+from vllm_afd.transport.control import Mode, StepSchedule
+from vllm_afd.transport.directory import FAILED, RECOVERING, UP, RankEntry
+from vllm_afd.transport.reference import LocalMoE, ScaleExperts, reference_moe_combine
+
+pytestmark = pytest.mark.timeout(90)
+BACKENDS = ["shm", "tcp"]
+SCALES = ScaleExperts(torch.arange(1.0, 9.0) / 4)
+
+
+def _entry(rank: int, incarnation: int, state: str, address: str = "", pid: int = 0, **kw):
+    return RankEntry(rank, incarnation, state, address, "host", pid, **kw)
+
+
+def _forward(spec, rank: int) -> LocalMoE:
+    return LocalMoE.for_rank(SCALES, spec, rank)
+
+
+def _cluster(start_ffn, backend: str, tmp_path, delay_rank1: float, failover_s: float = 20.0):
+    spec = make_spec(backend, 1, 2, directory=str(tmp_path), failover_s=failover_s)
+    forwards = [_forward(spec, 0), DelayedForward(_forward(spec, 1), delay_s=delay_rank1)]
+    cluster = start_ffn(spec, forwards)
+    for rank, address in enumerate(cluster.spec.addresses):
+        ffn_directory.publish(str(tmp_path), _entry(rank, 1, UP, address))
+    return spec, cluster
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_requests_of_a_killed_rank_are_answered_by_its_replacement(backend, start_ffn, tmp_path):
+    spec, cluster = _cluster(start_ffn, backend, tmp_path, delay_rank1=30.0)
+    att = cluster.connect(0)
+    att.begin_step(StepSchedule(1, (8, 8), (0,), Mode.RUN))
+    inputs = [routing(8, spec, seed=s) for s in (1, 2)]
+    handles = [att.dispatch(0, *inputs[mb], microbatch=mb) for mb in (0, 1)]
+    assert all(set(h.token_index) == {0, 1} for h in handles)
+
+    def supervise() -> None:  # what placement's supervisor does, by hand
+        cluster.kill(1)
+        ffn_directory.publish(str(tmp_path), _entry(1, 1, RECOVERING, reason="killed"))
+        address, pid = cluster.replace(1, _forward(spec, 1))
+        ffn_directory.publish(str(tmp_path), _entry(1, 2, UP, address, pid, failovers=1))
+
+    threading.Timer(0.3, supervise).start()
+    for mb in (1, 0):
+        out = att.combine(handles[mb])
+        assert torch.equal(out, reference_moe_combine(*inputs[mb], SCALES, 8, 2)), mb
+    assert (att.replacements, att.redispatched) == (1, 2)
+    assert att.addresses[1] != cluster.spec.addresses[1]
+
+    att.begin_step(StepSchedule(2, (5,), (0,), Mode.RUN))  # the next step, on the replacement
+    x = routing(5, spec, seed=3)
+    assert torch.equal(att.combine(att.dispatch(0, *x)), reference_moe_combine(*x, SCALES, 8, 2))
+    assert att.redispatched == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_the_supervisor_gave_up_on_fails_at_once(backend, start_ffn, tmp_path):
+    spec, cluster = _cluster(start_ffn, backend, tmp_path, delay_rank1=30.0)
+    att = cluster.connect(0)
+    handle = att.dispatch(0, *routing(8, spec, seed=0))
+    reason = "FFN rank 1 failed 6 times in a row; the last: died"
+    ffn_directory.publish(str(tmp_path), _entry(1, 6, FAILED, reason=reason))
+    threading.Timer(0.3, cluster.kill, args=(1,)).start()
+    start = time.monotonic()
+    with pytest.raises(TransportError, match="failed 6 times in a row") as failure:
+        att.combine(handle)
+    assert not isinstance(failure.value, FFNRankLost)
+    assert time.monotonic() - start < 5.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_replacement_within_the_failover_timeout_fails_clearly(backend, start_ffn, tmp_path):
+    spec, cluster = _cluster(start_ffn, backend, tmp_path, delay_rank1=30.0, failover_s=1.0)
+    att = cluster.connect(0)
+    handle = att.dispatch(0, *routing(8, spec, seed=0))
+    threading.Timer(0.3, cluster.kill, args=(1,)).start()
+    start = time.monotonic()
+    with pytest.raises(TransportError, match="no replacement up within 1s"):
+        att.combine(handle)
+    assert 1.0 < time.monotonic() - start < 6.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_a_directory_a_lost_rank_is_an_error(backend, start_ffn, tmp_path):
+    spec = make_spec(backend, 1, 1)
+    cluster = start_ffn(spec, [DelayedForward(_forward(spec, 0), delay_s=30.0)])
+    att = cluster.connect(0)
+    handle = att.dispatch(0, *routing(4, spec, seed=0))
+    threading.Timer(0.3, cluster.kill, args=(0,)).start()
+    with pytest.raises(FFNRankLost, match="FFN rank 0"):
+        att.combine(handle)

@@ -1,0 +1,107 @@
+"""The FFN directory: where each FFN rank of a deployment can be reached now (failover).
+
+An FFN rank that dies, stops or wedges is replaced by a new process (``placement``'s
+supervisor), which listens on a new address (a new shm segment, a new tcp port). The attention
+ranks, the ``/health`` check and ``/metrics`` learn about it here: one small JSON file per FFN
+rank (``rank<r>.json``) in a directory of the deployment (``TransportSpec.directory``: inside
+the deployment's private directory, mode 0700, removed with it). The supervisor is the only
+writer; every write is a whole file renamed into place, so a reader sees the old entry or the
+new one, never half of one.
+
+An entry's ``incarnation`` counts the starts of that rank (1: the first process). Its ``state``:
+
+- ``up``: the process of this incarnation serves at ``address``;
+- ``recovering``: the last incarnation was lost (``reason``) and its replacement is starting;
+- ``failed``: the supervisor gave up on the rank (``reason``): it failed too often in a row.
+
+Why files and not a service: every reader already runs on the front-end's host (the attention
+ranks of a single-node deployment, the API server) and reads the directory only when something
+failed, or at a scrape; a file read needs no connection, no authentication and no process of
+its own. The hot path never reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+
+UP, RECOVERING, FAILED = "up", "recovering", "failed"
+#: How often a waiting attention rank reads the directory again.
+POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    """One FFN rank as the directory knows it (see the module docstring)."""
+
+    rank: int
+    incarnation: int
+    state: str
+    address: str
+    host: str
+    pid: int
+    #: Why the last failover happened (``recovering``, ``up`` after a failover) or why the
+    #: supervisor gave up (``failed``).
+    reason: str = ""
+    #: Failovers of this rank so far, and the seconds they took in total, each from the
+    #: detection of the loss to the replacement serving.
+    failovers: int = 0
+    recovery_s: float = 0.0
+
+
+def _path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank{rank}.json")
+
+
+def publish(directory: str, entry: RankEntry) -> None:
+    """Write ``entry`` as FFN rank ``entry.rank``'s (atomically: a renamed whole file)."""
+    path = _path(directory, entry.rank)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(dataclasses.asdict(entry), fh)
+    os.replace(tmp, path)
+
+
+def lookup(directory: str, rank: int) -> RankEntry | None:
+    """FFN rank ``rank``'s entry, or ``None`` if the directory has none (or is gone)."""
+    try:
+        with open(_path(directory, rank)) as fh:
+            return RankEntry(**json.load(fh))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def entries(directory: str, num_ranks: int) -> list[RankEntry | None]:
+    """Every FFN rank's entry, in rank order."""
+    return [lookup(directory, r) for r in range(num_ranks)]
+
+
+class ReplacementTimeout(TimeoutError):
+    """No replacement of a lost FFN rank came up in time, or the supervisor gave up."""
+
+
+def wait_for_replacement(directory: str, rank: int, after: int, timeout_s: float) -> RankEntry:
+    """Wait for an ``up`` entry of FFN rank ``rank`` with an incarnation above ``after``.
+
+    Raises:
+        ReplacementTimeout: after ``timeout_s``, or at once when the entry says ``failed``
+            (the message carries the supervisor's reason).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        entry = lookup(directory, rank)
+        if entry is not None and entry.state == FAILED:
+            raise ReplacementTimeout(f"FFN rank {rank} is not replaced: {entry.reason}")
+        if entry is not None and entry.state == UP and entry.incarnation > after:
+            return entry
+        if time.monotonic() >= deadline:
+            state = "no entry" if entry is None else f"{entry.state} #{entry.incarnation}"
+            raise ReplacementTimeout(
+                f"FFN rank {rank}: no replacement up within {timeout_s:g}s "
+                f"(--afd-failover-timeout; directory says: {state})"
+            )
+        time.sleep(POLL_S)
