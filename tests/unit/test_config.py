@@ -190,3 +190,14 @@ def test_ffn_host_accepts_local_addresses_and_remote_ffn_hosts():
         check_this_host(
             AFDConfig(ratio=(1, 1), ffn_host="no-such-host.invalid", ray_address="10.0.0.1:6379")
         )
+
+
+@pytest.mark.parametrize("seconds", ["inf", "nan", "-1", "soon"])
+def test_failover_timeout_must_be_finite_and_not_negative(seconds):
+    with pytest.raises(AFDConfigError, match=r"--afd-failover-timeout"):
+        AFDConfig.from_dict({"ratio": "1:1", "failover_s": seconds})
+
+
+def test_failover_is_on_by_default_and_zero_turns_it_off():
+    assert AFDConfig.from_dict({"ratio": "1:1"}).failover_s == 60.0
+    assert AFDConfig.from_dict({"ratio": "1:1", "failover_s": "0"}).failover_s == 0.0

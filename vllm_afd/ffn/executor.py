@@ -255,47 +255,54 @@ class FFNExecutor:
                 )
             return True
         logger.error("AFD: %s", why)
-        if self.stats.shared is not None:
-            self.stats.shared.record_failure(1)
+        self._record_failures(1)
         self.transport.reply_error(request, why)
         return False
 
+    def _record_failures(self, count: int) -> None:
+        """``count`` requests failed here: the rank is unhealthy from now on (``/health``)."""
+        if self.stats.shared is not None:
+            self.stats.shared.record_failure(count)
+
     def _serve_layer(self, layer: int, group: list[FFNRequest]) -> None:
-        """Serve one layer's requests together; if that raises, fail each of them on its
-        attention rank with the error text (``reply_error``) and go on serving."""
+        """Serve one layer's requests together; if that raises, fail each request not answered
+        yet on its attention rank with the error text (``reply_error``) and go on serving."""
         shared = self.stats.shared
         if shared is not None:
             shared.set_busy(time.monotonic())
+        answered = 0
         try:
-            self._compute_layer(layer, group)
+            start = time.perf_counter()
+            x, out = self._compute_layer(layer, group)
+            offset = 0
+            for request in group:
+                n = request.x.shape[0]
+                self.transport.reply(request, out[offset : offset + n])
+                offset += n
+                answered += 1
+            self._account(layer, group, x, time.perf_counter() - start)
         except Exception as exc:
             message = f"layer {layer}: {type(exc).__name__}: {exc}"
             logger.exception("AFD FFN rank %d failed serving %s", self.rank, message)
-            if shared is not None:
-                shared.record_failure(len(group))
-            for request in group:
+            self._record_failures(len(group) - answered)
+            for request in group[answered:]:
                 self.transport.reply_error(request, message)
         finally:
             if shared is not None:
                 shared.set_busy(0.0)
 
-    def _compute_layer(self, layer: int, group: list[FFNRequest]) -> None:
+    def _compute_layer(
+        self, layer: int, group: list[FFNRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's experts over every request's rows: ``(x, out)``, rows in request order."""
         if self._fault_file is not None and os.path.exists(self._fault_file):
             raise RuntimeError(f"injected fault ({envs.FAULT_FILE}={self._fault_file} exists)")
-        start = time.perf_counter()
         x = _rows([r.x for r in group])
-        if x.shape[0]:
-            ids = _rows([r.topk_ids for r in group])
-            w = _rows([r.topk_weights for r in group])
-            out = self.kernel(layer, x, ids, w)
-        else:
-            out = x.new_empty(x.shape)
-        offset = 0
-        for request in group:
-            n = request.x.shape[0]
-            self.transport.reply(request, out[offset : offset + n])
-            offset += n
-        self._account(layer, group, x, time.perf_counter() - start)
+        if not x.shape[0]:
+            return x, x.new_empty(x.shape)
+        ids = _rows([r.topk_ids for r in group])
+        w = _rows([r.topk_weights for r in group])
+        return x, self.kernel(layer, x, ids, w)
 
     def _account(self, layer: int, group: list[FFNRequest], x: torch.Tensor, dt: float) -> None:
         s = self.stats
@@ -323,8 +330,7 @@ class FFNExecutor:
                 self.serve_once(timeout_s=0.2)
             except Exception:  # the transport itself failed: counted, logged, loop goes on
                 logger.exception("AFD FFN rank %d: serve loop error", self.rank)
-                if self.stats.shared is not None:
-                    self.stats.shared.record_failure(1)
+                self._record_failures(1)
                 self._stop.wait(0.1)
 
     def heartbeat_forever(self, interval_s: float) -> None:

@@ -188,3 +188,35 @@ def test_a_model_whose_moe_layers_the_plugin_cannot_replace_is_refused(family_mo
     spec = TransportSpec("shm", 1, 1, 8, 64, 2, 4, moe_layers=(0, 1))
     with pytest.raises(ValueError, match="GptOssRoutedExperts.*AFD cannot split this model"):
         FFNExecutor(spec, 0, family_model(GPT_OSS), "cpu")
+
+
+def test_a_reply_that_fails_partway_fails_only_the_requests_not_answered():
+    """A layer batch whose reply loop raises at its second request: the first request keeps
+    its answer, the second and third get the error (never an error after an answer)."""
+    from types import SimpleNamespace
+
+    from vllm_afd.transport import FFNRequest
+
+    class Transport:
+        def __init__(self) -> None:
+            self.answered, self.failed = [], []
+
+        def reply(self, request, out) -> None:
+            if request.src_rank == 1:
+                raise OSError("attention rank 1 is gone")
+            self.answered.append((request.src_rank, out.clone()))
+
+        def reply_error(self, request, message: str) -> None:
+            self.failed.append((request.src_rank, message))
+
+    executor = object.__new__(FFNExecutor)
+    executor.rank, executor._fault_file = 0, None
+    executor.stats = SimpleNamespace(shared=None)
+    executor.kernel = lambda layer, x, ids, weights: 2 * x
+    executor.transport = transport = Transport()
+    ids, weights = torch.zeros(1, 2, dtype=torch.int32), torch.full((1, 2), 0.5)
+    group = [FFNRequest(src, 0, torch.full((1, 4), src + 1.0), ids, weights) for src in range(3)]
+    executor._serve_layer(0, group)
+    assert [(src, out.tolist()) for src, out in transport.answered] == [(0, [[2.0] * 4])]
+    assert [src for src, _ in transport.failed] == [1, 2]
+    assert all("OSError: attention rank 1 is gone" in m for _, m in transport.failed)
