@@ -1,6 +1,8 @@
 """``vllm-afd``: the product's console script.
 
     vllm-afd serve MODEL --afd-ratio 2:1 [any vllm serve flag]   # = vllm serve, AFD flags on
+    vllm-afd ffn-server MODEL --afd-ratio 4:1 [engine flags]     # an FFN group on its own
+    vllm-afd serve MODEL --afd-join GROUP_FILE [...]             # a front-end joining it
     vllm-afd demo                                                # the README's main job
     vllm-afd plan ...                                            # planner (vllm_afd.planner)
     vllm-afd bench ...                                           # A/B harness
@@ -37,11 +39,57 @@ def serve(argv: list[str]) -> None:
     args.dispatch_function(args)
 
 
+def ffn_server(argv: list[str]) -> None:
+    """Run an FFN group on its own until SIGTERM or SIGINT, for front-ends that join it.
+
+    ``--afd-ratio A:F`` sizes it as a server would (F FFN ranks serving A attention ranks, here
+    the attention ranks of every front-end that joins, together); the engine flags that shape
+    the FFN side (``--dtype``, ``--max-num-batched-tokens``, ``--afd-*``) are vLLM's. The group
+    file it prints is what ``vllm-afd serve MODEL --afd-join GROUP_FILE`` takes.
+    """
+    import signal
+    import threading
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    import vllm_afd
+    from vllm_afd import placement
+    from vllm_afd.config import AFDConfig, AFDConfigError
+    from vllm_afd.deployment import checkpoint_dir
+
+    vllm_afd.register()
+    parser = FlexibleArgumentParser(prog="vllm-afd ffn-server")
+    parser.add_argument("model_tag", help="the model (directory) the group serves")
+    parser.add_argument("--group-file", help="where to write the group file (default: printed)")
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    args.model = args.model_tag
+    engine_args = EngineArgs.from_cli_args(args)
+    afd = AFDConfig.of(engine_args)
+    if afd is None or afd.join is not None or afd.ratio is None:
+        raise AFDConfigError("vllm-afd ffn-server: --afd-ratio A:F is required (not auto, no join)")
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+        model_dir = checkpoint_dir(vllm_config.model_config.model)
+        path = placement.write_group_file(args.group_file, model_dir)
+        print(f"vllm-afd ffn-server: FFN group ready; join with --afd-join {path}", flush=True)
+        stop.wait()
+    finally:
+        placement.stop_ffn_group()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("--help", [])
     if command == "serve":
         return _run_user_facing(serve, rest)
+    if command == "ffn-server":
+        return _run_user_facing(ffn_server, rest)
     if command == "demo":
         from vllm_afd.bench.demo import main as demo_main
 

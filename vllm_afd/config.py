@@ -105,7 +105,8 @@ class AFDConfig:
     (``add_afd_flags``), ``FLAG_KEYS`` and the README's flag table all derive from it.
     """
 
-    #: ``(A, F)``: A attention ranks per F FFN ranks; ``None`` means "auto" (planner).
+    #: ``(A, F)``: A attention ranks per F FFN ranks; ``None`` means "auto" (planner), or,
+    #: with ``join``, the ratio of the group joined.
     ratio: tuple[int, int] | None = field(
         metadata=_flag(
             "--afd-ratio",
@@ -174,6 +175,17 @@ class AFDConfig:
             type=int,
         ),
     )
+    #: The group file of a running ``vllm-afd ffn-server`` to join instead of starting a group.
+    join: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--afd-join",
+            "Turn AFD on by joining the FFN group a `vllm-afd ffn-server` runs (the group file "
+            "it printed) instead of starting one; this front-end's attention ranks are its own "
+            "data x tensor parallel ranks. Not with --afd-ratio.",
+            "GROUP_FILE",
+        ),
+    )
     #: Interface the FFN ranks listen on (tcp transport). Loopback by default.
     ffn_host: str = field(
         default="127.0.0.1",
@@ -230,10 +242,16 @@ class AFDConfig:
             raise AFDConfigError(
                 f"additional_config.afd: unknown key(s) {unknown}; allowed: {sorted(known)}"
             )
-        if "ratio" not in raw:
+        if raw.get("join") is not None:
+            if raw.get("ratio") is not None:
+                raise AFDConfigError(
+                    f"{_where('join')} and {_where('ratio')}: give one; a front-end that joins "
+                    "an FFN group serves with that group's FFN ranks"
+                )
+        elif "ratio" not in raw:
             raise AFDConfigError(f"{_where('ratio')}: required when AFD is configured")
         kwargs: dict[str, Any] = dict(raw)
-        kwargs["ratio"] = parse_ratio(raw["ratio"])
+        kwargs["ratio"] = None if raw.get("join") is not None else parse_ratio(raw["ratio"])
         for key, typ in (("timeout_s", float), ("failover_s", float), ("microbatches", int)):
             if key in kwargs:
                 kwargs[key] = _coerce(key, kwargs[key], typ)
@@ -248,6 +266,8 @@ class AFDConfig:
         """Inverse of ``from_dict`` (JSON-serialisable)."""
         out = dataclasses.asdict(self)
         out["ratio"] = "auto" if self.ratio is None else f"{self.ratio[0]}:{self.ratio[1]}"
+        if self.join is not None:
+            del out["ratio"]
         return out
 
     def num_ffn_ranks(self, attention_ranks: int) -> int:
@@ -304,7 +324,8 @@ def add_afd_flags(parser: argparse.ArgumentParser) -> None:
     if any(getattr(a, "dest", None) == "afd_ratio" for a in parser._actions):
         return
     group = parser.add_argument_group(
-        "AFD", "Attention-FFN Disaggregation (vllm-afd). Off unless --afd-ratio is given."
+        "AFD",
+        "Attention-FFN Disaggregation (vllm-afd). Off unless --afd-ratio or --afd-join is given.",
     )
     for f in dataclasses.fields(AFDConfig):
         meta = {k: v for k, v in f.metadata.items() if v is not None}
@@ -330,10 +351,11 @@ def merge_afd_flags(args: argparse.Namespace, engine_args: Any) -> None:
     flags = afd_flags_from_args(args)
     if not flags:
         return
-    if "ratio" not in flags:
+    if "ratio" not in flags and "join" not in flags:
         given = [flag for flag, key in FLAG_KEYS.items() if key in flags]
         raise AFDConfigError(
-            f"--afd-ratio is required with {', '.join(given)}; AFD is off without it"
+            f"--afd-ratio (or --afd-join) is required with {', '.join(given)}; AFD is off "
+            "without it"
         )
     extra = dict(engine_args.additional_config or {})
     long_form = dict(extra.get("afd") or {})

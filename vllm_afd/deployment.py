@@ -33,7 +33,7 @@ def _ffn_device(afd: AFDConfig) -> str:
     return "cpu" if current_platform.is_cpu() else "cuda"
 
 
-def _model_dir(model: str) -> str:
+def checkpoint_dir(model: str) -> str:
     """Local directory of the checkpoint (downloads the safetensors of a hub id if needed)."""
     if Path(model).is_dir():
         return str(Path(model).resolve())
@@ -75,7 +75,9 @@ def setup_afd(vllm_config) -> None:
     check_supported(vllm_config)
     info = moe_model_info(vllm_config.model_config.hf_config)
     ranks = attention_ranks(vllm_config)
-    model_dir = _model_dir(vllm_config.model_config.model)
+    model_dir = checkpoint_dir(vllm_config.model_config.model)
+    if afd.join is not None:
+        return _join(afd, info, ranks, model_dir, vllm_config)
     if afd.ratio is None:
         afd = _resolve_auto(afd, info, ranks, model_dir, vllm_config)
         vllm_config.additional_config["afd"] = afd.to_dict()
@@ -97,6 +99,28 @@ def setup_afd(vllm_config) -> None:
         ranks,
         group.spec.num_ffn_ranks,
         group.spec.backend,
+    )
+
+
+def _join(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config) -> None:
+    """``--afd-join``: this front-end's attention ranks join a running FFN group."""
+    from vllm_afd.placement import join_ffn_group
+
+    check_this_host(afd)
+    log_kv_transfer_requirements(vllm_config)
+    spec = join_ffn_group(
+        afd,
+        info,
+        model_dir,
+        ranks,
+        max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        dtype=vllm_config.model_config.dtype,
+    )
+    logger.info(
+        "AFD on: %d attention rank(s) joined a group of %d FFN rank(s), transport %s",
+        ranks,
+        spec.num_ffn_ranks,
+        spec.backend,
     )
 
 

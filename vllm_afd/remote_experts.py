@@ -276,8 +276,9 @@ def connect() -> _Session:
         if _SESSION is not None:
             _SESSION.endpoint.close()
         tp = get_tp_group()
-        rank = get_dp_group().rank_in_group * tp.world_size + tp.rank_in_group
-        endpoint = create_attention_transport(TransportSpec.from_json(key), rank)
+        spec = TransportSpec.from_json(key)
+        local = get_dp_group().rank_in_group * tp.world_size + tp.rank_in_group
+        endpoint = create_attention_transport(spec, spec.attention_rank_offset + local)
         stats = recorder.endpoint_block(endpoint)
         steps = _Steps(endpoint)
         _SESSION = _Session(key, endpoint, tp.rank_in_group, tp.world_size, stats, steps)

@@ -92,7 +92,11 @@ def _cases(qwen3: str, dense: str) -> list[tuple[str, tuple[str, ...], str, dict
             (qwen3, "--afd-ratio", "1:1", "--afd-ray-address", "127.0.0.1:9"),
             "cannot reach Ray at 127.0.0.1:9",
         ),
-        ("option without ratio", (qwen3, "--afd-transport", "tcp"), "--afd-ratio is required"),
+        (
+            "option without ratio",
+            (qwen3, "--afd-transport", "tcp"),
+            "--afd-ratio (or --afd-join) is required",
+        ),
         (
             "infinite timeout",
             (qwen3, "--afd-ratio", "1:1", "--afd-timeout", "inf"),

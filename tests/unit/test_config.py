@@ -118,7 +118,9 @@ def test_bad_flag_values_exit_with_the_flag_named(capsys):
 
 def test_options_without_ratio_and_duplicates_are_errors():
     engine_args = SimpleNamespace(additional_config=None)
-    with pytest.raises(AFDConfigError, match="--afd-ratio is required with --afd-transport"):
+    with pytest.raises(
+        AFDConfigError, match=r"--afd-ratio \(or --afd-join\) is required with --afd-transport"
+    ):
         merge_afd_flags(_parser().parse_args(["--afd-transport", "tcp"]), engine_args)
     engine_args = SimpleNamespace(additional_config={"afd": {"ratio": "1:1"}})
     with pytest.raises(AFDConfigError, match="both as flags"):

@@ -39,7 +39,6 @@ colocated.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -77,15 +76,18 @@ def _ensure_world() -> None:
     """A vLLM world of this one process (gloo), as a worker has, unless there is one.
 
     Its rendezvous is a file in a private directory, not ``tcp://``: torch's TCP store
-    listens on every interface whatever host the URL names, with no authentication.
+    listens on every interface whatever host the URL names, with no authentication. The
+    directory is removed as soon as the groups exist (nothing of a world of one process uses
+    the store afterwards), so that a killed FFN rank (failover, ``ray.kill`` at shutdown: no
+    ``atexit``) leaves nothing behind.
     """
     from vllm.distributed import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         return
+    private = None
     if not torch.distributed.is_initialized():
         private = tempfile.mkdtemp(prefix="vllm_afd_world_")  # mode 0700
-        atexit.register(shutil.rmtree, private, ignore_errors=True)
         parallel_state.init_distributed_environment(
             world_size=1,
             rank=0,
@@ -93,7 +95,11 @@ def _ensure_world() -> None:
             local_rank=0,
             backend="gloo",
         )
-    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+    finally:
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
 
 
 def _materialise(layer: torch.nn.Module, device: str) -> None:

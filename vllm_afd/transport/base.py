@@ -121,6 +121,9 @@ class TransportSpec:
     directory: str = ""
     #: How long an attention rank waits for a lost FFN rank's replacement, in seconds.
     failover_s: float = 0.0
+    #: The first of the group's attention ranks that this front-end's ranks are (a front-end
+    #: that joined a group run by ``vllm-afd ffn-server`` shares it with others).
+    attention_rank_offset: int = 0
 
     @property
     def experts_per_ffn_rank(self) -> int:
