@@ -73,9 +73,36 @@ def check_owned(fd: int, path: str, exact_mode: int | None = 0o600) -> os.stat_r
     return info
 
 
-def private_dir(prefix: str = "vllm_afd_") -> str:
-    """A new directory only this user can enter (``mkdtemp``: mode 0700, unguessable name)."""
-    return tempfile.mkdtemp(prefix=prefix)
+#: Name prefix of a deployment's private directory; the creator's pid follows it.
+PRIVATE_PREFIX = "vllm_afd_dep_"
+
+
+def private_dir(prefix: str = PRIVATE_PREFIX) -> str:
+    """A new directory only this user can enter (``mkdtemp``: mode 0700, unguessable name),
+    named ``<prefix><pid>_<random>`` so that ``reap_private_dirs`` can tell when its creator
+    is gone."""
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}_")
+
+
+def reap_private_dirs(prefix: str = PRIVATE_PREFIX) -> list[str]:
+    """Remove this user's private directories (``private_dir``) whose creator died without
+    removing it (a SIGKILLed front-end leaves its Ray token, tcp secret, FFN directory and
+    leases); returns their paths. A directory of a live pid (or another user's, or one whose
+    name carries no pid) is left alone."""
+    root, removed = tempfile.gettempdir(), []
+    for name in os.listdir(root):
+        pid = name[len(prefix) :].split("_", 1)[0] if name.startswith(prefix) else ""
+        path = os.path.join(root, name)
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def remove_private_dir(path: str | None) -> None:

@@ -58,6 +58,7 @@ from vllm_afd.host import (
     pid_alive,
     private_dir,
     process_start_time,
+    reap_private_dirs,
     remove_private_dir,
     write_private_file,
 )
@@ -390,7 +391,7 @@ def start_ffn_group(
             return _GROUP
         stop_ffn_group()
         check_ray_address(afd.ray_address)
-        reap_dead_segments()
+        reap_dead_deployments()
         prepare_tcp_secret(afd)
         spec = dataclasses.replace(spec, directory=_ffn_directory())
         try:
@@ -838,6 +839,15 @@ def reap_dead_segments() -> list[str]:
     if reaped:
         logger.info("AFD: removed %d segment(s) of dead processes from /dev/shm", len(reaped))
     return reaped
+
+
+def reap_dead_deployments() -> list[str]:
+    """``reap_dead_segments``, and the private directories of front-ends that died without
+    cleaning up (``host.reap_private_dirs``): run before a new FFN group starts."""
+    dirs = reap_private_dirs()
+    if dirs:
+        logger.info("AFD: removed %d private directory(ies) of dead front-ends", len(dirs))
+    return reap_dead_segments() + dirs
 
 
 def release_credentials() -> None:

@@ -102,3 +102,32 @@ def test_given_cluster_token_is_passed_through(monkeypatch):
     finally:
         placement.release_credentials()
     assert placement.RAY_AUTH_MODE not in os.environ
+
+
+def test_private_directories_of_dead_front_ends_are_reaped(tmp_path, monkeypatch):
+    """A SIGKILLed front-end leaves its private directory (Ray token, tcp secret, FFN
+    directory); the next start removes it, and only it."""
+    import subprocess
+    import sys
+
+    from vllm_afd.host import PRIVATE_PREFIX, private_dir, reap_private_dirs
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    gone = tmp_path / f"{PRIVATE_PREFIX}{dead.stdout.strip()}_abc"
+    gone.mkdir(mode=0o700)
+    (gone / "ray_token").write_text("x")
+    mine = private_dir()
+    unrelated = tmp_path / f"{PRIVATE_PREFIX}notapid"
+    unrelated.mkdir()
+    assert os.path.basename(mine).startswith(f"{PRIVATE_PREFIX}{os.getpid()}_")
+    assert reap_private_dirs() == [str(gone)]
+    assert not gone.exists() and os.path.isdir(mine) and unrelated.exists()
