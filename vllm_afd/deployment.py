@@ -15,7 +15,13 @@ import logging
 from pathlib import Path
 
 from vllm_afd import envs
-from vllm_afd.config import AFDConfig, check_supported, check_this_host, moe_model_info
+from vllm_afd.config import (
+    AFDConfig,
+    AFDConfigError,
+    check_supported,
+    check_this_host,
+    moe_model_info,
+)
 
 logger = logging.getLogger("vllm.afd")
 
@@ -26,11 +32,7 @@ def attention_ranks(vllm_config) -> int:
 
 
 def _ffn_device(afd: AFDConfig) -> str:
-    if afd.ffn_device != "auto":
-        return afd.ffn_device
-    from vllm.platforms import current_platform
-
-    return "cpu" if current_platform.is_cpu() else "cuda"
+    return _attention_device() if afd.ffn_device == "auto" else afd.ffn_device
 
 
 def checkpoint_dir(model: str) -> str:
@@ -82,6 +84,14 @@ def setup_afd(vllm_config) -> None:
         afd = _resolve_auto(afd, info, ranks, model_dir, vllm_config)
         vllm_config.additional_config["afd"] = afd.to_dict()
     check_settings(afd, info, ranks)
+    check_devices(
+        afd,
+        info,
+        ranks,
+        attention_device=_attention_device(),
+        max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        dtype=vllm_config.model_config.dtype,
+    )
     log_kv_transfer_requirements(vllm_config)
     from vllm_afd.placement import start_ffn_group
 
@@ -122,6 +132,72 @@ def _join(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config) -> None
         spec.num_ffn_ranks,
         spec.backend,
     )
+
+
+def _attention_device() -> str:
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+def check_devices(
+    afd: AFDConfig,
+    info,
+    ranks: int,
+    attention_device: str,
+    max_tokens: int,
+    dtype,
+    gpus_on_node: int | None = None,
+    num_sms: int | None = None,
+) -> None:
+    """Refuse, before anything starts, a deployment its devices cannot run (the GPU path):
+
+    - the point-to-point transports (shm, tcp) with a CUDA model: they move hidden states
+      through host memory, and a CUDA model's tensors would come back on the wrong device;
+    - with a local Ray instance, attention ranks and FFN ranks on GPUs that do not fit the
+      node's GPUs side by side (``A + F``: the FFN ranks get GPUs of their own,
+      ``placement.ffn_gpu``);
+    - with the deepep transport, what DeepEP's low-latency mode cannot take
+      (``transport.deepep.limits_problem``: hidden size after vLLM's padding, dtype, tokens
+      per round, dispatches in flight, virtual experts).
+
+    ``gpus_on_node`` and ``num_sms`` default to this machine's (tests pass them).
+    """
+    ffn_device = _ffn_device(afd)
+    num_ffn = afd.num_ffn_ranks(ranks)
+    if attention_device == "cuda" and afd.transport in ("shm", "tcp"):
+        raise AFDConfigError(
+            f"--afd-transport (additional_config.afd.transport) {afd.transport}: the "
+            "point-to-point transports carry hidden states through host memory and cannot "
+            "serve a CUDA model; use --afd-transport deepep on GPUs"
+        )
+    if ffn_device == "cuda" and afd.ray_is_local:
+        if gpus_on_node is None:
+            import torch
+
+            gpus_on_node = torch.cuda.device_count()
+        if ranks + num_ffn > gpus_on_node:
+            raise AFDConfigError(
+                f"--afd-ratio (additional_config.afd.ratio): {ranks} attention rank(s) and "
+                f"{num_ffn} FFN rank(s) need {ranks + num_ffn} GPUs of their own, this node has "
+                f"{gpus_on_node}; use fewer ranks, or --afd-ray-address to place the FFN ranks "
+                "on other nodes"
+            )
+    if afd.transport == "deepep":
+        from vllm_afd.transport.deepep import DEFAULT_NUM_SMS, limits_problem
+
+        problem = limits_problem(
+            info.hidden_size,
+            dtype,
+            max_tokens,
+            afd.microbatches,
+            ranks,
+            num_ffn,
+            info.num_experts,
+            num_sms or DEFAULT_NUM_SMS,
+        )
+        if problem is not None:
+            raise AFDConfigError(f"--afd-transport deepep: {problem}")
 
 
 def check_settings(afd: AFDConfig, info, ranks: int) -> None:

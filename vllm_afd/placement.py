@@ -6,8 +6,11 @@ transport addresses can be handed to every attention rank; and it is stopped wit
 front-end (``atexit``, or explicitly by ``stop_ffn_group``). Ray is started locally when no
 cluster address is given, and shut down again by whoever started it.
 
-One bundle per FFN rank (``{"CPU": 1}`` on CPU, ``{"GPU": 1, "CPU": 1}`` on GPUs), packed,
-so that the FFN ranks sit next to the attention ranks the way the ratio says.
+One bundle per FFN rank, packed, so that the FFN ranks sit next to the attention ranks the way
+the ratio says: ``{"CPU": 1}``; on a given Ray cluster with GPUs ``{"CPU": 1, "GPU": 1}``.
+On the local node an FFN rank on a GPU gets GPU ``A + rank`` (``ffn_gpu``), after the ``A``
+attention ranks' GPUs, never one of them (Ray would hand out GPU 0 onwards, which vLLM's
+engines use). NOT YET RUN ON A GPU.
 
 Security. Ray runs code for whoever can talk to it, so its token authentication stays on:
 
@@ -134,6 +137,7 @@ class FFNGroup:
     launch: TransportSpec
     model_dir: str
     device: str
+    local: bool = True
     supervisor: Supervisor | None = None
 
     def stats(self) -> list[dict]:
@@ -146,7 +150,9 @@ class FFNGroup:
         serves; ``actors[rank]`` and ``infos[rank]`` then describe it."""
         import ray
 
-        actor = _new_actor(self.placement_group, rank, self.launch, self.model_dir, self.device)
+        actor = _new_actor(
+            self.placement_group, rank, self.launch, self.model_dir, self.device, self.local
+        )
         try:
             info = ray.get(actor.info.remote(), timeout=START_TIMEOUT_S)
         except BaseException:
@@ -542,16 +548,37 @@ class Supervisor:
         reap_dead_segments()
 
 
-def _bundle(device: str) -> dict[str, float]:
-    return {"CPU": 1} if device != "cuda" else {"CPU": 1, "GPU": 1}
+def _bundle(device: str, local: bool) -> dict[str, float]:
+    """One FFN rank's placement bundle: a CPU, and a GPU Ray assigns when the ranks run on a
+    given cluster; on the local node the FFN ranks' GPUs are chosen by rank (``ffn_gpu``)."""
+    return {"CPU": 1, "GPU": 1} if device == "cuda" and not local else {"CPU": 1}
 
 
-def _new_actor(pg, rank: int, launch: TransportSpec, model_dir: str, device: str):
+def ffn_gpu(spec: TransportSpec, rank: int) -> int:
+    """The GPU of FFN rank ``rank`` on the local node: the first after the attention ranks'
+    (vLLM's engines take GPUs ``0..A-1``), so that the two never share one (``A + F`` GPUs
+    are checked before start: ``deployment.check_devices``)."""
+    return spec.num_attention_ranks + rank
+
+
+def _gpu_env(spec: TransportSpec, rank: int, device: str, local: bool) -> dict[str, str]:
+    """The variables that give a local FFN rank its own GPU (Ray would otherwise hand out
+    GPU 0 onwards, which vLLM's engines use, and reset ``CUDA_VISIBLE_DEVICES``)."""
+    if device != "cuda" or not local:
+        return {}
+    return {
+        "CUDA_VISIBLE_DEVICES": str(ffn_gpu(spec, rank)),
+        "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+    }
+
+
+def _new_actor(pg, rank: int, launch: TransportSpec, model_dir: str, device: str, local: bool):
     """An ``FFNRank`` actor for ``rank`` in bundle ``rank`` of the placement group."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundle = _bundle(device)
+    bundle = _bundle(device, local)
+    env = {**ffn_runtime_env(), **_gpu_env(launch, rank, device, local)}
     return (
         ray.remote(FFNRank)
         .options(
@@ -560,7 +587,7 @@ def _new_actor(pg, rank: int, launch: TransportSpec, model_dir: str, device: str
             ),
             num_cpus=bundle["CPU"],
             num_gpus=bundle.get("GPU", 0),
-            runtime_env={"env_vars": ffn_runtime_env()},
+            runtime_env={"env_vars": env},
             name=None,
             max_restarts=0,  # replacements are the supervisor's (``Supervisor``)
         )
@@ -573,7 +600,8 @@ def _launch(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) ->
     from ray.util.placement_group import placement_group, remove_placement_group
 
     owns_ray = _ensure_ray(afd.ray_address, num_cpus=max(os.cpu_count() or 1, spec.num_ffn_ranks))
-    bundle = _bundle(device)
+    local = afd.ray_is_local
+    bundle = _bundle(device, local)
     pg = placement_group([dict(bundle) for _ in range(spec.num_ffn_ranks)], strategy="PACK")
     if not _wait(pg.ready(), START_TIMEOUT_S):
         remove_placement_group(pg)
@@ -581,8 +609,10 @@ def _launch(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) ->
             f"AFD: Ray could not place {spec.num_ffn_ranks} FFN rank(s) with {bundle} each "
             f"within {START_TIMEOUT_S:.0f}s; check the cluster's free resources"
         )
-    group = FFNGroup(spec, [], [], pg, owns_ray, spec, model_dir, device)
-    group.actors = [_new_actor(pg, r, spec, model_dir, device) for r in range(spec.num_ffn_ranks)]
+    group = FFNGroup(spec, [], [], pg, owns_ray, spec, model_dir, device, local)
+    group.actors = [
+        _new_actor(pg, r, spec, model_dir, device, local) for r in range(spec.num_ffn_ranks)
+    ]
     try:
         group.infos = ray.get([a.info.remote() for a in group.actors], timeout=START_TIMEOUT_S)
     except Exception:

@@ -51,6 +51,69 @@ from vllm_afd.transport.base import (
     TransportSpec,
 )
 
+#: DeepEP's low-latency limits (DeepEP @73b6ea4, the commit vLLM pins; docs/architecture.md):
+#: the hidden sizes its kernels are compiled for (vLLM rounds a layer's hidden size up to the
+#: next one: ``DeepEPLLPrepareAndFinalize.maybe_roundup_layer_hidden_size``), the tokens one
+#: rank may dispatch per round (``NVSHMEM_QP_DEPTH >= (tokens + 1) * 2`` at the default depth of
+#: 1024; vLLM uses 256), the double buffer (two dispatches in flight), and the receive kernels'
+#: warp groups (``ceil(experts / SMs) < 15``).
+LL_HIDDEN_SIZES = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+LL_MAX_TOKENS = 256
+LL_MAX_IN_FLIGHT = 2
+LL_MAX_WARP_GROUPS = 14
+#: SMs of an H100/H200 (B200: 148), for the warp-group limit when no GPU can be asked.
+DEFAULT_NUM_SMS = 132
+
+
+def padded_hidden_size(hidden_size: int) -> int | None:
+    """The hidden size DeepEP's low-latency kernels run ``hidden_size`` at (vLLM's round-up to
+    the next compiled size), or ``None`` when it is larger than every compiled size."""
+    return next((h for h in LL_HIDDEN_SIZES if h >= hidden_size), None)
+
+
+def limits_problem(
+    hidden_size: int,
+    dtype: torch.dtype,
+    max_tokens: int,
+    microbatches: int,
+    num_attention_ranks: int,
+    num_ffn_ranks: int,
+    num_experts: int,
+    num_sms: int = DEFAULT_NUM_SMS,
+) -> str | None:
+    """Why DeepEP's low-latency mode cannot serve this deployment (``None``: it can), naming
+    the setting to change; checked before anything starts (``deployment.check_devices``)."""
+    if padded_hidden_size(hidden_size) is None:
+        return (
+            f"hidden size {hidden_size}: DeepEP's low-latency kernels take at most "
+            f"{LL_HIDDEN_SIZES[-1]} (compiled sizes {list(LL_HIDDEN_SIZES)}; smaller ones are "
+            "padded up)"
+        )
+    if dtype != torch.bfloat16:
+        return f"--dtype {str(dtype).removeprefix('torch.')}: DeepEP dispatches bfloat16 only"
+    if max_tokens > LL_MAX_TOKENS:
+        return (
+            f"--max-num-batched-tokens {max_tokens}: DeepEP's low-latency mode takes at most "
+            f"{LL_MAX_TOKENS} tokens per rank and round (as vLLM's own DeepEP path); use "
+            f"--max-num-batched-tokens {LL_MAX_TOKENS} with chunked prefill"
+        )
+    if microbatches > LL_MAX_IN_FLIGHT:
+        return (
+            f"--afd-microbatches {microbatches}: DeepEP's low-latency buffer holds "
+            f"{LL_MAX_IN_FLIGHT} dispatches in flight"
+        )
+    virtual = VirtualExperts(num_attention_ranks, num_ffn_ranks, num_experts // num_ffn_ranks)
+    warp_groups = -(-virtual.num_experts // num_sms)
+    if warp_groups > LL_MAX_WARP_GROUPS:
+        return (
+            f"--afd-ratio: {virtual.num_experts} virtual experts ((A + F) x E / F with "
+            f"A={num_attention_ranks}, F={num_ffn_ranks}, E={num_experts}) need "
+            f"{warp_groups} warp groups on {num_sms} SMs; DeepEP's receive kernels take at most "
+            f"{LL_MAX_WARP_GROUPS} (at most {LL_MAX_WARP_GROUPS * num_sms} virtual experts): "
+            "use fewer attention ranks per FFN rank"
+        )
+    return None
+
 
 @dataclass
 class DeepEPState:
