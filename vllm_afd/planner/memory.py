@@ -91,6 +91,27 @@ def ffn_fits(
     return ffn_bytes_per_gpu(model, ffn_gpus) + memory.reserved_bytes <= hw.hbm_capacity
 
 
+def check_ffn_fits(
+    model: ModelSpec, hw: Hardware, ffn_gpus: int, memory: MemoryAssumptions = DEFAULT_MEMORY
+) -> None:
+    """Raise ``ValueError`` saying how much is missing when `ffn_gpus` GPUs cannot hold the
+    routed experts (at the checkpoint's bytes per parameter)."""
+    if ffn_fits(model, hw, ffn_gpus, memory):
+        return
+    need = ffn_bytes_per_gpu(model, ffn_gpus) + memory.reserved_bytes
+    fewest = next(
+        (n for n in range(ffn_gpus, 4 * hw.nvlink_domain + 1) if ffn_fits(model, hw, n, memory)),
+        None,
+    )
+    hint = f"at least {fewest} FFN GPUs hold them" if fewest else "no FFN pool holds them"
+    raise ValueError(
+        f"the routed experts of {model.name} ({model.routed_expert_bytes / 1e9:.0f} GB) do not "
+        f"fit {ffn_gpus} FFN GPU(s) of {hw.name}: {need / 1e9:.0f} GB per GPU with "
+        f"{memory.reserved_bytes / 1e9:.0f} GB reserved, {hw.hbm_capacity / 1e9:.0f} GB of HBM; "
+        f"{hint}"
+    )
+
+
 def ffn_pool_candidates(
     model: ModelSpec, hw: Hardware, memory: MemoryAssumptions = DEFAULT_MEMORY
 ) -> tuple[int, ...]:

@@ -36,6 +36,7 @@ from vllm_afd.planner.memory import (
     DEFAULT_MEMORY,
     MemoryAssumptions,
     attention_batch,
+    check_ffn_fits,
     colocated_batch,
     ffn_fits,
     ffn_pool_candidates,
@@ -406,6 +407,8 @@ def plan(
     )
     max_batch = req.batch or _kv_full_batch(req, hw)
     baseline = best_baseline(req, hw, point)
+    if req.ffn_gpus:
+        check_ffn_fits(req.model, hw, req.ffn_gpus, req.memory)
     pools = (req.ffn_gpus,) if req.ffn_gpus else ffn_pool_candidates(req.model, hw, req.memory)
     options = [_pool_rows(req, hw, point, pool, max_batch, baseline) for pool in pools]
     options = [o for o in options if o[2]]

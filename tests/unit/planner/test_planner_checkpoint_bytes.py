@@ -222,3 +222,28 @@ def test_plan_runs_for_presets_without_a_bundled_profile(capsys, model):
     assert bundled_profile(model) is None
     assert main(["plan", "--model", model, "--hardware", "gb200", "--context", "8K"]) == 0
     assert "recommended:" in capsys.readouterr().out
+
+
+def test_a_given_ffn_pool_that_cannot_hold_the_experts_is_refused(capsys):
+    """Qwen3-235B-A22B's routed experts (FP8: about 227 GB) do not fit one H200; the planner
+    says so and how many FFN GPUs do, instead of predicting a deployment that cannot load."""
+    from vllm_afd.planner.memory import check_ffn_fits
+
+    model, hw = get_model("qwen3-235b-a22b"), get_hardware("h200")
+    with pytest.raises(ValueError, match=r"do not fit 1 FFN GPU\(s\) of h200.*at least 2 FFN GPUs"):
+        check_ffn_fits(model, hw, 1)
+    check_ffn_fits(model, hw, 2)
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "--model",
+                "qwen3-235b-a22b",
+                "--hardware",
+                "h200",
+                "--ffn-gpus",
+                "1",
+                "--context",
+                "8K",
+            ]
+        )
+    assert "do not fit 1 FFN GPU(s) of h200" in capsys.readouterr().err
