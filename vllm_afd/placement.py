@@ -77,7 +77,7 @@ HEARTBEAT_TIMEOUT_S = 1.0
 #: Failover (``Supervisor``): a replacement that served this long ends a streak of failures;
 #: after this many failures of one rank in a row the supervisor gives up on it; the longest
 #: wait before starting a replacement.
-FAILOVER_STABLE_S = 60.0
+FAILOVER_STABLE_S = 30.0
 FAILOVER_MAX_STREAK = 5
 FAILOVER_MAX_DELAY_S = 30.0
 #: Ray's variables for token authentication (``ray/_private/authentication``).

@@ -1,0 +1,634 @@
+"""Soak benchmark: FFN failover under sustained streaming load.
+
+    python -m vllm_afd.bench.soak [--model DIR] [--ratio 2:1] [--clients 6] [--minutes 3]
+                                  [--kill-every 45] [--max-tokens 128] [--json soak.json]
+
+Why a soak and not only the e2e test. ``tests/e2e/test_server.py`` kills the FFN rank three
+times under one fixed burst of six streams and checks that nothing is lost. That proves the
+mechanism; it says nothing about what a user of a loaded server sees over minutes of repeated
+failures: how long the server takes to notice, how long requests stall, whether the damage
+stays inside the failover or leaks into the requests that follow, and whether anything (a
+request, a token, a counter) goes astray when kills land at arbitrary points of a continuous
+stream instead of 1.5 s after a burst started. This module measures that, as a benchmark: it
+reports numbers and exits 1 if a request was lost or changed, but it has no thresholds.
+
+What it does:
+
+1. starts one ``vllm-afd serve MODEL --afd-ratio A:F`` on 127.0.0.1 in its own session
+   (``SoakServer``: the flags of the e2e suite's server, float32 so that greedy text is
+   comparable request by request), and stops it at the end, whatever happened: SIGTERM, then
+   SIGKILL for whatever is still alive in its session (Ray's daemons and workers, engine cores
+   and FFN ranks all stay in the session the server started);
+2. takes the reference: one streamed greedy completion per client prompt, one at a time, from
+   the same server before any kill (the same engine, flags and sampling as the soak's requests;
+   equality with colocated vLLM is the e2e suite's business, not this one's);
+3. runs ``--clients`` threads, each sending its own prompt again and again as streamed greedy
+   completions (temperature 0, ``ignore_eos``, ``--max-tokens`` tokens) for ``--minutes``;
+4. every ``--kill-every`` seconds SIGKILLs FFN rank ``--ffn-rank``'s current process (the pid of
+   the latest ``AFD: FFN rank R up: pid N`` line of the server log; SIGKILL because it is the
+   failure nobody can clean up after: the OOM killer, a crashed driver), then polls ``/health``
+   every 0.1 s until it is not 200 (detection) and until it is 200 again;
+5. after the last client finished, reads the failover series of ``/metrics`` and the
+   ``replaced in X s`` lines of the server log.
+
+Recorded per request: client, start and end (seconds since the soak started), HTTP status
+(0: no answer: connection refused or reset, timeout), tokens received, time to first token,
+the longest gap between two chunks (the stall a failover causes), and whether text and token
+ids equal the reference. A request is *completed* when it has status 200 and all its tokens,
+*failed* (lost) otherwise, and *wrong* when completed with another text or other tokens.
+
+Latency windows. Overall p50/p99 mixes the failovers' cost with ordinary queueing. The report
+splits it: requests *in flight at a kill* (started before and finished after it) carry the
+stall; *steady* requests started and finished at least ``--margin`` (10) seconds away from
+every kill: the same server and load without the failover. The rest (started or finished near
+a kill, but not spanning it) is counted in neither window.
+
+Kill spacing. The supervisor counts a rank that dies within ``placement.FAILOVER_STABLE_S``
+(30 s) of its start as failing again *in a row*: it waits 0, 1, 3, 7, 15 s before the 1st to
+5th replacement of a streak and gives up on the rank after ``FAILOVER_MAX_STREAK`` (5), so that
+a crash-looping rank does not restart forever. With ``--kill-every`` under 30 s plus the
+recovery time, every kill continues the streak: the report shows the streak of each failover
+(``failure N in a row`` in the log), and more than five such kills make the server give up on
+the rank by design (the soak then reports failed requests).
+
+The pure functions (``percentile`` from ``bench.window``, ``windows``, ``summarize``,
+``parse_failovers``, ``parse_metrics``, ``format_report``) are unit-tested with synthetic
+records in tests/unit/bench/test_soak.py; docs/benchmarks.md ("Soak: failover under load") has
+a run's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_afd.bench.window import percentile
+
+#: One prompt per client (client i takes PROMPTS[i % len] plus its number): different lengths,
+#: so that prefill chunks and decodes of several sizes are in flight when a kill lands.
+PROMPTS = [
+    "hello world",
+    "The attention ranks keep the KV cache while the FFN ranks " * 4,
+    "The attention ranks keep the KV cache while the FFN ranks hold experts",
+    "def g(n):\n    return [i * i for i in range(n)]\n" * 6,
+    "Failover keeps every request",
+    "one two three four five six",
+]
+#: The metric families of the report (summed per label set as /metrics gives them).
+METRIC_SERIES = (
+    "vllm_afd_ffn_failovers_total",
+    "vllm_afd_ffn_recovery_seconds_sum",
+    "vllm_afd_ffn_recovery_seconds_count",
+    "vllm_afd_redispatched_requests_total",
+)
+HEALTH_POLL_S = 0.1
+
+
+# -- records and pure report functions ------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    """One request: times in seconds since the soak started; ``status`` 0 for no answer."""
+
+    client: int
+    start: float
+    end: float
+    status: int
+    tokens: int = 0
+    correct: bool = False
+    ttft: float | None = None
+    max_gap: float | None = None
+    error: str = ""
+
+
+@dataclass
+class Kill:
+    """One SIGKILL of the FFN rank and what followed (seconds; ``at`` since the soak started)."""
+
+    at: float
+    pid: int
+    detect_s: float | None = None  # until /health was not 200
+    healthy_again_s: float | None = None  # until /health was 200 again
+    replaced_s: float | None = None  # the server log's "replaced in X s"
+    streak: int | None = None  # the server log's "failure N in a row"
+    in_flight: int = 0
+
+
+@dataclass
+class Summary:
+    completed: int
+    failed: int
+    wrong: int
+    latency: dict[str, dict[str, Any]] = field(default_factory=dict)
+    tokens_per_s: float = 0.0
+
+
+def completed(record: Record, max_tokens: int) -> bool:
+    return record.status == 200 and record.tokens == max_tokens and not record.error
+
+
+def in_flight_at(record: Record, at: float) -> bool:
+    return record.start < at < record.end
+
+
+def windows(
+    records: Sequence[Record], kill_times: Sequence[float], margin: float = 10.0
+) -> dict[str, list[Record]]:
+    """``in_flight``: records spanning at least one kill; ``steady``: records whose whole
+    [start, end] lies at least ``margin`` seconds from every kill (all of them without kills)."""
+    in_flight = [r for r in records if any(in_flight_at(r, t) for t in kill_times)]
+    steady = [
+        r for r in records if all(r.end <= t - margin or r.start >= t + margin for t in kill_times)
+    ]
+    return {"in_flight": in_flight, "steady": steady}
+
+
+def latency_stats(records: Sequence[Record], max_tokens: int) -> dict[str, Any]:
+    """p50 and p99 end-to-end latency of the completed ``records``; counts of all of them."""
+    done = [r.end - r.start for r in records if completed(r, max_tokens)]
+    gaps = [r.max_gap for r in records if completed(r, max_tokens) and r.max_gap is not None]
+    return {
+        "requests": len(records),
+        "completed": len(done),
+        "failed": sum(not completed(r, max_tokens) for r in records),
+        "wrong": sum(completed(r, max_tokens) and not r.correct for r in records),
+        "p50_s": percentile(done, 50) if done else None,
+        "p99_s": percentile(done, 99) if done else None,
+        "max_gap_p99_s": percentile(gaps, 99) if gaps else None,
+    }
+
+
+def summarize(
+    records: Sequence[Record],
+    kill_times: Sequence[float],
+    max_tokens: int,
+    margin: float = 10.0,
+    duration_s: float | None = None,
+) -> Summary:
+    """The counts and latency windows of the report (``tokens_per_s`` over ``duration_s``)."""
+    overall = latency_stats(records, max_tokens)
+    split = windows(records, kill_times, margin)
+    tokens = sum(r.tokens for r in records if completed(r, max_tokens))
+    return Summary(
+        completed=overall["completed"],
+        failed=overall["failed"],
+        wrong=overall["wrong"],
+        latency={
+            "all": overall,
+            "in_flight": latency_stats(split["in_flight"], max_tokens),
+            "steady": latency_stats(split["steady"], max_tokens),
+        },
+        tokens_per_s=tokens / duration_s if duration_s else 0.0,
+    )
+
+
+_REPLACED = re.compile(r"AFD: FFN rank (\d+) replaced in ([\d.]+)s \(failover (\d+)")
+_STREAK = re.compile(r"AFD: FFN rank (\d+)\b.*; replacing it \(failure (\d+) in a row\)")
+
+
+def parse_failovers(log: str, rank: int = 0) -> list[tuple[float, int | None]]:
+    """``(replaced in seconds, failure in a row)`` of FFN rank ``rank``'s failovers, in order
+    (the streak from the ``replacing it`` line before each ``replaced in`` line)."""
+    out: list[tuple[float, int | None]] = []
+    streak: int | None = None
+    for line in log.splitlines():
+        found = _STREAK.search(line)
+        if found and int(found[1]) == rank:
+            streak = int(found[2])
+        found = _REPLACED.search(line)
+        if found and int(found[1]) == rank:
+            out.append((float(found[2]), streak))
+            streak = None
+    return out
+
+
+def parse_metrics(text: str, names: Sequence[str] = METRIC_SERIES) -> dict[str, float]:
+    """``{'name{labels}': value}`` for every sample of ``names`` in Prometheus text."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        key, value = line.rsplit(" ", 1)
+        if key.split("{", 1)[0] in names:
+            out[key] = float(value)
+    return out
+
+
+def _fmt(value: float | None, spec: str = "{:.2f}") -> str:
+    return "-" if value is None else spec.format(value)
+
+
+def format_report(
+    settings: dict[str, Any], summary: Summary, kills: Sequence[Kill], metrics: dict[str, float]
+) -> str:
+    """The plain-text report: counts, latency windows, one line per failover, the metrics."""
+    s = settings
+    lines = [
+        f"soak: {s['model_name']} at {s['ratio']}, {s['clients']} clients, "
+        f"{s['minutes']:g} min, kill FFN rank {s['ffn_rank']} every {s['kill_every']:g} s, "
+        f"{s['max_tokens']} tokens per request",
+        f"requests: {summary.completed} completed, {summary.failed} failed (lost), "
+        f"{summary.wrong} wrong text; {summary.tokens_per_s:.1f} tokens/s",
+        "",
+        f"{'window':<34}{'requests':>9}{'done':>6}{'failed':>7}{'wrong':>6}"
+        f"{'p50 s':>8}{'p99 s':>8}{'gap p99 s':>10}",
+    ]
+    names = {
+        "all": "all",
+        "in_flight": "in flight at a kill",
+        "steady": f"steady (>= {s['margin']:g} s from kills)",
+    }
+    for key, name in names.items():
+        w = summary.latency[key]
+        lines.append(
+            f"{name:<34}{w['requests']:>9}{w['completed']:>6}{w['failed']:>7}{w['wrong']:>6}"
+            f"{_fmt(w['p50_s']):>8}{_fmt(w['p99_s']):>8}{_fmt(w['max_gap_p99_s']):>10}"
+        )
+    lines += [
+        "",
+        f"{'failover':<9}{'at s':>7}{'pid':>9}{'in flight':>10}{'detect s':>9}"
+        f"{'replaced in s':>14}{'healthy s':>10}{'streak':>7}",
+    ]
+    for i, k in enumerate(kills, 1):
+        lines.append(
+            f"{i:<9}{k.at:>7.1f}{k.pid:>9}{k.in_flight:>10}{_fmt(k.detect_s):>9}"
+            f"{_fmt(k.replaced_s, '{:.1f}'):>14}{_fmt(k.healthy_again_s, '{:.1f}'):>10}"
+            f"{_fmt(k.streak, '{}'):>7}"
+        )
+    if not kills:
+        lines.append("(no kill)")
+    lines += ["", "/metrics at the end:"]
+    lines += [f"  {key} {value:g}" for key, value in metrics.items()] or ["  (none)"]
+    return "\n".join(lines)
+
+
+# -- the server -----------------------------------------------------------------------------------
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    """GET ``url``: (status, body); an HTTP error's status too; OSError when nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def session_pids(sid: int) -> list[int]:
+    """Pids of the live processes of session ``sid`` (from /proc; zombies left out)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            if os.getsid(pid) != sid:
+                continue
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+        except (OSError, IndexError):
+            continue
+        found.append(pid)
+    return found
+
+
+class SoakServer:
+    """One ``vllm-afd serve`` on 127.0.0.1 in a session of its own (the e2e suite's flags)."""
+
+    def __init__(self, model: str, ratio: str, log: Path, max_model_len: int = 512) -> None:
+        from vllm_afd.bench.offline_run import child_env
+        from vllm_afd.host import free_port
+
+        self.model, self.log, self.port = model, log, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [
+            str(Path(sys.executable).with_name("vllm-afd")),
+            "serve",
+            model,
+            "--afd-ratio",
+            ratio,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(max_model_len),
+            "--max-num-batched-tokens",
+            "64",
+            "--enforce-eager",
+            "--enable-prefix-caching",
+            "--enable-chunked-prefill",
+            "--seed",
+            "0",
+        ]
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(
+                argv,
+                env=child_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    def wait_healthy(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.tail()}")
+            if self.healthy():
+                return
+            time.sleep(1.0)
+        raise TimeoutError(f"server not healthy after {timeout:g}s:\n{self.tail()}")
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        try:
+            return http_get(self.url + "/health", timeout)[0] == 200
+        except OSError:
+            return False
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+    def ffn_pid(self, rank: int = 0) -> int | None:
+        """The pid of FFN rank ``rank``'s latest process (a replacement's after a failover)."""
+        found = re.findall(rf"AFD: FFN rank {rank} up: pid (\d+)", self.tail(10**9))
+        return int(found[-1]) if found else None
+
+    def stream(self, prompt: str, max_tokens: int, timeout: float = 600.0) -> dict[str, Any]:
+        """A streamed greedy completion: status, text, token ids and chunk arrival times
+        (``time.monotonic()``); raises OSError when the connection fails."""
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+        }
+        out: dict[str, Any] = {"status": 0, "text": "", "token_ids": [], "times": [], "error": ""}
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            headers = {"Content-Type": "application/json"}
+            connection.request("POST", "/v1/completions", json.dumps(body), headers)
+            response = connection.getresponse()
+            out["status"] = response.status
+            for line in response:
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "choices" not in chunk:  # an error object in the stream
+                    out["error"] += json.dumps(chunk)[:500]
+                    continue
+                choice = chunk["choices"][0]
+                out["text"] += choice.get("text") or ""
+                out["token_ids"] += choice.get("token_ids") or []
+                out["times"].append(time.monotonic())
+            if response.status != 200 and not out["error"]:
+                out["error"] = f"HTTP {response.status}"
+        finally:
+            connection.close()
+        return out
+
+    def stop(self, timeout: float = 90.0) -> list[int]:
+        """SIGTERM, wait up to ``timeout``; then SIGKILL what is left of the server's session.
+        Returns the pids that had to be killed."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        killed: list[int] = []
+        for _ in range(10):
+            left = session_pids(self.proc.pid)
+            if not left:
+                break
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.5)
+        return sorted(set(killed))
+
+
+# -- the soak -------------------------------------------------------------------------------------
+
+
+def client_prompt(client: int) -> str:
+    return f"{PROMPTS[client % len(PROMPTS)]} (client {client})"
+
+
+def one_request(
+    server: SoakServer, client: int, max_tokens: int, t0: float, reference: dict | None
+) -> Record:
+    start = time.monotonic()
+    try:
+        got = server.stream(client_prompt(client), max_tokens)
+    except (OSError, ValueError) as exc:  # refused, reset, timed out, a broken chunk
+        return Record(client, start - t0, time.monotonic() - t0, 0, error=repr(exc)[:500])
+    end = time.monotonic()
+    times = got["times"]
+    gaps = [b - a for a, b in zip([start, *times], times, strict=False)]
+    correct = reference is not None and (
+        got["text"] == reference["text"] and got["token_ids"] == reference["token_ids"]
+    )
+    return Record(
+        client,
+        start - t0,
+        end - t0,
+        got["status"],
+        tokens=len(got["token_ids"]),
+        correct=correct,
+        ttft=times[0] - start if times else None,
+        max_gap=max(gaps) if gaps else None,
+        error=got["error"],
+    )
+
+
+def _seconds_until(server: SoakServer, healthy: bool, limit_s: float) -> float | None:
+    """Seconds until /health is (``healthy``) 200 or not, polled every 0.1 s; None past limit."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        if server.healthy(timeout=2.0) == healthy:
+            return time.monotonic() - start
+        time.sleep(HEALTH_POLL_S)
+    return None
+
+
+def run_soak(server: SoakServer, args: argparse.Namespace) -> dict[str, Any]:
+    """References, then the clients and the kills; returns records, kills, metrics, log."""
+    references = {}
+    for client in range(args.clients):
+        got = server.stream(client_prompt(client), args.max_tokens)
+        if got["status"] != 200 or len(got["token_ids"]) != args.max_tokens:
+            raise RuntimeError(f"reference of client {client} failed: {got['error']}")
+        references[client] = {"text": got["text"], "token_ids": got["token_ids"]}
+    print(f"soak: {args.clients} references taken; load for {args.minutes:g} min", flush=True)
+
+    records: list[Record] = []
+    lock = threading.Lock()
+    t0 = time.monotonic()
+    deadline = t0 + args.minutes * 60
+
+    def client_loop(client: int) -> None:
+        while time.monotonic() < deadline:
+            record = one_request(server, client, args.max_tokens, t0, references[client])
+            with lock:
+                records.append(record)
+            if record.status != 200:
+                time.sleep(0.5)  # no hot loop against a server that refuses
+
+    threads = [
+        threading.Thread(target=client_loop, args=(c,), daemon=True) for c in range(args.clients)
+    ]
+    for thread in threads:
+        thread.start()
+    kills: list[Kill] = []
+    last_pid = None
+    next_kill = t0 + args.kill_every
+    while next_kill < deadline:
+        time.sleep(max(0.0, next_kill - time.monotonic()))
+        pid = server.ffn_pid(args.ffn_rank)
+        while pid in (None, last_pid) and time.monotonic() < deadline:  # replacement not up
+            time.sleep(0.5)
+            pid = server.ffn_pid(args.ffn_rank)
+        if pid in (None, last_pid):
+            break
+        os.kill(pid, signal.SIGKILL)
+        kill = Kill(at=time.monotonic() - t0, pid=pid)
+        kill.detect_s = _seconds_until(server, healthy=False, limit_s=30.0)
+        kill.healthy_again_s = _seconds_until(server, healthy=True, limit_s=600.0)
+        if kill.detect_s is not None and kill.healthy_again_s is not None:
+            kill.healthy_again_s += kill.detect_s
+        print(
+            f"soak: kill {len(kills) + 1} at {kill.at:.1f}s (pid {pid}): unhealthy after "
+            f"{_fmt(kill.detect_s)}s, healthy again after {_fmt(kill.healthy_again_s)}s",
+            flush=True,
+        )
+        kills.append(kill)
+        last_pid = pid
+        next_kill = max(next_kill + args.kill_every, time.monotonic())
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()) + 900)
+    duration = time.monotonic() - t0
+    try:
+        metrics = parse_metrics(http_get(server.url + "/metrics", timeout=30)[1])
+    except OSError as exc:
+        print(f"soak: /metrics did not answer: {exc}", flush=True)
+        metrics = {}
+    return {
+        "references": references,
+        "records": sorted(records, key=lambda r: r.start),
+        "kills": kills,
+        "metrics": metrics,
+        "duration_s": duration,
+    }
+
+
+def attach_failovers(kills: Sequence[Kill], records: Sequence[Record], log: str, rank: int):
+    """Fill each kill's in-flight count and the log's replacement time and streak (in order)."""
+    failovers = parse_failovers(log, rank)
+    for i, kill in enumerate(kills):
+        kill.in_flight = sum(in_flight_at(r, kill.at) for r in records)
+        if i < len(failovers):
+            kill.replaced_s, kill.streak = failovers[i]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_afd.bench.soak",
+        description="FFN failover under sustained streaming load (see the module docstring).",
+    )
+    parser.add_argument("--model", help="model directory (default: the tiny Qwen3-MoE)")
+    parser.add_argument("--ratio", default="2:1", help="--afd-ratio A:F (default 2:1)")
+    parser.add_argument("--clients", type=int, default=6, help="client threads (default 6)")
+    parser.add_argument("--minutes", type=float, default=3.0, help="load duration (default 3)")
+    parser.add_argument(
+        "--kill-every", type=float, default=45.0, help="seconds between kills (default 45)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
+    parser.add_argument("--ffn-rank", type=int, default=0, help="the FFN rank to kill (0)")
+    parser.add_argument(
+        "--margin", type=float, default=10.0, help="seconds from any kill of a steady request"
+    )
+    parser.add_argument("--json", default="soak.json", help="result file (default soak.json)")
+    parser.add_argument("--log", help="server log (default: next to --json, .server.log)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.clients < 1 or args.minutes <= 0 or args.kill_every <= 0 or args.max_tokens < 1:
+        raise SystemExit("soak: --clients, --minutes, --kill-every, --max-tokens must be > 0")
+    if args.model is None:
+        from vllm_afd.bench.tiny_models import default_tiny_model
+
+        args.model = str(default_tiny_model(arch="qwen3_moe"))
+    json_path = Path(args.json)
+    log = Path(args.log) if args.log else json_path.with_suffix(".server.log")
+    settings = {
+        key: getattr(args, key)
+        for key in ("model", "ratio", "clients", "minutes", "kill_every", "max_tokens")
+    } | {"ffn_rank": args.ffn_rank, "margin": args.margin, "server_log": str(log)}
+    settings["model_name"] = Path(args.model).name
+    server = SoakServer(args.model, args.ratio, log)
+    print(f"soak: server pid {server.proc.pid} on {server.url}, log {log}", flush=True)
+    leftovers: list[int] = []
+    try:
+        server.wait_healthy()
+        result = run_soak(server, args)
+    finally:
+        leftovers = server.stop()
+    kills, records = result["kills"], result["records"]
+    attach_failovers(kills, records, log.read_text(errors="replace"), args.ffn_rank)
+    summary = summarize(
+        records, [k.at for k in kills], args.max_tokens, args.margin, result["duration_s"]
+    )
+    print(format_report(settings, summary, kills, result["metrics"]))
+    if leftovers:
+        print(f"soak: killed {len(leftovers)} process(es) left after SIGTERM: {leftovers}")
+    json_path.write_text(
+        json.dumps(
+            {
+                "settings": settings,
+                "summary": asdict(summary),
+                "kills": [asdict(k) for k in kills],
+                "metrics": result["metrics"],
+                "duration_s": result["duration_s"],
+                "references": result["references"],
+                "records": [asdict(r) for r in records],
+                "killed_after_sigterm": leftovers,
+            },
+            indent=1,
+        )
+    )
+    print(f"soak: wrote {json_path}")
+    return 1 if summary.failed or summary.wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
