@@ -78,3 +78,28 @@ def test_bench_applies_speculation_to_every_configuration(tmp_path, tiny_qwen3):
     colocated, afd = rows["colocated"], rows["afd 1:1 k2"]
     assert afd["spec_decode"] == colocated["spec_decode"]  # same tokens, same drafts
     assert afd["microbatches_effective"] == pytest.approx(2.0)  # verify steps are split
+
+
+@pytest.mark.slow
+def test_bench_runs_a_decode_pool_with_decode_bench_connector(tmp_path, tiny_qwen3):
+    """vLLM's DecodeBenchConnector colocated and at AFD 1:1 with the default two microbatches:
+    each prompt's KV is filled, not computed (one prompt token per request), in one step, and
+    every layout decodes the same tokens from the same constants."""
+    out = tmp_path / "pool.json"
+    kv = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}
+    argv = ["--model", tiny_qwen3, "--ratios", "1:1", "--microbatches", "2", "--ep-sizes", "none"]
+    argv += ["--batch", "4", "--prompt-len", "256", "--output-len", "16", "--rounds", "1"]
+    argv += ["--kv-transfer-config", json.dumps(kv), "--json", str(out)]
+    with pytest.raises(SystemExit) as exc:
+        ab.main([*argv, "--log-dir", str(tmp_path / "logs")])
+    data = json.loads(out.read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    assert exc.value.code == 0, rows
+    assert data["settings"]["kv_transfer_config"] == kv
+    assert set(rows) == {"colocated", "afd 1:1 k2"}
+    for row in rows.values():
+        assert row["status"] == "ok" and row["identical"] is True, row
+        assert row["kv_connector"] == "DecodeBenchConnector", row
+        assert row["prompt_tokens"] == 256 and row["prompt_tokens_computed"] == 1, row
+        assert row["prefill_steps"] == 1 and row["intervals"] >= 16 - 4, row
+    assert rows["afd 1:1 k2"]["microbatches_effective"] == pytest.approx(2.0)

@@ -3,8 +3,9 @@
 One server for the module (the ratio alone gives two data-parallel attention ranks, one FFN
 rank, shared-memory
 transport, chunked prefill and prefix caching on). Concurrent requests of different lengths must
-return the greedy tokens of colocated serving; then the FFN rank is killed three times under
-streaming load: failover replaces it and every stream ends with colocated's text (with failover
+return the greedy tokens of colocated serving; then the FFN rank is killed three times and
+stopped once under streaming load: failover replaces it and every stream ends with colocated's
+text (with failover
 off, a lost FFN rank fails requests fast: test_ffn_failure.py).
 """
 
@@ -16,6 +17,7 @@ import re
 import signal
 import time
 
+import psutil
 import pytest
 from serverlib import Server, http_request
 
@@ -83,32 +85,36 @@ def _seconds_until_unhealthy(server: Server, limit_s: float) -> float:
     return float("inf")
 
 
-def test_ffn_rank_killed_three_times_under_streaming_load_loses_nothing(server, tiny_qwen3):
-    """Failover: SIGKILL of the FFN rank while 6 streams decode, three times; each time the
-    loss shows in /health within 2 s, a replacement serves within 60 s, and every stream ends
-    with colocated's exact text and tokens."""
+def test_ffn_rank_killed_three_times_and_stopped_once_under_streaming_load_loses_nothing(
+    server, tiny_qwen3
+):
+    """Failover: SIGKILL of the FFN rank while 6 streams decode, three times, then SIGSTOP (a
+    hung rank: its pid lives); each time the loss shows in /health within 2 s, a replacement
+    serves within 60 s, and every stream ends with colocated's exact text and tokens."""
     prompts = [*PROMPTS, "Failover keeps every request", "one two three four five six"]
     colocated = run_generation({"model": tiny_qwen3, "prompts": prompts, "max_tokens": 160})
-    for kill in range(3):
+    for event, sig in enumerate([signal.SIGKILL] * 3 + [signal.SIGSTOP]):
         pid = server.ffn_pid()
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             streams = [pool.submit(server.stream, p, 160) for p in prompts]
             time.sleep(1.5)
-            os.kill(pid, signal.SIGKILL)
-            killed_at = time.monotonic()
+            os.kill(pid, sig)
+            lost_at = time.monotonic()
             detected = _seconds_until_unhealthy(server, 10.0)
             results = [s.result(timeout=300) for s in streams]
-        assert detected < 2.0, f"kill {kill}: /health saw the loss after {detected:.1f}s"
-        assert server.ffn_pid() != pid, f"kill {kill}: no replacement logged"
-        in_flight = [r for r in results if r.times and r.times[0] < killed_at < r.times[-1]]
-        assert in_flight, f"kill {kill}: no stream was in flight when the FFN rank died"
+        assert detected < 2.0, f"{sig.name} {event}: /health saw the loss after {detected:.1f}s"
+        assert server.ffn_pid() != pid, f"{sig.name} {event}: no replacement logged"
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+        in_flight = [r for r in results if r.times and r.times[0] < lost_at < r.times[-1]]
+        assert in_flight, f"{sig.name} {event}: no stream was in flight at the loss"
         for i, result in enumerate(results):
-            assert result.status == 200, (kill, i, result.text[-500:])
-            assert result.token_ids == colocated["token_ids"][i], (kill, i)
-            assert result.text == colocated["texts"][i], (kill, i)
+            assert result.status == 200, (event, i, result.text[-500:])
+            assert result.token_ids == colocated["token_ids"][i], (event, i)
+            assert result.text == colocated["texts"][i], (event, i)
     log = server.log.read_text()
     took = [float(s) for s in re.findall(r"FFN rank 0 replaced in ([\d.]+)s", log)]
-    assert len(took) == 3 and max(took) < 60.0, took
-    assert _metric(server, "vllm_afd_ffn_failovers_total") == 3
+    assert len(took) == 4 and max(took) < 60.0, took
+    assert "stopped: no heartbeat for" in log
+    assert _metric(server, "vllm_afd_ffn_failovers_total") == 4
     assert _metric(server, "vllm_afd_redispatched_requests_total") > 0
     assert http_request(server.url + "/health")[0] == 200

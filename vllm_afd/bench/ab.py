@@ -2,8 +2,8 @@
 
     vllm-afd bench [--recipe NAME] [--model DIR] [--ratios 1:1,2:1] [--microbatches 1,2]
                    [--ep-sizes 2] [--batch 16] [--prompt-len 128] [--output-len 64]
-                   [--speculative-config JSON] [--profile P.json] [--json out.json]
-                   [--plot out.png]
+                   [--speculative-config JSON] [--kv-transfer-config JSON]
+                   [--profile P.json] [--json out.json] [--plot out.png]
 
 ``--recipe`` names a complete configuration from ``bench.recipes``; flags override it.
 
@@ -40,6 +40,17 @@ request and step over the window, ``tok/step``), and each configuration reports 
 acceptance rate (accepted / draft tokens) and mean acceptance length (1 + accepted / drafts)
 over its decodes. The planner's predictions verify 1 + d positions per request
 (d = ``num_speculative_tokens``).
+
+``--kv-transfer-config`` (vLLM's JSON) gives every configuration's engine the same KV connector,
+e.g. ``'{"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}'``, which fills each new
+request's KV with constants instead of computing its prompt: the A/B of a decode pool (long
+prompts without a prefill instance; the tokens are meaningless but must still be the same in
+every layout, which all read the same constants). Every row names the connector its engine ran
+(``kv_connector``) and says what the prompts cost (``prefill_summary``): prompt tokens computed
+per request (the prompt minus vLLM's ``num_cached_tokens``) and the prefill phase's steps and
+milliseconds; with a connector the table is followed by these columns. AFD with more than one
+microbatch refuses connectors not known to be microbatch-safe
+(``config.MICROBATCH_SAFE_KV_CONNECTORS``): such rows read unsupported.
 """
 
 from __future__ import annotations
@@ -117,6 +128,37 @@ def _speculative_config(text: str) -> dict[str, Any]:
     return spec
 
 
+#: vLLM's ``KVTransferConfig.kv_role`` values (``vllm.config.kv_transfer.KVRole``).
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+def _kv_transfer_config(text: str) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` JSON: an object naming a ``kv_connector`` and, as vLLM
+    requires with one, a ``kv_role`` (checked here so that no engine is started to refuse it)."""
+    try:
+        kv = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(kv, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    name = kv.get("kv_connector")
+    if not isinstance(name, str) or not name.strip():
+        raise argparse.ArgumentTypeError(
+            f'needs "kv_connector" (a connector name, e.g. "DecodeBenchConnector"), got {text!r}'
+        )
+    if kv.get("kv_role") not in KV_ROLES:
+        raise argparse.ArgumentTypeError(
+            f'needs "kv_role", one of {", ".join(KV_ROLES)} (vLLM requires it with a '
+            f"kv_connector; a decode pool is kv_both), got {text!r}"
+        )
+    return kv
+
+
+def kv_connector(settings: dict[str, Any]) -> str | None:
+    """The connector every configuration runs (None without ``--kv-transfer-config``)."""
+    return (settings.get("kv_transfer_config") or {}).get("kv_connector")
+
+
 def draft_length(settings: dict[str, Any]) -> int:
     """d: tokens drafted per request and step (0 without ``--speculative-config``)."""
     spec = settings.get("speculative_config") or {}
@@ -174,6 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="vLLM's speculative config, applied to every configuration "
         '(\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}\')',
     )
+    p.add_argument(
+        "--kv-transfer-config",
+        type=_kv_transfer_config,
+        default=None,
+        metavar="JSON",
+        help="vLLM's KV transfer config, applied to every configuration: a decode pool with "
+        '\'{"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}\'',
+    )
     p.add_argument("--profile", help="CPU profile from `vllm-afd profile` (adds predictions)")
     p.add_argument("--json", dest="json_path", help="write rows and settings as JSON")
     p.add_argument("--plot", help="write a PNG of tokens/s per device and S_all")
@@ -209,6 +259,9 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     spec = getattr(args, "speculative_config", None) or settings.get("speculative_config")
     if spec:  # absent without speculation: the settings (and their JSON) stay as they were
         settings["speculative_config"] = spec
+    kv = getattr(args, "kv_transfer_config", None) or settings.get("kv_transfer_config")
+    if kv:  # likewise absent without a connector
+        settings["kv_transfer_config"] = kv
     settings["afd_batch"] = settings["afd_batch"] or settings["batch"]
     return settings
 
@@ -265,6 +318,8 @@ def job_for(config: BenchConfig, settings: dict[str, Any]) -> dict[str, Any]:
         job["dp"] = {"size": config.data_parallel}
     if settings.get("speculative_config"):
         job["speculative_config"] = settings["speculative_config"]
+    if settings.get("kv_transfer_config"):
+        job["kv_transfer_config"] = settings["kv_transfer_config"]
     from vllm_afd.bench.launch import core_plan
 
     plan = core_plan(config.attention_ranks, config.ffn_ranks, settings["threads"])
@@ -347,6 +402,41 @@ def speculation_summary(runs: list[dict], batch: int, skip: int) -> dict[str, An
     return out
 
 
+def prefill_summary(runs: list[dict]) -> dict[str, Any]:
+    """What the prompts cost, from the decode driver's records ({} from older records).
+
+    ``prompt_tokens_computed``: prompt tokens per request minus vLLM's ``num_cached_tokens``
+    (tokens it did not compute; prefix caching is off in the bench, so with a connector these
+    are the connector's), mean over requests and decodes; ``prompt_tokens_cached`` the rest.
+    The prefill phase of a decode runs from its first step through the step in which its last
+    request emits its first token (with chunked prefill, early requests decode in it too):
+    ``prefill_steps`` and ``prefill_ms`` (its wall time, a connector's KV fill included) are
+    medians over the decodes.
+    """
+    out: dict[str, Any] = {}
+    cached = [
+        (run["prompt_len"], c)
+        for run in runs
+        if "prompt_len" in run
+        for c in run.get("prompt_cached_tokens") or []
+        if c is not None
+    ]
+    if cached:
+        out["prompt_tokens"] = statistics.fmean(p for p, _ in cached)
+        out["prompt_tokens_cached"] = statistics.fmean(c for _, c in cached)
+        out["prompt_tokens_computed"] = out["prompt_tokens"] - out["prompt_tokens_cached"]
+    phases = []
+    for run in runs:
+        steps, n = run["steps"], len(run["tokens"])
+        end = next((i for i, s in enumerate(steps) if s.get("started", -1) >= n), None)
+        if end is not None:
+            phases.append((end + 1, sum(s["dt"] for s in steps[: end + 1])))
+    if phases:
+        out["prefill_steps"] = statistics.median(k for k, _ in phases)
+        out["prefill_ms"] = 1e3 * statistics.median(t for _, t in phases)
+    return out
+
+
 def tokens_by_request(ready: list[dict], first_round: list[dict]) -> dict[int, list[int]]:
     """Request index -> greedy tokens of the first decode (each DP rank holds its own range)."""
     out: dict[int, list[int]] = {}
@@ -371,6 +461,10 @@ def measure(
     m = Measurement(config, period=period_stats(intervals).to_dict())
     m.extra |= step_breakdown(runs, config.engine_batch, skip)
     m.extra |= speculation_summary(runs, config.engine_batch, skip)
+    m.extra |= prefill_summary(runs)
+    connectors = {info.get("kv_connector") for info in ready} - {None}
+    if connectors:  # what the engines ran, not what was asked (absent without a connector)
+        m.extra["kv_connector"] = ", ".join(sorted(connectors))
     m.extra["startup_s"] = max(info["startup_s"] for info in ready)
     m.extra["tokens_by_request"] = tokens_by_request(ready, rounds[0])
     ffn = ffn_window_summary(runs, config) if config.kind == "afd" else None
@@ -605,6 +699,8 @@ def main(argv: list[str] | None = None) -> None:
     from vllm_afd.bench.report import print_table, write_plot
 
     print_table(rows, settings)
+    if settings.get("kv_transfer_config"):
+        print(prefill_table(rows, settings))
     report = {
         "settings": _jsonable(settings),
         "rows": rows,
@@ -617,6 +713,34 @@ def main(argv: list[str] | None = None) -> None:
         write_plot(rows, args.plot)
     failed = [r for r in rows if r["status"].startswith("failed") or r["identical"] is False]
     sys.exit(1 if failed else 0)
+
+
+def prefill_table(rows: list[dict], settings: dict[str, Any]) -> str:
+    """The KV connector each configuration ran and what its prompts cost (printed with a
+    ``--kv-transfer-config``, after the main table)."""
+    kv = json.dumps(settings.get("kv_transfer_config"), separators=(",", ":"))
+    head = ("config", "kv connector", "prompt computed / request", "prefill steps", "prefill ms")
+    table = [head]
+    for row in rows:
+        computed = "-"
+        if "prompt_tokens_computed" in row:
+            computed = f"{row['prompt_tokens_computed']:.1f} of {row['prompt_tokens']:.0f}"
+        steps = row.get("prefill_steps")
+        ms = row.get("prefill_ms")
+        table.append(
+            (
+                row["name"],
+                row.get("kv_connector") or "-",
+                computed,
+                "-" if steps is None else f"{steps:g}",
+                "-" if ms is None else f"{ms:.2f}",
+            )
+        )
+    widths = [max(len(line[j]) for line in table) for j in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in table]
+    lines.insert(1, "-" * len(lines[0]))
+    title = f"KV transfer config {kv} in every configuration; prompts:"
+    return "\n".join([title] + [line.rstrip() for line in lines])
 
 
 def _jsonable(settings: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,12 @@ splits the colocated step into attention, MoE and the auxiliary rest D_V.
 With a ``speculative_config`` (vLLM's, e.g. n-gram) the engine logs stats, and every decode
 reports vLLM's speculative counters over it (``spec_decode``: drafts, draft tokens, accepted
 tokens; ``offline_run.spec_decode_counts``, read through ``LLM.get_metrics``).
+
+With a ``kv_transfer_config`` (vLLM's, e.g. ``DecodeBenchConnector``, which fills a new
+request's KV with constants instead of computing the prompt) the engine runs that connector;
+every decode reports each request's ``num_cached_tokens`` (``prompt_cached_tokens``: prompt
+tokens vLLM did not compute; prefix caching is off, so these are the connector's), and every
+step record counts the requests past their prompt (``started``), which gives the prefill phase.
 """
 
 from __future__ import annotations
@@ -146,6 +152,8 @@ def _engine_kwargs(job: dict[str, Any]) -> dict[str, Any]:
     if job.get("speculative_config"):
         kwargs["speculative_config"] = job["speculative_config"]
         kwargs["disable_log_stats"] = False  # the acceptance counters (every config alike)
+    if job.get("kv_transfer_config"):
+        kwargs["kv_transfer_config"] = job["kv_transfer_config"]
     return kwargs
 
 
@@ -209,6 +217,7 @@ class Driver:
 
     def _loop(self, ids: list[str], output_len: int) -> dict:
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        cached: dict[str, int] = {}
         steps: list[dict] = []
         ffn: dict[str, Any] = {}
         self.timers.take()
@@ -216,21 +225,40 @@ class Driver:
         while self.engine.has_unfinished_requests():
             outputs = self.engine.step()
             now = time.perf_counter()
-            record = self._record(outputs, tokens, now - last)
+            record = self._record(outputs, tokens, now - last, cached)
             steps.append(record)
             last = self._maybe_snapshot(record, tokens, output_len, len(steps) - 1, ffn)
-        return {"steps": steps, "tokens": [tokens[r] for r in ids], "ffn_window": ffn}
+        return {
+            "steps": steps,
+            "tokens": [tokens[r] for r in ids],
+            "ffn_window": ffn,
+            "prompt_cached_tokens": [cached.get(r) for r in ids],
+        }
 
-    def _record(self, outputs, tokens: dict[str, list[int]], dt: float) -> dict:
+    def _record(
+        self, outputs, tokens: dict[str, list[int]], dt: float, cached: dict | None = None
+    ) -> dict:
+        """One step's record; ``cached`` collects each request's ``num_cached_tokens`` (prompt
+        tokens vLLM did not compute: prefix-cache hits, off here, or loaded by a KV connector)."""
         before = {rid: len(t) for rid, t in tokens.items()}
         for out in outputs:
             if out.request_id in tokens:
                 tokens[out.request_id].extend(out.outputs[0].token_ids)
+                hit = getattr(out, "num_cached_tokens", None)
+                if cached is not None and hit is not None:
+                    cached[out.request_id] = max(hit, cached.get(out.request_id, 0))
         # a request decodes when it had its first token and emits more: exactly one without
         # speculation, 1 to 1 + d (the accepted draft tokens and the bonus token) with it
         decoding = sum(1 for rid, t in tokens.items() if before[rid] >= 1 and len(t) > before[rid])
         new = sum(len(t) for t in tokens.values()) - sum(before.values())
-        return {"dt": dt, "decoding": decoding, "new": new, **self.timers.take()}
+        started = sum(1 for t in tokens.values() if t)  # requests past their prompt
+        return {
+            "dt": dt,
+            "decoding": decoding,
+            "new": new,
+            "started": started,
+            **self.timers.take(),
+        }
 
     def _maybe_snapshot(self, record, tokens, output_len, index, ffn) -> float:
         """Read the FFN counters at the window edges; returns the time the next step starts.
@@ -271,6 +299,7 @@ def ready_info(driver: Driver, first: int) -> dict[str, Any]:
         "async_scheduling": bool(getattr(config.scheduler_config, "async_scheduling", False)),
         "attention_param_bytes": driver.llm.collective_rpc(param_bytes)[0],
         "ffn": _ffn_infos(),
+        "kv_connector": getattr(config.kv_transfer_config, "kv_connector", None),
         "num_layers": config.model_config.hf_config.num_hidden_layers,
     }
 
