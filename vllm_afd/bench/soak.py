@@ -15,7 +15,7 @@ reports numbers and exits 1 if a request was lost or changed, but it has no thre
 What it does:
 
 1. starts one ``vllm-afd serve MODEL --afd-ratio A:F`` on 127.0.0.1 in its own session
-   (``SoakServer``: the flags of the e2e suite's server, float32 so that greedy text is
+   (``ServeProcess``: the flags of the e2e suite's server, float32 so that greedy text is
    comparable request by request), and stops it at the end, whatever happened: SIGTERM, then
    SIGKILL for whatever is still alive in its session (Ray's daemons and workers, engine cores
    and FFN ranks all stay in the session the server started);
@@ -60,22 +60,19 @@ a run's table.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_afd.bench.server import ServeProcess, http_request
 from vllm_afd.bench.window import percentile
 
 #: One prompt per client (client i takes PROMPTS[i % len] plus its number): different lengths,
@@ -277,164 +274,6 @@ def format_report(
     return "\n".join(lines)
 
 
-# -- the server -----------------------------------------------------------------------------------
-
-
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    """GET ``url``: (status, body); an HTTP error's status too; OSError when nothing answered."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")
-
-
-def session_pids(sid: int) -> list[int]:
-    """Pids of the live processes of session ``sid`` (from /proc; zombies left out)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
-        try:
-            if os.getsid(pid) != sid:
-                continue
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
-        except (OSError, IndexError):
-            continue
-        found.append(pid)
-    return found
-
-
-class SoakServer:
-    """One ``vllm-afd serve`` on 127.0.0.1 in a session of its own (the e2e suite's flags)."""
-
-    def __init__(self, model: str, ratio: str, log: Path, max_model_len: int = 512) -> None:
-        from vllm_afd.bench.offline_run import child_env
-        from vllm_afd.host import free_port
-
-        self.model, self.log, self.port = model, log, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        argv = [
-            str(Path(sys.executable).with_name("vllm-afd")),
-            "serve",
-            model,
-            "--afd-ratio",
-            ratio,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            str(max_model_len),
-            "--max-num-batched-tokens",
-            "64",
-            "--enforce-eager",
-            "--enable-prefix-caching",
-            "--enable-chunked-prefill",
-            "--seed",
-            "0",
-        ]
-        with log.open("w") as out:
-            self.proc = subprocess.Popen(
-                argv,
-                env=child_env(),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-
-    def wait_healthy(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.tail()}")
-            if self.healthy():
-                return
-            time.sleep(1.0)
-        raise TimeoutError(f"server not healthy after {timeout:g}s:\n{self.tail()}")
-
-    def healthy(self, timeout: float = 5.0) -> bool:
-        try:
-            return http_get(self.url + "/health", timeout)[0] == 200
-        except OSError:
-            return False
-
-    def tail(self, chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
-
-    def ffn_pid(self, rank: int = 0) -> int | None:
-        """The pid of FFN rank ``rank``'s latest process (a replacement's after a failover)."""
-        found = re.findall(rf"AFD: FFN rank {rank} up: pid (\d+)", self.tail(10**9))
-        return int(found[-1]) if found else None
-
-    def stream(self, prompt: str, max_tokens: int, timeout: float = 600.0) -> dict[str, Any]:
-        """A streamed greedy completion: status, text, token ids and chunk arrival times
-        (``time.monotonic()``); raises OSError when the connection fails."""
-        body = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "stream": True,
-        }
-        out: dict[str, Any] = {"status": 0, "text": "", "token_ids": [], "times": [], "error": ""}
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            headers = {"Content-Type": "application/json"}
-            connection.request("POST", "/v1/completions", json.dumps(body), headers)
-            response = connection.getresponse()
-            out["status"] = response.status
-            for line in response:
-                line = line.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "choices" not in chunk:  # an error object in the stream
-                    out["error"] += json.dumps(chunk)[:500]
-                    continue
-                choice = chunk["choices"][0]
-                out["text"] += choice.get("text") or ""
-                out["token_ids"] += choice.get("token_ids") or []
-                out["times"].append(time.monotonic())
-            if response.status != 200 and not out["error"]:
-                out["error"] = f"HTTP {response.status}"
-        finally:
-            connection.close()
-        return out
-
-    def stop(self, timeout: float = 90.0) -> list[int]:
-        """SIGTERM, wait up to ``timeout``; then SIGKILL what is left of the server's session.
-        Returns the pids that had to be killed."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        killed: list[int] = []
-        for _ in range(10):
-            left = session_pids(self.proc.pid)
-            if not left:
-                break
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.5)
-        return sorted(set(killed))
-
-
 # -- the soak -------------------------------------------------------------------------------------
 
 
@@ -443,7 +282,7 @@ def client_prompt(client: int) -> str:
 
 
 def one_request(
-    server: SoakServer, client: int, max_tokens: int, t0: float, reference: dict | None
+    server: ServeProcess, client: int, max_tokens: int, t0: float, reference: dict | None
 ) -> Record:
     start = time.monotonic()
     try:
@@ -451,25 +290,25 @@ def one_request(
     except (OSError, ValueError) as exc:  # refused, reset, timed out, a broken chunk
         return Record(client, start - t0, time.monotonic() - t0, 0, error=repr(exc)[:500])
     end = time.monotonic()
-    times = got["times"]
+    times = got.times
     gaps = [b - a for a, b in zip([start, *times], times, strict=False)]
     correct = reference is not None and (
-        got["text"] == reference["text"] and got["token_ids"] == reference["token_ids"]
+        got.text == reference["text"] and got.token_ids == reference["token_ids"]
     )
     return Record(
         client,
         start - t0,
         end - t0,
-        got["status"],
-        tokens=len(got["token_ids"]),
+        got.status,
+        tokens=len(got.token_ids),
         correct=correct,
         ttft=times[0] - start if times else None,
         max_gap=max(gaps) if gaps else None,
-        error=got["error"],
+        error=got.error,
     )
 
 
-def _seconds_until(server: SoakServer, healthy: bool, limit_s: float) -> float | None:
+def _seconds_until(server: ServeProcess, healthy: bool, limit_s: float) -> float | None:
     """Seconds until /health is (``healthy``) 200 or not, polled every 0.1 s; None past limit."""
     start = time.monotonic()
     while time.monotonic() - start < limit_s:
@@ -479,14 +318,14 @@ def _seconds_until(server: SoakServer, healthy: bool, limit_s: float) -> float |
     return None
 
 
-def run_soak(server: SoakServer, args: argparse.Namespace) -> dict[str, Any]:
+def run_soak(server: ServeProcess, args: argparse.Namespace) -> dict[str, Any]:
     """References, then the clients and the kills; returns records, kills, metrics, log."""
     references = {}
     for client in range(args.clients):
         got = server.stream(client_prompt(client), args.max_tokens)
-        if got["status"] != 200 or len(got["token_ids"]) != args.max_tokens:
-            raise RuntimeError(f"reference of client {client} failed: {got['error']}")
-        references[client] = {"text": got["text"], "token_ids": got["token_ids"]}
+        if got.status != 200 or len(got.token_ids) != args.max_tokens:
+            raise RuntimeError(f"reference of client {client} failed: {got.error}")
+        references[client] = {"text": got.text, "token_ids": got.token_ids}
     print(f"soak: {args.clients} references taken; load for {args.minutes:g} min", flush=True)
 
     records: list[Record] = []
@@ -536,7 +375,7 @@ def run_soak(server: SoakServer, args: argparse.Namespace) -> dict[str, Any]:
         thread.join(timeout=max(0.0, deadline - time.monotonic()) + 900)
     duration = time.monotonic() - t0
     try:
-        metrics = parse_metrics(http_get(server.url + "/metrics", timeout=30)[1])
+        metrics = parse_metrics(str(http_request(server.url + "/metrics", timeout=30)[1]))
     except OSError as exc:
         print(f"soak: /metrics did not answer: {exc}", flush=True)
         metrics = {}
@@ -595,11 +434,11 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("model", "ratio", "clients", "minutes", "kill_every", "max_tokens")
     } | {"ffn_rank": args.ffn_rank, "margin": args.margin, "server_log": str(log)}
     settings["model_name"] = Path(args.model).name
-    server = SoakServer(args.model, args.ratio, log)
+    server = ServeProcess(args.model, log, ("--afd-ratio", args.ratio))
     print(f"soak: server pid {server.proc.pid} on {server.url}, log {log}", flush=True)
     leftovers: list[int] = []
     try:
-        server.wait_healthy()
+        server.wait_healthy(timeout=600.0)
         result = run_soak(server, args)
     finally:
         leftovers = server.stop()
