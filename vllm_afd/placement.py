@@ -33,7 +33,17 @@ Security. Ray runs code for whoever can talk to it, so its token authentication 
   (``VLLM_AFD_AUTH_FILE``, ``transport/auth.py``), never as a value.
 
 The private directory (``host.private_dir``, mode 0700) holds the Ray token and the tcp secret
-of one deployment; it is removed when the FFN group stops.
+of one deployment, its FFN directory and, for ``vllm-afd ffn-server``, the group file and the
+attention-rank leases; it is removed when the FFN group stops, and the next start removes the
+directories of front-ends that died without doing so (``reap_dead_deployments``).
+
+Failover: ``Supervisor``, a thread of the front-end, replaces an FFN rank that died, stopped or
+wedged, and publishes the replacement in the FFN directory (``transport/directory.py``), where
+the attention ranks find it (``transport/p2p.py``).
+
+One group, many front-ends: ``vllm-afd ffn-server`` runs ``start_ffn_group`` in a process of
+its own and writes a group file (``write_group_file``); a front-end given ``--afd-join`` checks
+it against its own configuration and takes attention ranks of the group (``join_ffn_group``).
 """
 
 from __future__ import annotations
