@@ -242,3 +242,20 @@ def test_registering_a_name_twice_is_an_error():
 
     with pytest.raises(ValueError, match="already registered"):
         register(tiny_qwen3)
+
+
+def test_the_gpu_recipe_passes_the_gpu_start_up_checks(serve_parser):
+    """The H200 recipe, parsed by vLLM's parser, passes ``deployment.check_devices`` on the
+    node it is written for (8 GPUs, Qwen3-30B-A3B's shape): DeepEP's limits, disjoint GPUs."""
+    import torch
+
+    from vllm_afd.config import AFDConfig, MoEModelInfo
+    from vllm_afd.deployment import check_devices
+
+    path = ROOT / "recipes" / "qwen3_30b_a3b_h200_7to1.yaml"
+    _, engine_args = _serve(serve_parser, "--config", str(path))
+    afd = AFDConfig.from_dict(engine_args.additional_config["afd"])
+    qwen3_30b = MoEModelInfo("Qwen3MoeForCausalLM", 48, 128, 8, 2048, 768, tuple(range(48)))
+    ranks = engine_args.data_parallel_size * engine_args.tensor_parallel_size
+    dtype = getattr(torch, engine_args.dtype)
+    check_devices(afd, qwen3_30b, ranks, "cuda", engine_args.max_num_batched_tokens, dtype, 8)
