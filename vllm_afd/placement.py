@@ -156,8 +156,9 @@ class FFNGroup:
         return ray.get([a.stats.remote() for a in self.actors], timeout=10)
 
     def start_rank(self, rank: int) -> None:
-        """Start FFN rank ``rank`` in its bundle (first start or replacement) and wait until it
-        serves; ``actors[rank]`` and ``infos[rank]`` then describe it."""
+        """Start a replacement of FFN rank ``rank`` in its bundle and wait until it serves;
+        ``actors[rank]`` and ``infos[rank]`` then describe it (``_launch`` starts the first
+        ones all at once)."""
         import ray
 
         actor = _new_actor(
@@ -168,11 +169,7 @@ class FFNGroup:
         except BaseException:
             ray.kill(actor)
             raise
-        if rank < len(self.actors):
-            self.actors[rank], self.infos[rank] = actor, info
-        else:
-            self.actors.append(actor)
-            self.infos.append(info)
+        self.actors[rank], self.infos[rank] = actor, info
 
 
 _LOCK = threading.Lock()
