@@ -468,7 +468,12 @@ def check_supported(vllm_config: Any) -> None:
     if parallel.enable_eplb:
         raise AFDConfigError("--afd-ratio: --enable-eplb is not supported with AFD")
     if afd.microbatches > 1:
-        _check_microbatching(vllm_config)
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            _check_microbatching(vllm_config)
+        else:
+            _use_dbo(vllm_config, afd)
     _check_kv_transfer(vllm_config, afd)
 
 
@@ -578,6 +583,19 @@ def _is_loopback(infos: list[tuple]) -> bool:
     import ipaddress
 
     return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def _use_dbo(vllm_config: Any, afd: AFDConfig) -> None:
+    """On GPUs, ``--afd-microbatches 2`` is vLLM's own dual-batch overlap (``--enable-dbo``,
+    two microbatches, on the V1 and the V2 model runner alike): the AFD op's overlap point is
+    ``dbo_yield`` and its microbatch the ubatch id (``microbatch.py``). The CPU ping-pong
+    mechanism and its blockers are the CPU build's only."""
+    if afd.microbatches != 2:
+        raise AFDConfigError(
+            f"--afd-microbatches (additional_config.afd.microbatches) {afd.microbatches}: on "
+            "GPUs microbatching is vLLM's dual-batch overlap, two microbatches; use 2 or 1"
+        )
+    vllm_config.parallel_config.enable_dbo = True
 
 
 def _check_microbatching(vllm_config: Any) -> None:

@@ -30,10 +30,12 @@ it). Prefill and mixed steps, dummy and profiling runs run whole; so does the dr
 forward (an EAGLE head, a draft model).
 
 This module is the mechanism only (no vLLM or package imports). Its hooks into vLLM's CPU
-model runner, and their ledger entries M1-M7, are in vllm_afd/patches/ (cpu_runner.py). On GPUs,
-``overlap_point`` delegates to vLLM's own DBO (``dbo_yield``) when that is active.
+model runner, and their ledger entries M1-M7, are in vllm_afd/patches/ (cpu_runner.py).
 
-Limits: V1 model runner only (the V2 runner is refused); no LoRA, multimodal or M-RoPE models,
+On GPUs, ``--afd-microbatches 2`` turns on vLLM's own DBO instead (``config._use_dbo``; V1 and
+V2 model runners): ``overlap_point`` is ``dbo_yield`` and ``current_microbatch`` the ubatch id.
+
+Limits (CPU): V1 model runner only (the V2 runner is refused); no LoRA, multimodal or M-RoPE models,
 pooling models; with DP > 1 an idle rank's dummy batch vetoes microbatching for that step, and
 vLLM's own cross-rank decision splits only uniform decode steps. k = 2 pays only when one
 microbatch's FFN stage is at least about as long as its attention stage, since every layer's
@@ -193,9 +195,15 @@ class PingPong:
 
 
 def current_microbatch() -> int | None:
-    """Index of the microbatch running on this thread, or None outside a microbatch."""
+    """Index of the microbatch running on this thread, or None outside a microbatch (under
+    vLLM's DBO on GPUs: its ubatch id)."""
     slot = getattr(_LOCAL, "slot", None)
-    return slot[1] if slot is not None and slot[0]._step is not None else None
+    if slot is not None and slot[0]._step is not None:
+        return slot[1]
+    ubatching = sys.modules.get("vllm.v1.worker.ubatching")  # never imported: DBO is off
+    if ubatching is not None and ubatching.dbo_enabled():
+        return ubatching.dbo_current_ubatch_id()
+    return None
 
 
 def overlap_point() -> None:

@@ -149,6 +149,8 @@ class FFNGroup:
     device: str
     local: bool = True
     supervisor: Supervisor | None = None
+    #: The deepep transport's group hub (``transport/group.py``), served by this process.
+    hub: object = None
 
     def stats(self) -> list[dict]:
         import ray
@@ -251,13 +253,14 @@ def _private() -> str:
 
 
 def prepare_tcp_secret(afd: AFDConfig) -> None:
-    """tcp transport: make sure the deployment has its shared secret (``transport/auth.py``).
+    """tcp and deepep transports: make sure the deployment has its shared secret
+    (``transport/auth.py``; deepep's group hub authenticates with it, ``transport/group.py``).
 
     A ``VLLM_AFD_AUTH_FILE`` set by the user is used as it is (``deployment.setup_afd`` checked
     it); otherwise a fresh secret is written into the private directory and the variable set
     for every process started from here on.
     """
-    if afd.transport != "tcp" or envs.VLLM_AFD_AUTH_FILE:
+    if afd.transport not in ("tcp", "deepep") or envs.VLLM_AFD_AUTH_FILE:
         return
     from vllm_afd.transport.auth import new_secret
 
@@ -407,17 +410,33 @@ def start_ffn_group(
         reap_dead_deployments()
         prepare_tcp_secret(afd)
         spec = dataclasses.replace(spec, directory=_ffn_directory())
+        hub = _start_hub(spec, afd)
+        if hub is not None:
+            spec = dataclasses.replace(spec, addresses=(hub.address,) * num_ffn)
         try:
             _GROUP = _launch(spec, afd, model_dir, device)
         except BaseException:
+            if hub is not None:
+                hub.close()
             release_credentials()
             raise
+        _GROUP.hub = hub
         _GROUP_KEY = key
-        if afd.failover_s > 0:
+        if afd.failover_s > 0 and hub is None:  # a DeepEP group cannot take a new member
             _GROUP.supervisor = Supervisor(_GROUP)
         # The hand-off to every process started from here on (engine cores, workers).
         os.environ[envs.RUNTIME] = _GROUP.spec.to_json()
         return _GROUP
+
+
+def _start_hub(spec: TransportSpec, afd: AFDConfig):
+    """deepep: the group's hub on the FFN host's interface (``transport/group.py``), else None."""
+    if spec.backend != "deepep":
+        return None
+    from vllm_afd.transport import auth, group
+
+    num_ranks = spec.num_attention_ranks + spec.num_ffn_ranks
+    return group.Hub(afd.ffn_host, num_ranks, auth.load_secret())
 
 
 def _ffn_directory() -> str:
@@ -908,6 +927,8 @@ def stop_ffn_group() -> None:
         return
     if group.supervisor is not None:
         group.supervisor.stop()  # before the ranks: no replacement may start meanwhile
+    if group.hub is not None:
+        group.hub.close()
     import ray
     from ray.util.placement_group import remove_placement_group
 

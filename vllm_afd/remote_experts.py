@@ -23,6 +23,7 @@ Dynamo (the CPU platform compiles the model by default) treats it as opaque.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import weakref
@@ -227,13 +228,42 @@ class _Steps:
 
         context = get_forward_context() if is_forward_context_available() else None
         if context is None or not any(ref() is context for ref in self._contexts):
-            self.begin((num_tokens,), () if context is None else (context,))
+            ubatches = _dbo_ubatches(self.endpoint.spec.max_tokens)
+            if ubatches is not None and any(c is context for c in ubatches[1]):
+                self.begin(*ubatches)  # the first MoE layer of vLLM's first ubatch (GPUs)
+            else:
+                self.begin((num_tokens,), () if context is None else (context,))
+
+
+def _dbo_ubatches(max_tokens: int) -> tuple[tuple[int, ...], tuple] | None:
+    """Under vLLM's DBO (GPUs): each ubatch's tokens and forward context, else ``None``. The
+    tokens are the ubatch's padded count across DP ranks where its DP metadata has it, else
+    ``max_tokens`` (an upper bound: the FFN side checks requests against it)."""
+    ubatching = sys.modules.get("vllm.v1.worker.ubatching")
+    if ubatching is None or not ubatching.dbo_enabled():
+        return None
+    live = [c for c in ubatching._CURRENT_CONTEXTS[: ubatching._NUM_UBATCHES] if c is not None]
+    contexts = tuple(c.forward_context for c in live)
+    tokens = []
+    for context in contexts:
+        dp = getattr(context, "dp_metadata", None)
+        tokens.append(int(dp.num_tokens_across_dp_cpu.max()) if dp is not None else max_tokens)
+    return tuple(tokens), contexts
 
 
 def _mode() -> Mode:
     """``Mode.CAPTURE`` while a CUDA graph is being captured, else ``Mode.RUN``."""
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     return Mode.CAPTURE if capturing else Mode.RUN
+
+
+def announce_replay(num_tokens: int, num_ubatches: int) -> None:
+    """Runner hook (G1): a FULL CUDA graph is about to be replayed; its AFD kernels run
+    without the op's Python, so the step is announced here: ``num_ubatches`` microbatches of
+    at most ``num_tokens`` tokens. No-op in a process without an FFN group."""
+    session = _SESSION
+    if session is not None:
+        session.steps.begin((num_tokens,) * num_ubatches, ())
 
 
 def announce_microbatched_step(microbatch_tokens: Sequence[int], contexts: Sequence) -> None:
@@ -299,7 +329,7 @@ def remote_experts_impl(
     session.steps.current(x.shape[0])
     if session.tp_size == 1:
         return _round_trip(session, layer, x, topk_ids, topk_weights)
-    rows = torch.arange(session.tp_rank, x.shape[0], session.tp_size)
+    rows = torch.arange(session.tp_rank, x.shape[0], session.tp_size, device=x.device)
     out = torch.zeros_like(x)
     out[rows] = _round_trip(
         session, layer, x[rows].contiguous(), topk_ids[rows], topk_weights[rows]

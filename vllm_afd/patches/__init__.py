@@ -7,7 +7,8 @@ is inert there: it wraps a class that process never calls.
 - front-end (the process that parses flags and builds the ``VllmConfig``):
   ``engine_args.py`` (P1-P3), ``health.py`` (P4), ``metrics_registry.py`` (P6).
 - worker (the processes that run the model): ``layers.py`` (P5, P7, P8), ``cpu_runner.py``
-  (M1-M7), ``cpu_comm.py`` (S1-S2), ``cpu_amx.py`` (S3, every process).
+  (M1-M7), ``gpu_runner.py`` (G1-G2, GPUs only), ``cpu_comm.py`` (S1-S2), ``cpu_amx.py``
+  (S3, every process).
 - FFN rank (the FFN ranks' processes): ``ffn_rank.py`` (F1-F4). Not applied by ``apply()``:
   ``ffn/weights.py`` enters its context manager around building one rank's MoE layers, and
   every swap is undone when the build is done. It also applies ``cpu_comm.py`` there (S2:
@@ -161,6 +162,27 @@ M7 ``SharedExperts.__init__`` wrapped, and its ``_output_idx`` property's getter
    slot list gets one slot per possible microbatch (``config.MAX_MICROBATCHES``).
    Upstream: none; the slot is tied to DBO's thread registry, which M4's threads are not in.
    Remove when: M4 is upstream (vLLM's CPU ubatch wrapper registers its threads as DBO's do).
+G1 ``ModelCudaGraphManager.run_fullgraph`` (the V2 model runner's FULL CUDA-graph replay),
+   wrapped; GPUs only. NOT YET RUN ON A GPU.
+   Why: the AFD op announces each step to the FFN ranks from Python inside the forward
+   (``remote_experts._Steps``); a replayed graph runs its dispatch/combine kernels without
+   that Python, so the FFN ranks would never post the DeepEP calls the kernels wait for.
+   How: before the replay, announce a step of ``desc.num_ubatches`` microbatches of at most
+   ``desc.num_tokens`` tokens each (``remote_experts.announce_replay``); nothing without an
+   FFN group in the process.
+   Upstream: none; the peer plugin sends its control message from its own model runner.
+   Remove when: AFD is upstream (RFC vllm-project/vllm#22799), or vLLM has a pre-forward
+   hook that runs for graph replays too.
+G2 ``vllm.v1.worker.ubatching``: ``dbo_enabled``, ``dbo_current_ubatch_id``, ``dbo_yield``
+   (public) and ``_CURRENT_CONTEXTS``, ``_NUM_UBATCHES`` (private module globals), read.
+   GPUs only. NOT YET RUN ON A GPU.
+   Why: under vLLM's DBO (``--afd-microbatches 2`` on GPUs) the AFD op's microbatch is the
+   ubatch id and its overlap point ``dbo_yield``; the first ubatch's first MoE layer
+   announces the step with every ubatch's forward context, which only the ubatch contexts
+   hold.
+   How: read as they are (``microbatch.current_microbatch``, ``remote_experts._dbo_ubatches``).
+   Upstream: none; a public "ubatches of this step" accessor would do.
+   Remove when: AFD is upstream.
 S1 ``CpuCommunicator.all_gatherv`` and ``CpuCommunicator.reduce_scatterv``, added.
    Why: vLLM's CPU build inherits both from ``DeviceCommunicatorBase``, where they raise
    ``NotImplementedError``. Colocated data parallelism on CPU (``--data-parallel-size 2``, with
@@ -251,6 +273,7 @@ def apply() -> None:
         cpu_comm,
         cpu_runner,
         engine_args,
+        gpu_runner,
         health,
         layers,
         metrics_registry,
@@ -261,5 +284,6 @@ def apply() -> None:
     metrics_registry.apply()
     layers.apply()
     cpu_runner.apply()
+    gpu_runner.apply()
     cpu_comm.apply()
     cpu_amx.apply()

@@ -66,6 +66,16 @@ _SHARED = "vllm.model_executor.layers.fused_moe.runner.shared_experts"
 #: Positional parameters of ``_model_forward`` that M4 slices per microbatch.
 MODEL_INPUTS = ("input_ids", "positions", "intermediate_tensors", "inputs_embeds")
 
+_GPU_GRAPHS = "vllm.v1.worker.gpu.cudagraph_utils"
+_UBATCHING = "vllm.v1.worker.ubatching"
+#: What the AFD op reads of vLLM's DBO (``microbatch.py``, ``remote_experts._dbo_ubatches``).
+_G2_NAMES = (
+    "dbo_enabled",
+    "dbo_current_ubatch_id",
+    "dbo_yield",
+    "_CURRENT_CONTEXTS",
+    "_NUM_UBATCHES",
+)
 #: Every touch point, one row each: the patches wrap from it, test_compat checks it.
 _CPU_MOE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
 #: The CPU experts classes S2 teaches ``expert_map`` (unquantized, FP8 on AMX CPUs).
@@ -184,6 +194,9 @@ TARGETS = (
             Target("S2", _CPU_MOE, experts, "apply", _S2_APPLY, "used", ordered=True),
         )
     ),
+    Target("G1", _GPU_GRAPHS, "ModelCudaGraphManager", "run_fullgraph", ("desc",)),
+    Target("G1", _GPU_GRAPHS, "BatchExecutionDescriptor", "num_ubatches", kind="used"),
+    *(Target("G2", _UBATCHING, "", name, kind="used") for name in _G2_NAMES),
     Target("S3", "torch.cpu", "", "_is_amx_tile_supported", kind="used"),
     Target("S3", "torch._C", "_cpu", "_init_amx", kind="used"),
     Target(

@@ -1,55 +1,73 @@
 """DeepEP backend: the GPU path, on DeepEP's low-latency dispatch/combine (NVLink / RDMA).
 
-NOT YET RUN ON A GPU. Written against ``deep_ep.Buffer.low_latency_dispatch`` /
-``low_latency_combine`` as documented in DeepEP's ``buffer.py``; on this project's CPU machines
-only the import-time error path, the expert renumbering (``VirtualExperts``) and the
-``moe_layers`` check are tested.
+NOT YET RUN ON A GPU. Written against ``deep_ep.Buffer`` as of the commit vLLM pins (73b6ea4)
+and tested on CPU against ``vllm_afd.testing.deep_ep_model``, a model of the low-latency
+contract that keeps DeepEP's rules (collective construction, host assertions, the double
+buffer and its cleaning, the receive timeout's trap).
 
-Group. One ``torch.distributed`` world of ``A + F`` ranks, attention ranks first
-(``0..A-1``), FFN ranks after (``A..A+F-1``), is one DeepEP low-latency group. DeepEP requires
-every rank to own ``num_experts / num_ranks`` experts, so the group gets ``(A + F) * E/F``
-*virtual* experts: the attention ranks own the first ``A * E/F`` (never routed to), FFN rank
-``f`` owns ``(A + f) * E/F ...``, i.e. global expert ``e`` is virtual expert ``e + A * E/F``.
-The price is low-latency buffer space for the attention ranks' idle experts.
+Group. The ``A`` attention ranks and ``F`` FFN ranks form one DeepEP low-latency group of
+``A + F`` ranks, attention ranks first. DeepEP requires every rank to own ``num_experts /
+num_ranks`` experts, so the group has ``(A + F) * E/F`` *virtual* experts: the attention ranks
+own the first ``A * E/F`` (never routed to), FFN rank ``f`` owns ``(A + f) * E/F ...``, i.e.
+global expert ``e`` is virtual expert ``e + A * E/F`` (``-1``, no expert, stays ``-1``). The
+ranks meet through the front-end's hub (``group.py``): DeepEP's ``Buffer(comm=...)`` gathers
+through it, and it relays the control plane. Every rank builds its ``Buffer`` lazily, at the
+first step (the constructor is collective: built in an FFN actor's constructor it would wait
+for attention ranks that the front-end starts only after the actors are up), with
+``explicitly_destroy=True`` and ``destroy()`` at ``close``.
 
-Lockstep. Unlike the point-to-point backends, DeepEP's kernels are collectives: for every MoE
-layer every attention rank calls ``dispatch`` then ``combine`` (vLLM's data-parallel dummy
-batches keep idle ranks in step, with ``T = 0``) and every FFN rank calls ``recv`` then
-``reply``. ``recv`` returns exactly one request per call holding every token routed to this FFN
-rank from all attention ranks, one row per (token, local expert) pair with ``topk_ids`` ``[N, 1]``
-and weight 1.
+Control plane, then data. DeepEP's kernels carry no tag and wait at most about 100 s before
+they trap the GPU, so an FFN rank must know, before it posts a call, that the call will be
+matched. Each attention rank announces every step (``begin_step``: its ``StepSchedule``, the
+model's MoE layer numbers, one token count per microbatch, the mode) to every FFN rank. An FFN
+rank waits on the hub, not in a kernel, until every attention rank announced the next step;
+the schedules must agree on the microbatch count, the layers and the mode (vLLM's data-parallel
+ranks run the same forwards, idle ranks a dummy batch), or it raises ``ProtocolError`` naming
+both ranks. It then runs the step explicitly: for each MoE layer of the schedule, one dispatch
+per microbatch, the experts, one combine per microbatch (D,D,C,C with two microbatches, the
+order of every attention rank). A capture step (CUDA graphs: the kernels are recorded, not
+run) posts nothing. An idle FFN rank posts nothing.
 
-Routing weights. In this backend they are applied on the attention side, by DeepEP's
-low-latency combine: the FFN side answers with unweighted expert outputs (its requests carry
-weight 1), and ``combine`` weights and sums them. The point-to-point backends apply them on the
-FFN side instead (see ``base.py``); ``combine``'s result is the same.
+Attention side. ``dispatch`` issues the sends (``return_recv_hook=True``) and returns; the
+receive hook runs before this rank's next low-latency call, whichever it is (DeepEP's rule:
+a call's send phase cleans the other buffer, where the pending receive waits, as vLLM's DBO
+runs the pending hook first). ``combine`` waits for the FFN ranks' answers, weighted and summed
+by DeepEP. Every step makes an even number of low-latency calls (a dispatch and a combine per
+layer and microbatch), so every step starts on buffer 0 on every rank, which a CUDA graph
+captured at any step relies on.
 
-Layers. The FFN side cannot read the layer from the wire: the ``i``-th ``recv`` is taken to be
-MoE layer ``spec.moe_layers[i % len(spec.moe_layers)]`` (every layer is one collective, in model
-order), so ``spec.moe_layers`` must be set on the FFN side.
+Routing weights are applied on the attention side by DeepEP's combine: the FFN side answers
+with unweighted expert outputs (its requests carry weight 1, one row per (token, local
+expert) pair). Hidden sizes are padded up to a size DeepEP's kernels are compiled for, as
+vLLM pads them (``padded_hidden_size``); the padding is zero and cut off after the combine.
 
-Not honoured: ``timeout_s`` (DeepEP kernels have their own timeout, which aborts the process),
-``recv``'s ``timeout_s`` (it blocks until the layer's collective), ``DispatchHandle.token_index``
-(left empty: computing it would cost a device sync). At most two dispatches may be outstanding
-(DeepEP's double buffer: ``num_slots <= 2``). Hidden states must be bfloat16 CUDA tensors.
-``recv`` syncs the device once per layer to read the per-expert counts; a DeepGEMM masked grouped
-GEMM on DeepEP's packed layout would avoid that and is future work.
+Limits (refused before start: ``limits_problem``): bfloat16; hidden size up to 8192; at most
+256 tokens per rank and step (``--max-num-batched-tokens``, as vLLM's own DeepEP path); at most
+two microbatches (DeepEP's two buffers); at most 14 warp groups of virtual experts per SM.
+Not honoured: ``timeout_s`` (DeepEP's kernels wait about 100 s and then trap), ``reply_error``
+(a collective cannot fail one request: it raises), failover. The FFN side syncs the device once
+per layer and microbatch to read the received counts and computes with ``ExpertKernel``;
+vLLM's batched experts on DeepEP's packed layout (no sync, written into the combine buffer)
+are the next step for speed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from vllm_afd.transport import auth, group
 from vllm_afd.transport.base import (
     AttentionTransport,
     DispatchHandle,
     FFNRequest,
     FFNTransport,
+    ProtocolError,
+    TransportError,
     TransportSpec,
 )
+from vllm_afd.transport.control import Mode, StepSchedule, schedule_words
 
 #: DeepEP's low-latency limits (DeepEP @73b6ea4, the commit vLLM pins; docs/architecture.md):
 #: the hidden sizes its kernels are compiled for (vLLM rounds a layer's hidden size up to the
@@ -121,13 +139,11 @@ class DeepEPState:
 
     Attributes:
         ll_handle: DeepEP's low-latency dispatch handle.
-        hook: finishes the dispatch's receive half (``return_recv_hook=True``).
-        topk_idx: ``[T, K]`` int64 virtual expert ids (``VirtualExperts.to_virtual``).
+        topk_idx: ``[T, K]`` virtual expert ids (``VirtualExperts.to_virtual``).
         topk_weights: ``[T, K]`` float32 routing weights, applied by the combine.
     """
 
     ll_handle: object
-    hook: Callable[[], None]
     topk_idx: torch.Tensor
     topk_weights: torch.Tensor
 
@@ -141,12 +157,19 @@ def _import_deep_ep():
         )
     try:
         import deep_ep
-    except ImportError as exc:
+    except (ImportError, AssertionError) as exc:  # 2.x asserts its NCCL at import
         raise RuntimeError(
             "the 'deepep' AFD transport needs the deep_ep package (DeepEP, built from source "
-            "with NVSHMEM): https://github.com/deepseek-ai/DeepEP"
+            f"with NVSHMEM, https://github.com/deepseek-ai/DeepEP): {exc}"
         ) from exc
     return deep_ep
+
+
+def _device() -> torch.device:
+    """Where the buffers live: the current GPU (on CPU: the model of ``testing``)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -177,41 +200,78 @@ class VirtualExperts:
         return self.num_attention_ranks + ffn_rank
 
 
-def _make_buffer(spec: TransportSpec, experts: VirtualExperts):
-    """One low-latency ``deep_ep.Buffer`` over the default process group (``A + F`` ranks)."""
-    deep_ep = _import_deep_ep()
-    import torch.distributed as dist
+class _Endpoint:
+    """What both sides share: the group membership, the lazily built buffer, and the shapes."""
 
-    if spec.dtype != torch.bfloat16 or spec.num_slots > 2:
-        raise ValueError("deepep transport needs dtype=torch.bfloat16 and num_slots <= 2")
-    if not dist.is_initialized() or dist.get_world_size() != experts.num_ranks:
-        raise RuntimeError(
-            f"deepep transport needs torch.distributed initialised with {experts.num_ranks} "
-            "ranks (attention ranks first, then FFN ranks)"
-        )
-    rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
-        spec.max_tokens, spec.hidden_size, experts.num_ranks, experts.num_experts
-    )
-    return deep_ep.Buffer(
-        dist.group.WORLD,
-        num_rdma_bytes=rdma_bytes,
-        low_latency_mode=True,
-        num_qps_per_rank=experts.experts_per_rank,
-    )
+    def _join(self, spec: TransportSpec, group_rank: int) -> None:
+        if spec.dtype != torch.bfloat16:
+            raise ValueError(f"deepep transport: dtype {spec.dtype}; DeepEP dispatches bfloat16")
+        if not spec.moe_layers:
+            raise ValueError(
+                "the deepep transport needs TransportSpec.moe_layers (the model's MoE layer "
+                "numbers), which the control plane announces each step; the spec has none"
+            )
+        self._deep_ep = _import_deep_ep()
+        self._experts = VirtualExperts.of(spec)
+        self._hidden = padded_hidden_size(spec.hidden_size) or spec.hidden_size
+        self._words = schedule_words(spec.moe_layers)
+        hub = spec.addresses[0].partition("/")[0] if spec.addresses else ""
+        if not hub:
+            raise ValueError("deepep transport: the spec names no hub address (placement sets it)")
+        self.hub_address = hub
+        self._member = group.Member(hub, group_rank, self._experts.num_ranks, auth.load_secret())
+        self._buffer = None
+
+    def _ensure_buffer(self):
+        """The DeepEP buffer, built at the first step (collective over the group)."""
+        if self._buffer is None:
+            spec, experts = self.spec, self._experts
+            size = self._deep_ep.Buffer.get_low_latency_rdma_size_hint(
+                spec.max_tokens, self._hidden, experts.num_ranks, experts.num_experts
+            )
+            self._buffer = self._deep_ep.Buffer(
+                None,
+                num_rdma_bytes=size,
+                low_latency_mode=True,
+                num_qps_per_rank=experts.experts_per_rank,
+                explicitly_destroy=True,
+                comm=self._member,
+            )
+        return self._buffer
+
+    def _release(self) -> None:
+        if self._buffer is not None:
+            self._buffer.destroy()
+            self._buffer = None
+        self._member.close()
 
 
-class DeepEPAttentionTransport(AttentionTransport):
+class DeepEPAttentionTransport(_Endpoint, AttentionTransport):
     """Attention endpoint: group rank ``rank``; sends tokens, owns only idle virtual experts."""
 
     def __init__(self, spec: TransportSpec, rank: int) -> None:
-        super().__init__(spec, rank)
-        self._experts = VirtualExperts.of(spec)
-        self._buffer = _make_buffer(spec, self._experts)
-        rows = spec.max_tokens * self._experts.num_ranks
-        # combine input for this rank's own (never selected) experts: nothing to send back
-        self._idle = torch.zeros(
-            self._experts.experts_per_rank, rows, spec.hidden_size, dtype=spec.dtype, device="cuda"
-        )
+        AttentionTransport.__init__(self, spec, rank)
+        self._join(spec, rank)
+        self._pending_hook = None  # the last dispatch's receive half, not run yet
+        self._idle: torch.Tensor | None = None
+
+    def _announce(self, schedule: StepSchedule) -> None:
+        words = schedule.words(self._words)
+        for ffn_rank in range(self.spec.num_ffn_ranks):
+            self._member.post(self._experts.group_rank_of_ffn(ffn_rank), words)
+        if self._buffer is None:  # the first step (eager: vLLM profiles before it captures)
+            self._ensure_buffer()
+            # combine input of this rank's own, never routed, experts
+            rows = self.spec.max_tokens * self._experts.num_ranks
+            shape = (self._experts.experts_per_rank, rows, self._hidden)
+            self._idle = torch.zeros(shape, dtype=torch.bfloat16, device=_device())
+
+    def _run_pending_hook(self) -> None:
+        """Finish the pending dispatch's receive before another low-latency call (its send
+        phase would clean the buffer that receive waits on)."""
+        hook, self._pending_hook = self._pending_hook, None
+        if hook is not None:
+            hook()
 
     def dispatch(
         self,
@@ -221,21 +281,31 @@ class DeepEPAttentionTransport(AttentionTransport):
         topk_weights: torch.Tensor,
         microbatch: int = 0,
     ) -> DispatchHandle:
-        """``x``: ``[T, H]`` bfloat16 CUDA; issues the sends and returns (receive on combine).
-        The tag does not travel: DeepEP's low-latency kernels carry no metadata (the GPU
-        issue redesigns this backend around the control plane)."""
-        topk_idx = self._experts.to_virtual(topk_ids)
-        _, _, ll_handle, _, hook = self._buffer.low_latency_dispatch(
-            x,
+        """``x``: ``[T, H]`` bfloat16, ``T <= spec.max_tokens``; issues the sends and returns
+        (the receive runs before this rank's next low-latency call). Needs ``begin_step``."""
+        schedule = self.schedule
+        if schedule is None or layer not in schedule.layers:
+            raise ProtocolError(
+                f"deepep transport: attention rank {self.rank} dispatched layer {layer} outside "
+                f"an announced step (schedule: {schedule}); the FFN ranks run announced steps only"
+            )
+        self._run_pending_hook()
+        buffer = self._buffer
+        if x.shape[1] != self._hidden:
+            x = torch.nn.functional.pad(x, (0, self._hidden - x.shape[1]))
+        topk_idx = self._experts.to_virtual(topk_ids).to(self._deep_ep.topk_idx_t).contiguous()
+        _, _, ll_handle, _, hook = buffer.low_latency_dispatch(
+            x.contiguous(),
             topk_idx,
             self.spec.max_tokens,
             self._experts.num_experts,
             use_fp8=False,
             return_recv_hook=True,
         )
-        state = DeepEPState(ll_handle, hook, topk_idx, topk_weights.float())
+        self._pending_hook = hook
+        state = DeepEPState(ll_handle, topk_idx, topk_weights.float().contiguous())
         return DispatchHandle(
-            layer, x.shape[0], x.shape[1], x.dtype, {}, state, self.step, microbatch
+            layer, x.shape[0], self.spec.hidden_size, x.dtype, {}, state, self.step, microbatch
         )
 
     def combine(self, handle: DispatchHandle) -> torch.Tensor:
@@ -248,64 +318,151 @@ class DeepEPAttentionTransport(AttentionTransport):
         if state is None:
             raise ValueError(f"handle of layer {handle.layer} was already combined")
         handle.state = None
-        state.hook()  # finish the dispatch's receive half (nothing is routed to this rank)
+        self._run_pending_hook()
         out, _, _ = self._buffer.low_latency_combine(
             self._idle, state.topk_idx, state.topk_weights, state.ll_handle
         )
+        if out.shape[1] != handle.hidden_size:
+            out = out[:, : handle.hidden_size].contiguous()  # the padding
         return out
 
+    def close(self) -> None:
+        self._release()
 
-class DeepEPFFNTransport(FFNTransport):
-    """FFN endpoint: group rank ``A + rank``; one request per ``recv`` = one layer.
+
+@dataclass
+class _Round:
+    """One microbatch of the layer the FFN side serves now: DeepEP's answer to its dispatch."""
+
+    recv_x: torch.Tensor  # [E_local, ranks * max_tokens, H_padded], DeepEP's packed layout
+    counts: list[int]  # rows received per local expert
+    ll_handle: object
+    out: torch.Tensor | None = None  # the experts' answer, [sum(counts), H]
+
+
+class DeepEPFFNTransport(_Endpoint, FFNTransport):
+    """FFN endpoint: group rank ``A + rank``; runs each announced step layer by layer.
+
+    ``recv`` returns, per MoE layer of the step, one request per microbatch (all attention
+    ranks' tokens routed here, one row per (token, local expert) pair, weight 1); once every
+    one is answered (``reply``), the layer's combines run and the next ``recv`` serves the
+    next layer.
 
     Raises:
-        ValueError: if ``spec.moe_layers`` is empty (see "Layers" in the module docstring).
+        ValueError: if the spec has no ``moe_layers`` or is not bfloat16.
     """
 
     def __init__(self, spec: TransportSpec, rank: int) -> None:
-        super().__init__(spec, rank)
-        if not spec.moe_layers:
-            raise ValueError(
-                "the deepep transport's FFN side needs TransportSpec.moe_layers (the model's "
-                "MoE layer indices) to number the layers it serves; the spec has none"
-            )
-        self._experts = VirtualExperts.of(spec)
-        self._buffer = _make_buffer(spec, self._experts)
-        self._layers = spec.moe_layers
-        self._calls = 0
+        FFNTransport.__init__(self, spec, rank)
+        self._join(spec, VirtualExperts.of(spec).group_rank_of_ffn(rank))
         self._first = spec.expert_range(rank).start  # global id of local expert 0
-        hidden, top_k = spec.hidden_size, spec.top_k
-        self._no_x = torch.empty(0, hidden, dtype=spec.dtype, device="cuda")
-        self._no_idx = torch.empty(0, top_k, dtype=torch.int64, device="cuda")
-        self._no_weights = torch.empty(0, top_k, dtype=torch.float32, device="cuda")
+        self._layers: list[int] = []  # the step's layers still to serve
+        self._schedule: StepSchedule | None = None
+        self._rounds: list[_Round] = []
+        self._no_idx: torch.Tensor | None = None
 
     @property
     def address(self) -> str:
-        return f"deepep:group_rank={self._experts.group_rank_of_ffn(self.rank)}"
+        return f"{self.hub_address}/{self._experts.group_rank_of_ffn(self.rank)}"
 
     def recv(self, timeout_s: float) -> list[FFNRequest]:
-        """Join this layer's dispatch; return its tokens as one request (see module doc)."""
-        recv_x, recv_count, ll_handle, _, _ = self._buffer.low_latency_dispatch(
-            self._no_x,
-            self._no_idx,
-            self.spec.max_tokens,
-            self._experts.num_experts,
-            use_fp8=False,
-        )
-        counts = recv_count.tolist()  # device sync: per-expert token counts
-        x = torch.cat([recv_x[e, :n] for e, n in enumerate(counts)])
-        local = torch.arange(len(counts), device=x.device) + self._first
-        ids = torch.repeat_interleave(local, torch.tensor(counts, device=x.device))
-        layer = self._layers[self._calls % len(self._layers)]
-        self._calls += 1
-        weights = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
-        tag = (ll_handle, recv_x, counts)
-        return [FFNRequest(-1, layer, x, ids[:, None].int(), weights, tag=tag)]
+        """The next layer's requests of the current step, or of the next announced step
+        (waiting up to ``timeout_s`` for its first schedule, on the hub: an idle rank posts no
+        DeepEP call). ``[]`` when idle, and for a capture step."""
+        if self._rounds:
+            raise TransportError("deepep transport: recv before the last layer was answered")
+        if not self._layers and not self._next_step(timeout_s):
+            return []
+        layer = self._layers[0]
+        buffer = self._buffer
+        requests = []
+        for microbatch in range(len(self._schedule.microbatch_tokens)):
+            recv_x, count, ll_handle, _, _ = buffer.low_latency_dispatch(
+                self._no_x(),
+                self._empty_idx(),
+                self.spec.max_tokens,
+                self._experts.num_experts,
+                use_fp8=False,
+            )
+            counts = count.tolist()  # device sync: the rows received per local expert
+            self._rounds.append(_Round(recv_x, counts, ll_handle))
+            x = torch.cat([recv_x[e, :n, : self.spec.hidden_size] for e, n in enumerate(counts)])
+            local = torch.arange(len(counts), device=x.device) + self._first
+            ids = torch.repeat_interleave(local, torch.tensor(counts, device=x.device))
+            weights = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+            # step 0, no schedule: the schedules were checked here (all attention ranks agree)
+            requests.append(
+                FFNRequest(
+                    -1, layer, x, ids[:, None].int(), weights, tag=microbatch, microbatch=microbatch
+                )
+            )
+        return requests
+
+    def _next_step(self, timeout_s: float) -> bool:
+        """Take every attention rank's next schedule; ``False`` if none came in ``timeout_s``
+        (or the step is a capture: nothing to serve)."""
+        num_attention = self.spec.num_attention_ranks
+        schedules: dict[int, StepSchedule] = {}
+        wait_s = timeout_s
+        while len(schedules) < num_attention:
+            post = self._member.next_post(wait_s)
+            if post is None:
+                if not schedules:
+                    return False
+                missing = sorted(set(range(num_attention)) - set(schedules))
+                raise TransportError(
+                    f"deepep transport: FFN rank {self.rank} got the next step from attention "
+                    f"ranks {sorted(schedules)} but not from {missing} within {wait_s:.0f} s"
+                )
+            src, words = post
+            if src in schedules:
+                raise ProtocolError(
+                    f"deepep transport: attention rank {src} announced a step before every "
+                    "attention rank announced the one before it"
+                )
+            schedules[src] = StepSchedule.from_words(words)
+            wait_s = self.spec.timeout_s
+        first = schedules[0]
+        for src, schedule in schedules.items():
+            mine = (len(first.microbatch_tokens), first.layers, first.mode)
+            theirs = (len(schedule.microbatch_tokens), schedule.layers, schedule.mode)
+            if theirs != mine:
+                raise ProtocolError(
+                    f"deepep transport: FFN rank {self.rank}: attention rank 0 announced "
+                    f"{first}, attention rank {src} announced {schedule}; DeepEP's collective "
+                    "needs every attention rank to run the same microbatches and layers"
+                )
+        self._ensure_buffer()  # the first step: every rank builds its buffer now
+        if first.mode == Mode.CAPTURE:
+            return False
+        self._schedule = first
+        self._layers = list(first.layers)
+        return True
+
+    def _no_x(self) -> torch.Tensor:
+        return torch.empty(0, self._hidden, dtype=torch.bfloat16, device=_device())
+
+    def _empty_idx(self) -> torch.Tensor:
+        if self._no_idx is None:
+            self._no_idx = torch.empty(
+                0, self.spec.top_k, dtype=self._deep_ep.topk_idx_t, device=_device()
+            )
+        return self._no_idx
 
     def reply(self, request: FFNRequest, out: torch.Tensor) -> None:
-        """``out``: ``[N, H]`` unweighted expert outputs, rows in ``request`` order."""
-        ll_handle, recv_x, counts = request.tag
-        packed = torch.zeros_like(recv_x)  # [E_local, max_tokens * num_ranks, H]
-        for e, rows in enumerate(out.split(counts)):
-            packed[e, : rows.shape[0]] = rows
-        self._buffer.low_latency_combine(packed, self._no_idx, self._no_weights, ll_handle)
+        """``out``: ``[N, H]`` unweighted expert outputs, rows in ``request`` order. The layer's
+        combines run, in microbatch order, once every microbatch is answered."""
+        self._rounds[request.tag].out = out
+        if any(r.out is None for r in self._rounds):
+            return
+        rounds, self._rounds = self._rounds, []
+        self._layers.pop(0)
+        no_weights = torch.empty(0, self.spec.top_k, dtype=torch.float32, device=_device())
+        for r in rounds:
+            packed = torch.zeros_like(r.recv_x)  # [E_local, ranks * max_tokens, H_padded]
+            for e, rows in enumerate(r.out.split(r.counts)):
+                packed[e, : rows.shape[0], : rows.shape[1]] = rows
+            self._buffer.low_latency_combine(packed, self._empty_idx(), no_weights, r.ll_handle)
+
+    def close(self) -> None:
+        self._release()

@@ -96,7 +96,9 @@ def test_every_wrapped_target_is_wrapped_after_register():
     vllm_afd.register()
     for target in base.TARGETS:
         worker_cpu_only = target.patch[0] in "MS"  # CPU model runner and communicator
-        if target.kind in base.WRAPPED and (current_platform.is_cpu() or not worker_cpu_only):
+        gpu_only = target.patch[0] == "G"  # GPU model runner
+        platform_ok = not gpu_only if current_platform.is_cpu() else not worker_cpu_only
+        if target.kind in base.WRAPPED and platform_ok:
             owner, _ = target.resolve()
             raw = owner.__dict__[target.name]
             raw = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw

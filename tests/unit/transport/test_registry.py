@@ -45,7 +45,7 @@ def test_loaded_classes_must_be_transports(monkeypatch) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error path")
 def test_deepep_without_gpu_raises_clear_error() -> None:
-    spec = make_spec("deepep", 1, 1, dtype=torch.bfloat16)
+    spec = make_spec("deepep", 1, 1, dtype=torch.bfloat16, moe_layers=(0, 1))
     with pytest.raises(RuntimeError, match="deep_ep"):
         create_attention_transport(spec, 0)
 
