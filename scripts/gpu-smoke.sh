@@ -7,8 +7,10 @@
 # What it covers today (docs/architecture.md, "The GPU path"): the plugin loads and its patch
 # ledger accepts the GPU build's vLLM; the platform is seen as CUDA and the start-up refusals
 # fire there (shm/tcp with a CUDA model, A + F over the node's GPUs, DeepEP's limits); DeepEP
-# imports and builds a low-latency buffer in a one-rank group. What it does not cover yet: an
-# AFD forward on GPUs (the deepep data path is being redesigned, issue 11).
+# imports and builds a low-latency buffer in a one-rank group; the deepep transport's data path
+# (one attention and one FFN process sharing GPU 0, or one GPU each: steps of one and two
+# microbatches and CUDA-graph replays against the dense reference, vllm_afd.testing.
+# deepep_round_trip). What it does not cover yet: vLLM serving with AFD on GPUs end to end.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -106,6 +108,11 @@ if hasattr(buffer, "destroy"):
     buffer.destroy()
 dist.destroy_process_group()
 PYEOF
+
+step deepep-round-trip 240 bash -c "
+$PY -c 'import deep_ep' 2>/dev/null || { echo 'deep_ep is not installed'; exit 77; }
+exec $PY -m vllm_afd.testing.deepep_round_trip
+"
 
 echo "logs: $LOG_DIR"
 if [ $failed -ne 0 ]; then echo "GPU SMOKE: FAIL"; exit 1; fi

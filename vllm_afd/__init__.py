@@ -13,7 +13,8 @@ both sides record into.
 Around it: ``patches/`` (every touch of a vLLM internal, by process, with its ledger),
 ``planner/`` (the A:F model; ``calibrate`` and ``auto_ratio`` connect it to running vLLM),
 ``bench/`` (demo, offline runs, A/B harness, tiny models), ``cli`` (``vllm-afd``), ``host``
-(processes, CPUs and ``/dev/shm`` segments of this host), ``testing/`` (reference FFN ranks).
+(processes, CPUs and ``/dev/shm`` segments of this host), ``testing/`` (reference FFN ranks,
+a CPU model of DeepEP's low-latency contract).
 
 ``register`` is the ``vllm.general_plugins`` entry point: vLLM calls it in every process,
 possibly many times.

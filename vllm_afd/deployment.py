@@ -157,6 +157,7 @@ def check_devices(
     - with a local Ray instance, attention ranks and FFN ranks on GPUs that do not fit the
       node's GPUs side by side (``A + F``: the FFN ranks get GPUs of their own,
       ``placement.ffn_gpu``);
+    - the deepep transport anywhere but on GPUs at both ends (DeepEP runs on CUDA devices);
     - with the deepep transport, what DeepEP's low-latency mode cannot take
       (``transport.deepep.limits_problem``: hidden size after vLLM's padding, dtype, tokens
       per round, dispatches in flight, virtual experts).
@@ -170,6 +171,12 @@ def check_devices(
             f"--afd-transport (additional_config.afd.transport) {afd.transport}: the "
             "point-to-point transports carry hidden states through host memory and cannot "
             "serve a CUDA model; use --afd-transport deepep on GPUs"
+        )
+    if afd.transport == "deepep" and (attention_device, ffn_device) != ("cuda", "cuda"):
+        raise AFDConfigError(
+            "--afd-transport (additional_config.afd.transport) deepep: DeepEP runs between "
+            f"GPUs; this deployment has attention ranks on {attention_device} and FFN ranks on "
+            f"{ffn_device} (--afd-ffn-device); use shm or tcp on CPUs"
         )
     if ffn_device == "cuda" and afd.ray_is_local:
         if gpus_on_node is None:

@@ -75,3 +75,10 @@ def test_local_ffn_ranks_get_the_gpus_after_the_attention_ranks():
     assert placement._bundle("cuda", local=False) == {"CPU": 1, "GPU": 1}
     assert placement._gpu_env(spec, 0, "cuda", local=False) == {}
     assert placement._gpu_env(spec, 0, "cpu", local=True) == {}
+
+
+def test_deepep_is_refused_unless_both_ends_are_gpus():
+    with pytest.raises(AFDConfigError, match="deepep: DeepEP runs between GPUs.*FFN ranks on cpu"):
+        _check(_afd(transport="deepep", ffn_device="cpu"))
+    with pytest.raises(AFDConfigError, match="attention ranks on cpu and FFN ranks on cpu"):
+        check_devices(_afd(transport="deepep", ffn_device="auto"), QWEN3_30B, 7, "cpu", 256, None)

@@ -49,8 +49,10 @@ def _encode(obj: object) -> object:
 
 
 def _decode(obj: object) -> object:
+    """Inverse of ``_encode``; bytes come back as ``bytearray`` (DeepEP's runtime takes the
+    IPC handles and the NVSHMEM unique id as ``pybind11::bytearray``, which ``bytes`` is not)."""
     if isinstance(obj, dict):
-        return base64.b64decode(obj["b64"])
+        return bytearray(base64.b64decode(obj["b64"]))
     if isinstance(obj, list):
         return [_decode(o) for o in obj]
     return obj

@@ -12,6 +12,7 @@ tolerance, schedules that disagree refused, buffers destroyed explicitly.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Client
 
@@ -20,12 +21,11 @@ import torch
 
 from vllm_afd import envs
 from vllm_afd.testing import deep_ep_model
-from vllm_afd.testing.ffn import serve_ffn
+from vllm_afd.testing import deepep_round_trip as rt
 from vllm_afd.transport import ProtocolError, TransportSpec, auth, deepep, group
 from vllm_afd.transport.control import Mode, StepSchedule
-from vllm_afd.transport.reference import LocalMoE, ScaleExperts, reference_moe_combine
 
-LAYERS = (1, 3)  # MoE layers that are not 0..L-1 (a dense first layer, interleaved)
+LAYERS = rt.LAYERS  # MoE layers that are not 0..L-1 (a dense first layer, interleaved)
 MAX_TOKENS = 8
 
 
@@ -59,22 +59,6 @@ def hub(secret) -> Iterator[Callable[[int], group.Hub]]:
         h.close()
 
 
-def _spec(num_attention: int, num_ffn: int, address: str) -> TransportSpec:
-    return TransportSpec(
-        "deepep",
-        num_attention,
-        num_ffn,
-        num_experts=8,
-        hidden_size=128,  # padded to 2048, DeepEP's smallest compiled size
-        top_k=2,
-        max_tokens=MAX_TOKENS,
-        dtype=torch.bfloat16,
-        addresses=(address,) * num_ffn,
-        moe_layers=LAYERS,
-        timeout_s=10.0,
-    )
-
-
 def _parallel(*fns: Callable[[], object]) -> list[object]:
     """Run each function on its own thread (a rank each); re-raise the first error."""
     results: list[object] = [None] * len(fns)
@@ -101,8 +85,7 @@ class Group:
 
     def __init__(self, hub, num_attention: int, num_ffn: int) -> None:
         h = hub(num_attention + num_ffn)
-        self.spec = _spec(num_attention, num_ffn, h.address)
-        self.experts = ScaleExperts(torch.arange(1, 9, dtype=torch.float32) / 4)
+        self.spec = rt.spec(num_attention, num_ffn, h.address)
         self.ffn = [deepep.DeepEPFFNTransport(self.spec, f) for f in range(num_ffn)]
         self.attention = [
             deepep.DeepEPAttentionTransport(self.spec, a) for a in range(num_attention)
@@ -116,11 +99,6 @@ class Group:
             t.start()
 
     def _serve(self, f: int) -> None:
-        forward = LocalMoE.for_rank(self.experts, self.spec, f)
-
-        def recording(x, ids, weights, out):
-            return forward(x, ids, weights, out)
-
         transport = self.ffn[f]
         original = transport.recv
 
@@ -130,28 +108,11 @@ class Group:
             return requests
 
         transport.recv = recv
-        serve_ffn(transport, recording, self.stop.is_set)
+        rt.serve(transport, f, self.stop)
 
     def step(self, rank: int, step: int, tokens: tuple[int, ...], seed: int) -> list[tuple]:
-        """One step of attention rank ``rank`` in vLLM's DBO order: per layer D0, D1, C0, C1.
-        Returns ``(x, ids, weights, out)`` per layer and microbatch."""
-        endpoint = self.attention[rank]
-        endpoint.begin_step(StepSchedule(step, tokens, LAYERS))
-        gen = torch.Generator().manual_seed(seed)
-        done = []
-        for layer in LAYERS:
-            inputs, handles = [], []
-            for mb, n in enumerate(tokens):
-                x = torch.randn(n, 128, generator=gen).to(torch.bfloat16)
-                ids = torch.randint(0, 8, (n, 2), generator=gen)
-                ids[:, 1] = (ids[:, 0] + 1 + torch.randint(0, 7, (n,), generator=gen)) % 8
-                w = torch.rand(n, 2, generator=gen)
-                w = w / w.sum(dim=1, keepdim=True)
-                inputs.append((x, ids, w))
-                handles.append(endpoint.dispatch(layer, x, ids, w, mb))
-            for (x, ids, w), handle in zip(inputs, handles, strict=True):
-                done.append((x, ids, w, endpoint.combine(handle)))
-        return done
+        """One step of attention rank ``rank`` in vLLM's DBO order: per layer D0, D1, C0, C1."""
+        return rt.run_step(self.attention[rank], step, tokens, seed)
 
     def world(self):
         return deep_ep_model.world_of(self.ffn[0]._buffer)
@@ -177,11 +138,8 @@ def make_group(model, hub) -> Iterator[Callable[[int, int], Group]]:
         g.close()
 
 
-def _check_results(g: Group, results: list[tuple]) -> None:
-    for x, ids, w, out in results:
-        want = reference_moe_combine(x.float(), ids, w, g.experts, 8)
-        assert out.dtype == torch.bfloat16 and out.shape == x.shape
-        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+def _check(results: list[tuple]) -> None:
+    assert rt.max_error(results) < 2e-2
 
 
 def test_steps_of_one_and_two_microbatches_run_d_d_c_c_with_the_models_layers(make_group):
@@ -192,7 +150,7 @@ def test_steps_of_one_and_two_microbatches_run_d_d_c_c_with_the_models_layers(ma
             *(lambda a=a, s=step, t=tokens: g.step(a, s, t[a], 10 * s + a) for a in (0, 1))
         )
         for r in results:
-            _check_results(g, r)
+            _check(r)
     # every rank made the same low-latency calls, per layer: D per microbatch, then C per one
     per_step = [["dispatch"] * k + ["combine"] * k for k in (2, 1, 2) for _ in LAYERS]
     want = [kind for layer in per_step for kind in layer]
@@ -204,27 +162,23 @@ def test_steps_of_one_and_two_microbatches_run_d_d_c_c_with_the_models_layers(ma
     # the FFN ranks served the schedule's layers (the model's numbers), microbatches in order
     for seen in g.seen:
         layers_mbs = [(layer, mb) for layer, mb, _ in seen]
-        assert layers_mbs == [(1, 0), (1, 1), (3, 0), (3, 1), (1, 0), (3, 0)] + [
-            (1, 0),
-            (1, 1),
-            (3, 0),
-            (3, 1),
-        ]
+        two = [(1, 0), (1, 1), (3, 0), (3, 1)]
+        assert layers_mbs == two + [(1, 0), (3, 0)] + two
 
 
 def test_an_idle_ffn_rank_posts_no_deepep_call(make_group):
     g = make_group(1, 1)
-    _check_results(g, g.step(0, 1, (3,), 1))
+    _check(g.step(0, 1, (3,), 1))
     calls = len(g.world().calls)
     assert g.ffn[0]._buffer is not None
     threading.Event().wait(1.0)  # the FFN rank polls the hub meanwhile (50 ms at a time)
     assert len(g.world().calls) == calls
-    _check_results(g, g.step(0, 2, (2,), 2))  # and serves the next step
+    _check(g.step(0, 2, (2,), 2))  # and serves the next step
 
 
 def test_before_the_first_step_no_rank_builds_a_buffer(model, hub):
     h = hub(2)
-    spec = _spec(1, 1, h.address)
+    spec = rt.spec(1, 1, h.address)
     ffn = deepep.DeepEPFFNTransport(spec, 0)
     try:
         assert ffn.recv(0.2) == [] and ffn._buffer is None
@@ -234,17 +188,17 @@ def test_before_the_first_step_no_rank_builds_a_buffer(model, hub):
 
 def test_a_capture_step_posts_nothing_and_the_next_step_runs(make_group):
     g = make_group(1, 1)
-    _check_results(g, g.step(0, 1, (2,), 1))
+    _check(g.step(0, 1, (2,), 1))
     calls = len(g.world().calls)
     g.attention[0].begin_step(StepSchedule(2, (4,), LAYERS, Mode.CAPTURE))
     threading.Event().wait(0.5)
     assert len(g.world().calls) == calls  # the FFN rank took the schedule and posted nothing
-    _check_results(g, g.step(0, 3, (4,), 3))
+    _check(g.step(0, 3, (4,), 3))
 
 
 def test_schedules_that_disagree_are_refused_naming_both_ranks(model, hub):
     h = hub(3)
-    spec = _spec(2, 1, h.address)
+    spec = rt.spec(2, 1, h.address)
     ffn = deepep.DeepEPFFNTransport(spec, 0)
     attention = [deepep.DeepEPAttentionTransport(spec, a) for a in range(2)]
     try:
@@ -259,7 +213,7 @@ def test_schedules_that_disagree_are_refused_naming_both_ranks(model, hub):
 
 def test_dispatch_outside_an_announced_step_is_refused(model, hub):
     h = hub(2)
-    spec = _spec(1, 1, h.address)
+    spec = rt.spec(1, 1, h.address)
     attention = deepep.DeepEPAttentionTransport(spec, 0)
     try:
         x = torch.zeros(1, 128, dtype=torch.bfloat16)
@@ -360,3 +314,45 @@ def test_hub_gathers_in_rank_order_and_relays_posts_to_late_ranks(hub, secret):
     assert m2.next_post(0.1) is None
     for m in (m0, m1, m2):
         m.close()
+
+
+def test_the_ffn_executor_serves_a_models_experts_over_deepep(tiny_qwen3, model, hub):
+    """The product's FFN rank (the model's own MoE layers) behind the deepep transport: the
+    answer is the layer's routed-expert output at bf16 tolerance, for every MoE layer."""
+    from vllm_afd.ffn.executor import FFNExecutor
+
+    h = hub(2)
+    spec = TransportSpec(
+        "deepep", 1, 1, 8, 128, 2, MAX_TOKENS, torch.bfloat16, addresses=(h.address,)
+    )
+    spec = TransportSpec(**{**spec.__dict__, "moe_layers": (0, 1), "timeout_s": 10.0})
+    executor = FFNExecutor(spec, 0, tiny_qwen3, "cpu")
+    attention = None
+    try:
+        executor.start()
+        attention = deepep.DeepEPAttentionTransport(spec, 0)
+        gen = torch.Generator().manual_seed(0)
+        for step in (1, 2):
+            attention.begin_step(StepSchedule(step, (5,), (0, 1)))
+            for layer in (0, 1):
+                x = (torch.randn(5, 128, generator=gen) / 4).to(torch.bfloat16)
+                ids = torch.tensor([[0, 7], [3, 4], [1, 2], [6, 5], [7, 0]], dtype=torch.int32)
+                w = torch.full((5, 2), 0.5)
+                out = attention.combine(attention.dispatch(layer, x, ids, w))
+                want = executor.kernel(layer, x, ids, w)
+                torch.testing.assert_close(out.float(), want.float(), rtol=3e-2, atol=3e-2)
+                assert out.abs().sum() > 0
+        deadline = time.monotonic() + 10  # the rank counts a layer after its answer went out
+        while executor.stats.requests < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert executor.stats.requests == 4 and executor.stats.tokens == 4 * 10  # (token, k)
+    finally:
+        if attention is not None:
+            attention.close()
+        executor.stop()
+
+
+def test_the_gpu_smoke_round_trip_passes_on_the_cpu_model(secret, capsys):
+    """The data-path step of scripts/gpu-smoke.sh, run here against the contract model."""
+    assert rt.main(["--cpu-model"]) == 0
+    assert "4 steps" in capsys.readouterr().out
