@@ -467,13 +467,15 @@ def check_supported(vllm_config: Any) -> None:
         )
     if parallel.enable_eplb:
         raise AFDConfigError("--afd-ratio: --enable-eplb is not supported with AFD")
-    if afd.microbatches > 1:
-        from vllm.platforms import current_platform
+    from vllm.platforms import current_platform
 
-        if current_platform.is_cpu():
-            _check_microbatching(vllm_config)
-        else:
+    on_gpus = not current_platform.is_cpu()
+    if on_gpus:
+        _fit_cuda_graphs(vllm_config)
+        if afd.microbatches > 1:
             _use_dbo(vllm_config, afd)
+    elif afd.microbatches > 1:
+        _check_microbatching(vllm_config)
     _check_kv_transfer(vllm_config, afd)
 
 
@@ -596,6 +598,28 @@ def _use_dbo(vllm_config: Any, afd: AFDConfig) -> None:
             "GPUs microbatching is vLLM's dual-batch overlap, two microbatches; use 2 or 1"
         )
     vllm_config.parallel_config.enable_dbo = True
+
+
+def _fit_cuda_graphs(vllm_config: Any) -> None:
+    """CUDA graphs with AFD (GPUs). The AFD op runs inside ``vllm::moe_forward``, which a
+    piecewise graph captures whole: its replay would launch the DeepEP kernels without the
+    op's Python, which announces each step to the FFN ranks. So piecewise graphs are dropped
+    (``without_piecewise``: FULL_AND_PIECEWISE becomes FULL_DECODE_ONLY, as the peer plugin's
+    recipes run; prefill and mixed steps run eagerly) and FULL graphs need the runner that
+    announces their replays, the V2 model runner (patch G1)."""
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    if mode is None:
+        return
+    if mode.has_piecewise_cudagraphs():
+        compilation.cudagraph_mode = mode = mode.without_piecewise()
+        logger.info("AFD: CUDA graphs %s (piecewise graphs would capture the AFD op)", mode)
+    if mode.has_full_cudagraphs() and not vllm_config.use_v2_model_runner:
+        raise AFDConfigError(
+            f"--afd-ratio: FULL CUDA graphs ({mode.name}) with vLLM's V1 model runner: its "
+            "graph replays would not announce their steps to the FFN ranks; use the V2 model "
+            "runner (vLLM's default on GPUs) or --enforce-eager"
+        )
 
 
 def _check_microbatching(vllm_config: Any) -> None:

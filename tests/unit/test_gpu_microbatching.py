@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from vllm.config.compilation import CUDAGraphMode
 from vllm.platforms import current_platform
 
 from vllm_afd import remote_experts
@@ -48,8 +49,9 @@ def _context(tokens: int | None):
     return _Context(dp_metadata=dp)
 
 
-def _vllm_config(microbatches: int, v2: bool = True):
+def _vllm_config(microbatches: int, v2: bool = True, graphs=CUDAGraphMode.FULL_AND_PIECEWISE):
     return SimpleNamespace(
+        compilation_config=SimpleNamespace(cudagraph_mode=graphs),
         additional_config={"afd": {"ratio": "1:1", "microbatches": microbatches}},
         use_v2_model_runner=v2,
         kv_transfer_config=None,
@@ -70,6 +72,21 @@ def test_two_microbatches_on_a_gpu_turn_on_vllms_dbo_with_the_v2_runner(monkeypa
     one = _vllm_config(1)
     check_supported(one)
     assert one.parallel_config.enable_dbo is False
+
+
+def test_cuda_graphs_are_full_decode_only_and_need_the_v2_runner(monkeypatch):
+    """Piecewise graphs would capture the AFD op without its announcing Python; FULL graph
+    replays are announced by the V2 runner's patch (G1) only."""
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    config = _vllm_config(1, v2=True)
+    check_supported(config)
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    with pytest.raises(AFDConfigError, match=r"FULL CUDA graphs \(FULL_DECODE_ONLY\) .* V1"):
+        check_supported(_vllm_config(1, v2=False))
+    piecewise = _vllm_config(1, v2=False, graphs=CUDAGraphMode.PIECEWISE)
+    check_supported(piecewise)
+    assert piecewise.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    check_supported(_vllm_config(1, v2=False, graphs=CUDAGraphMode.NONE))
 
 
 def test_on_the_cpu_build_the_v2_runner_still_blocks_ping_pong_microbatches():

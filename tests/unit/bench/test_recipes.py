@@ -36,7 +36,7 @@ EXPECTED = {
             "transport": "deepep",
             "ffn_device": "cuda",
             "ray_address": "127.0.0.1:6379",
-            "microbatches": 1,
+            "microbatches": 2,
         },
         {"data_parallel_size": 7, "tensor_parallel_size": 1},
         {"host": "127.0.0.1", "dtype": "bfloat16"},
