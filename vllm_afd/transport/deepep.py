@@ -45,7 +45,8 @@ Limits (refused before start: ``limits_problem``): bfloat16; hidden size up to 8
 256 tokens per rank and step (``--max-num-batched-tokens``, as vLLM's own DeepEP path); at most
 two microbatches (DeepEP's two buffers); at most 14 warp groups of virtual experts per SM.
 Not honoured: ``timeout_s`` (DeepEP's kernels wait about 100 s and then trap), ``reply_error``
-(a collective cannot fail one request: it raises), failover. The FFN side syncs the device once
+(a collective cannot fail one request: the FFN rank stops serving, the attention ranks' waits
+end in DeepEP's trap), failover. The FFN side syncs the device once
 per layer and microbatch to read the received counts and computes with ``ExpertKernel``;
 vLLM's batched experts on DeepEP's packed layout (no sync, written into the combine buffer)
 are the next step for speed.
@@ -53,6 +54,7 @@ are the next step for speed.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -335,9 +337,24 @@ class _Round:
     """One microbatch of the layer the FFN side serves now: DeepEP's answer to its dispatch."""
 
     recv_x: torch.Tensor  # [E_local, ranks * max_tokens, H_padded], DeepEP's packed layout
-    counts: list[int]  # rows received per local expert
+    rows: torch.Tensor  # [N] int64: where each received row is in recv_x viewed as [-1, H_pad]
     ll_handle: object
-    out: torch.Tensor | None = None  # the experts' answer, [sum(counts), H]
+    out: torch.Tensor | None = None  # the experts' answer, [N, H]
+
+
+def _received_rows(
+    recv_x: torch.Tensor, counts: torch.Tensor, first_expert: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepEP's packed layout (expert ``e`` received ``counts[e]`` rows, at the start of
+    ``recv_x[e]``) as ``(rows, ids)``: each received row's index in ``recv_x`` viewed as
+    ``[-1, H]``, and its global expert id. One device sync: the total row count."""
+    num_local, per_expert = recv_x.shape[0], recv_x.shape[1]
+    local = torch.arange(num_local, device=recv_x.device)
+    total = int(counts.sum())  # device sync
+    starts = torch.cumsum(counts, 0) - counts
+    expert = torch.repeat_interleave(local, counts, output_size=total)
+    within = torch.arange(total, device=recv_x.device) - starts[expert]
+    return expert * per_expert + within, expert + first_expert
 
 
 class DeepEPFFNTransport(_Endpoint, FFNTransport):
@@ -359,6 +376,7 @@ class DeepEPFFNTransport(_Endpoint, FFNTransport):
         self._layers: list[int] = []  # the step's layers still to serve
         self._schedule: StepSchedule | None = None
         self._rounds: list[_Round] = []
+        self._failed = ""
         self._no_idx: torch.Tensor | None = None
 
     @property
@@ -369,6 +387,9 @@ class DeepEPFFNTransport(_Endpoint, FFNTransport):
         """The next layer's requests of the current step, or of the next announced step
         (waiting up to ``timeout_s`` for its first schedule, on the hub: an idle rank posts no
         DeepEP call). ``[]`` when idle, and for a capture step."""
+        if self._failed:  # the group cannot go on (``reply_error``): serve nothing more
+            time.sleep(timeout_s)
+            return []
         if self._rounds:
             raise TransportError("deepep transport: recv before the last layer was answered")
         if not self._layers and not self._next_step(timeout_s):
@@ -384,11 +405,10 @@ class DeepEPFFNTransport(_Endpoint, FFNTransport):
                 self._experts.num_experts,
                 use_fp8=False,
             )
-            counts = count.tolist()  # device sync: the rows received per local expert
-            self._rounds.append(_Round(recv_x, counts, ll_handle))
-            x = torch.cat([recv_x[e, :n, : self.spec.hidden_size] for e, n in enumerate(counts)])
-            local = torch.arange(len(counts), device=x.device) + self._first
-            ids = torch.repeat_interleave(local, torch.tensor(counts, device=x.device))
+            rows, ids = _received_rows(recv_x, count.long(), self._first)
+            self._rounds.append(_Round(recv_x, rows, ll_handle))
+            hidden = recv_x.shape[-1]
+            x = recv_x.view(-1, hidden)[:, : self.spec.hidden_size].index_select(0, rows)
             weights = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
             # step 0, no schedule: the schedules were checked here (all attention ranks agree)
             requests.append(
@@ -459,10 +479,22 @@ class DeepEPFFNTransport(_Endpoint, FFNTransport):
         self._layers.pop(0)
         no_weights = torch.empty(0, self.spec.top_k, dtype=torch.float32, device=_device())
         for r in rounds:
-            packed = torch.zeros_like(r.recv_x)  # [E_local, ranks * max_tokens, H_padded]
-            for e, rows in enumerate(r.out.split(r.counts)):
-                packed[e, : rows.shape[0], : rows.shape[1]] = rows
+            # DeepEP's combine reads the received rows only; the padding columns are cut off
+            # on the attention side: nothing else needs clearing
+            packed = torch.empty_like(r.recv_x)  # [E_local, ranks * max_tokens, H_padded]
+            packed.view(-1, packed.shape[-1])[r.rows, : r.out.shape[1]] = r.out
             self._buffer.low_latency_combine(packed, self._empty_idx(), no_weights, r.ll_handle)
+
+    def reply_error(self, request: FFNRequest, message: str) -> None:
+        """A collective cannot fail one request: the layer's combines never run, so the
+        attention ranks' combines end in DeepEP's timeout (about 100 s, then the kernel
+        traps). This rank serves nothing more and says why once."""
+        if not self._failed:
+            self._failed = message
+            raise TransportError(
+                f"deepep transport: FFN rank {self.rank} cannot answer layer {request.layer} "
+                f"({message}); the DeepEP group cannot go on, this rank stops serving"
+            )
 
     def close(self) -> None:
         self._release()

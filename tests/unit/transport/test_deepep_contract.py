@@ -356,3 +356,20 @@ def test_the_gpu_smoke_round_trip_passes_on_the_cpu_model(secret, capsys):
     """The data-path step of scripts/gpu-smoke.sh, run here against the contract model."""
     assert rt.main(["--cpu-model"]) == 0
     assert "4 steps" in capsys.readouterr().out
+
+
+def test_a_failed_layer_stops_the_ffn_rank_once_and_it_serves_nothing_more(model, hub):
+    """A collective cannot fail one request: the rank says why once, then posts nothing (the
+    attention ranks' waits end in DeepEP's timeout)."""
+    from vllm_afd.transport import FFNRequest, TransportError
+
+    h = hub(2)
+    ffn = deepep.DeepEPFFNTransport(rt.spec(1, 1, h.address), 0)
+    try:
+        request = FFNRequest(-1, 3, torch.zeros(0, 128), torch.zeros(0, 1), torch.zeros(0, 1))
+        with pytest.raises(TransportError, match="cannot answer layer 3 .*boom.* stops serving"):
+            ffn.reply_error(request, "boom")
+        ffn.reply_error(request, "again")  # said once
+        assert ffn.recv(0.05) == [] and ffn._buffer is None
+    finally:
+        ffn.close()
