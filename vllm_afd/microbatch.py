@@ -194,16 +194,21 @@ class PingPong:
             step.finished[index] = True
 
 
+def vllm_dbo():
+    """vLLM's ``ubatching`` module while its DBO runs a microbatched step (GPUs), else
+    ``None`` (ledger G2)."""
+    ubatching = sys.modules.get("vllm.v1.worker.ubatching")  # never imported: DBO is off
+    return ubatching if ubatching is not None and ubatching.dbo_enabled() else None
+
+
 def current_microbatch() -> int | None:
     """Index of the microbatch running on this thread, or None outside a microbatch (under
     vLLM's DBO on GPUs: its ubatch id)."""
     slot = getattr(_LOCAL, "slot", None)
     if slot is not None and slot[0]._step is not None:
         return slot[1]
-    ubatching = sys.modules.get("vllm.v1.worker.ubatching")  # never imported: DBO is off
-    if ubatching is not None and ubatching.dbo_enabled():
-        return ubatching.dbo_current_ubatch_id()
-    return None
+    ubatching = vllm_dbo()
+    return None if ubatching is None else ubatching.dbo_current_ubatch_id()
 
 
 def overlap_point() -> None:
@@ -216,6 +221,6 @@ def overlap_point() -> None:
         if slot[0]._step is not None:
             slot[0].yield_(slot[1])
         return
-    ubatching = sys.modules.get("vllm.v1.worker.ubatching")  # never imported: DBO is off
-    if ubatching is not None and ubatching.dbo_enabled():
+    ubatching = vllm_dbo()
+    if ubatching is not None:
         ubatching.dbo_yield()

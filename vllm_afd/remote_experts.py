@@ -23,7 +23,6 @@ Dynamo (the CPU platform compiles the model by default) treats it as opaque.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 import weakref
@@ -39,7 +38,7 @@ from vllm_afd import envs
 from vllm_afd.config import AFDConfig
 from vllm_afd.metrics import recorder
 from vllm_afd.metrics.blocks import AttentionStatsBlock
-from vllm_afd.microbatch import current_microbatch, overlap_point
+from vllm_afd.microbatch import current_microbatch, overlap_point, vllm_dbo
 from vllm_afd.transport import AttentionTransport, TransportSpec, create_attention_transport
 from vllm_afd.transport.control import Mode, StepSchedule
 
@@ -239,8 +238,8 @@ def _dbo_ubatches(max_tokens: int) -> tuple[tuple[int, ...], tuple] | None:
     """Under vLLM's DBO (GPUs): each ubatch's tokens and forward context, else ``None``. The
     tokens are the ubatch's padded count across DP ranks where its DP metadata has it, else
     ``max_tokens`` (an upper bound: the FFN side checks requests against it)."""
-    ubatching = sys.modules.get("vllm.v1.worker.ubatching")
-    if ubatching is None or not ubatching.dbo_enabled():
+    ubatching = vllm_dbo()
+    if ubatching is None:
         return None
     live = [c for c in ubatching._CURRENT_CONTEXTS[: ubatching._NUM_UBATCHES] if c is not None]
     contexts = tuple(c.forward_context for c in live)

@@ -180,7 +180,8 @@ G2 ``vllm.v1.worker.ubatching``: ``dbo_enabled``, ``dbo_current_ubatch_id``, ``d
    ubatch id and its overlap point ``dbo_yield``; the first ubatch's first MoE layer
    announces the step with every ubatch's forward context, which only the ubatch contexts
    hold.
-   How: read as they are (``microbatch.current_microbatch``, ``remote_experts._dbo_ubatches``).
+   How: read as they are (``microbatch.vllm_dbo`` and its callers,
+   ``remote_experts._dbo_ubatches``).
    Upstream: none; a public "ubatches of this step" accessor would do.
    Remove when: AFD is upstream.
 S1 ``CpuCommunicator.all_gatherv`` and ``CpuCommunicator.reduce_scatterv``, added.

@@ -31,7 +31,8 @@ that decides whether a caller's sequence of calls works is the real one:
 * Combine weights the expert outputs by ``topk_weights`` in float32 and returns bfloat16;
   ``-1`` expert ids select nothing. ``destroy()`` needs ``explicitly_destroy=True``.
 
-Not modelled: FP8/LogFMT casts, ``zero_copy``, shrink/masking, statistics tensors, events.
+Not modelled: FP8/LogFMT casts, ``zero_copy``, shrink/masking, statistics tensors, events, and
+``destroy()``'s NVSHMEM barrier (on GPUs every rank's destroy waits for the others').
 """
 
 from __future__ import annotations

@@ -195,8 +195,10 @@ class VirtualExperts:
         return self.num_ranks * self.experts_per_rank
 
     def to_virtual(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """``[T, K]`` global expert ids -> ``[T, K]`` int64 virtual ids (DeepEP's ``topk_idx``)."""
-        return topk_ids.long() + self.num_attention_ranks * self.experts_per_rank
+        """``[T, K]`` global expert ids -> ``[T, K]`` int64 virtual ids (DeepEP's ``topk_idx``);
+        ``-1`` (no expert) stays ``-1``."""
+        ids = topk_ids.long()
+        return torch.where(ids < 0, ids, ids + self.num_attention_ranks * self.experts_per_rank)
 
     def group_rank_of_ffn(self, ffn_rank: int) -> int:
         return self.num_attention_ranks + ffn_rank
@@ -242,6 +244,8 @@ class _Endpoint:
         return self._buffer
 
     def _release(self) -> None:
+        """Destroy the buffer (collective in DeepEP: an NVSHMEM barrier with every rank's
+        destroy; the front-end bounds an FFN rank's stop) and leave the hub."""
         if self._buffer is not None:
             self._buffer.destroy()
             self._buffer = None

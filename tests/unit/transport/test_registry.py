@@ -67,3 +67,4 @@ def test_deepep_virtual_experts_land_on_ffn_group_ranks() -> None:
     ffn_rank = spec.ffn_rank_of(global_ids)
     assert torch.equal(group_rank, ffn_rank + spec.num_attention_ranks)
     assert experts.group_rank_of_ffn(1) == 4
+    assert experts.to_virtual(torch.tensor([[-1, 0]])).tolist() == [[-1, 12]]  # -1: no expert
