@@ -252,7 +252,7 @@ def _private() -> str:
     return _PRIVATE
 
 
-def prepare_tcp_secret(afd: AFDConfig) -> None:
+def prepare_transport_secret(afd: AFDConfig) -> None:
     """tcp and deepep transports: make sure the deployment has its shared secret
     (``transport/auth.py``; deepep's group hub authenticates with it, ``transport/group.py``).
 
@@ -408,7 +408,7 @@ def start_ffn_group(
         stop_ffn_group()
         check_ray_address(afd.ray_address)
         reap_dead_deployments()
-        prepare_tcp_secret(afd)
+        prepare_transport_secret(afd)
         spec = dataclasses.replace(spec, directory=_ffn_directory())
         hub = _start_hub(spec, afd)
         if hub is not None:

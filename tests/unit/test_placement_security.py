@@ -67,7 +67,7 @@ def test_tcp_secret_and_ray_token_are_private_and_released(monkeypatch):
     monkeypatch.setenv(placement.RAY_AUTH_TOKEN, "the user's token for another cluster")
     monkeypatch.setattr(placement, "_refresh_ray_auth", lambda: None)
     try:
-        placement.prepare_tcp_secret(AFDConfig(ratio=(1, 1), transport="tcp"))
+        placement.prepare_transport_secret(AFDConfig(ratio=(1, 1), transport="tcp"))
         placement.use_local_ray_credentials()
         directory = placement._PRIVATE
         assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
@@ -87,7 +87,7 @@ def test_tcp_secret_and_ray_token_are_private_and_released(monkeypatch):
 
 
 def test_a_given_secret_file_is_used_as_is(monkeypatch, tcp_secret):
-    placement.prepare_tcp_secret(AFDConfig(ratio=(1, 1), transport="tcp"))
+    placement.prepare_transport_secret(AFDConfig(ratio=(1, 1), transport="tcp"))
     assert os.environ[envs.AUTH_FILE] == tcp_secret and placement._PRIVATE is None
 
 

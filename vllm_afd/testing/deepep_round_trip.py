@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from vllm_afd import envs
+from vllm_afd.host import write_private_file
 from vllm_afd.transport import TransportSpec, auth, deepep, group
 from vllm_afd.transport.base import AttentionTransport, FFNTransport
 from vllm_afd.transport.control import Mode, StepSchedule
@@ -71,7 +72,8 @@ def run_step(
         for mb, n in enumerate(tokens):
             x = torch.randn(n, HIDDEN, generator=gen).to(torch.bfloat16)
             ids = torch.randint(0, NUM_EXPERTS, (n, 2), generator=gen)
-            ids[:, 1] = (ids[:, 0] + 1 + torch.randint(0, NUM_EXPERTS - 1, (n,), generator=gen)) % 8
+            ids[:, 1] = ids[:, 0] + 1 + torch.randint(0, NUM_EXPERTS - 1, (n,), generator=gen)
+            ids[:, 1] %= NUM_EXPERTS
             w = torch.rand(n, 2, generator=gen)
             w = w / w.sum(dim=1, keepdim=True)
             x, ids, w = x.to(device), ids.to(device), w.to(device)
@@ -108,9 +110,7 @@ def serve(transport: FFNTransport, ffn_rank: int, stop: threading.Event) -> None
 
 def _secret_file() -> str:
     path = os.path.join(tempfile.mkdtemp(prefix="vllm_afd_rt_"), "secret")
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
-        fh.write(auth.new_secret())
-    os.environ[envs.AUTH_FILE] = path
+    os.environ[envs.AUTH_FILE] = write_private_file(path, auth.new_secret())
     return path
 
 

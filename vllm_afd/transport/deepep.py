@@ -381,7 +381,11 @@ class DeepEPFFNTransport(_Endpoint, FFNTransport):
         self._schedule: StepSchedule | None = None
         self._rounds: list[_Round] = []
         self._failed = ""
-        self._no_idx: torch.Tensor | None = None
+        # what an FFN rank dispatches and combines for its own (it routes no token)
+        device, top_k = _device(), spec.top_k
+        self._no_x = torch.empty(0, self._hidden, dtype=torch.bfloat16, device=device)
+        self._no_idx = torch.empty(0, top_k, dtype=self._deep_ep.topk_idx_t, device=device)
+        self._no_weights = torch.empty(0, top_k, dtype=torch.float32, device=device)
 
     @property
     def address(self) -> str:
@@ -403,8 +407,8 @@ class DeepEPFFNTransport(_Endpoint, FFNTransport):
         requests = []
         for microbatch in range(len(self._schedule.microbatch_tokens)):
             recv_x, count, ll_handle, _, _ = buffer.low_latency_dispatch(
-                self._no_x(),
-                self._empty_idx(),
+                self._no_x,
+                self._no_idx,
                 self.spec.max_tokens,
                 self._experts.num_experts,
                 use_fp8=False,
@@ -463,16 +467,6 @@ class DeepEPFFNTransport(_Endpoint, FFNTransport):
         self._layers = list(first.layers)
         return True
 
-    def _no_x(self) -> torch.Tensor:
-        return torch.empty(0, self._hidden, dtype=torch.bfloat16, device=_device())
-
-    def _empty_idx(self) -> torch.Tensor:
-        if self._no_idx is None:
-            self._no_idx = torch.empty(
-                0, self.spec.top_k, dtype=self._deep_ep.topk_idx_t, device=_device()
-            )
-        return self._no_idx
-
     def reply(self, request: FFNRequest, out: torch.Tensor) -> None:
         """``out``: ``[N, H]`` unweighted expert outputs, rows in ``request`` order. The layer's
         combines run, in microbatch order, once every microbatch is answered."""
@@ -481,13 +475,12 @@ class DeepEPFFNTransport(_Endpoint, FFNTransport):
             return
         rounds, self._rounds = self._rounds, []
         self._layers.pop(0)
-        no_weights = torch.empty(0, self.spec.top_k, dtype=torch.float32, device=_device())
         for r in rounds:
             # DeepEP's combine reads the received rows only; the padding columns are cut off
             # on the attention side: nothing else needs clearing
             packed = torch.empty_like(r.recv_x)  # [E_local, ranks * max_tokens, H_padded]
             packed.view(-1, packed.shape[-1])[r.rows, : r.out.shape[1]] = r.out
-            self._buffer.low_latency_combine(packed, self._empty_idx(), no_weights, r.ll_handle)
+            self._buffer.low_latency_combine(packed, self._no_idx, self._no_weights, r.ll_handle)
 
     def reply_error(self, request: FFNRequest, message: str) -> None:
         """A collective cannot fail one request: the layer's combines never run, so the

@@ -32,6 +32,7 @@ import time
 from multiprocessing.connection import Client, Connection, Listener, wait
 
 from vllm_afd.transport.base import TransportError
+from vllm_afd.transport.tcp import parse_address
 
 #: How long a gather waits for the last rank (all ranks build their DeepEP buffer together).
 GATHER_TIMEOUT_S = 300.0
@@ -64,11 +65,6 @@ def _send(conn: Connection, message: dict) -> None:
 
 def _recv(conn: Connection) -> dict:
     return json.loads(conn.recv_bytes(1 << 24))
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host, int(port)
 
 
 class Hub:
@@ -151,7 +147,7 @@ class Hub:
     def close(self) -> None:
         self._closed.set()
         try:  # wake the accept thread (closing the listener does not); it fails the challenge
-            socket.create_connection(parse_address(self.address), timeout=1).close()
+            socket.create_connection(self._listener.address, timeout=1).close()
         except OSError:
             pass
         self._listener.close()

@@ -22,7 +22,7 @@ import torch
 from vllm_afd import envs
 from vllm_afd.testing import deep_ep_model
 from vllm_afd.testing import deepep_round_trip as rt
-from vllm_afd.transport import ProtocolError, TransportSpec, auth, deepep, group
+from vllm_afd.transport import ProtocolError, TransportSpec, auth, deepep, group, tcp
 from vllm_afd.transport.control import Mode, StepSchedule
 
 LAYERS = rt.LAYERS  # MoE layers that are not 0..L-1 (a dense first layer, interleaved)
@@ -294,7 +294,7 @@ def test_model_refuses_what_deepep_refuses(model, hub, secret):
 
 def test_hub_refuses_a_client_without_the_secret(hub, secret):
     h = hub(2)
-    host, port = group.parse_address(h.address)
+    host, port = tcp.parse_address(h.address)
     assert host == "127.0.0.1"
     with pytest.raises(Exception, match="digest|authentication|refused"):
         Client((host, port), authkey=b"not the deployment's secret, at all")
