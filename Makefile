@@ -1,13 +1,15 @@
 # Two set-up commands that work on a fresh machine (see README.md):
 #   make demo   - build a tiny MoE model, serve it colocated and with AFD, compare, A/B table
-#   make test   - the test suite (what CI runs)
+#   make test   - the tests a contributor runs before every push (under 12 minutes on 2 cores)
+# and the full tier, what CI runs (.ci/run):
+#   make test-all - every test (under 30 minutes on 2 cores)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # vLLM comes in two flavours; this machine (and CI) uses the CPU build.
 VLLM_EXTRA ?= cpu
 
-.PHONY: demo test lint venv clean-venv
+.PHONY: demo test test-all lint venv clean-venv
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,8 +28,14 @@ venv: $(BIN)/.installed
 demo: venv
 	$(BIN)/vllm-afd demo
 
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=10
+
+# The unit tests and the e2e tests not marked `full` (pyproject.toml's markers).
 test: venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(PYTEST) -m "not full"
+
+test-all: venv
+	$(PYTEST)
 
 lint: venv
 	$(BIN)/ruff check vllm_afd tests

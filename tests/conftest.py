@@ -1,4 +1,7 @@
-"""Shared fixtures: the tiny models are built once per session; engines run in child processes."""
+"""Shared fixtures: the tiny models are built once per session; engines run in child processes.
+
+The suite is hermetic: every model is one it builds (or a package ships), never a hub id, and
+``HF_HUB_OFFLINE`` (inherited by every child) makes a look-up of the hub fail loudly."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import os
 import pytest
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -54,3 +58,42 @@ def smollm2_moe() -> str:
     from vllm_afd.bench.real_model import default_real_model
 
     return str(default_real_model())
+
+
+@pytest.fixture(scope="session")
+def run_once():
+    """``run_once(job)``: ``run_generation(job)`` once per session for each distinct job (the
+    colocated references several tests compare with); safe to call from threads."""
+    import json
+    import threading
+
+    from vllm_afd.bench.offline_run import run_generation
+
+    runs: dict[str, dict] = {}
+    locks: dict[str, threading.Lock] = {}
+    guard = threading.Lock()
+
+    def get(job: dict) -> dict:
+        key = json.dumps(job, sort_keys=True)
+        with guard:
+            lock = locks.setdefault(key, threading.Lock())
+        with lock:
+            if key not in runs:
+                runs[key] = run_generation(job)
+            return runs[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def run_pair(run_once):
+    """``run_pair(job_a, job_b)``: both through ``run_once``, side by side (two engines at once
+    about halve the wall time of two tiny-model runs on two cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(job_a: dict, job_b: dict) -> tuple[dict, dict]:
+        with ThreadPoolExecutor(2) as workers:
+            a, b = workers.submit(run_once, job_a), workers.submit(run_once, job_b)
+            return a.result(), b.result()
+
+    return run

@@ -156,8 +156,11 @@ def _cases(qwen3: str, dense: str) -> list[tuple[str, tuple[str, ...], str, dict
     ]
 
 
-def test_bad_inputs_fail_fast_with_the_flag_named(tiny_qwen3, dense_model):
-    cases = _cases(tiny_qwen3, dense_model)
+#: The cases ``make test`` runs (the rest: ``make test-all``).
+CORE = ("not a ratio", "more FFN ranks than experts", "unknown transport", "FFN CPU lists")
+
+
+def _check(cases: list[tuple[str, tuple[str, ...], str, dict | None]]) -> None:
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda case: _serve(*case[1], env=case[3]), cases))
     for (name, _, expected, _env), (code, output, elapsed) in zip(cases, results, strict=True):
@@ -166,3 +169,14 @@ def test_bad_inputs_fail_fast_with_the_flag_named(tiny_qwen3, dense_model):
         assert "Traceback" not in output, f"{name}: a traceback instead of a message"
         assert not any(m in output for m in STARTED_MARKERS), f"{name}: something started"
         assert elapsed < 120, f"{name}: took {elapsed:.0f}s"
+
+
+def test_bad_inputs_fail_fast_with_the_flag_named(tiny_qwen3):
+    cases = [c for c in _cases(tiny_qwen3, dense="") if c[0] in CORE]
+    assert len(cases) == len(CORE)
+    _check(cases)
+
+
+@pytest.mark.full
+def test_more_bad_inputs_fail_fast_with_the_flag_named(tiny_qwen3, dense_model):
+    _check([c for c in _cases(tiny_qwen3, dense_model) if c[0] not in CORE])

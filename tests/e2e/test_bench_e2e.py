@@ -10,8 +10,9 @@ import pytest
 
 from vllm_afd.bench import ab
 
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
-@pytest.mark.slow
+
 def test_bench_end_to_end_small(tmp_path, tiny_qwen3):
     out = tmp_path / "ab.json"
     argv = [
@@ -51,7 +52,6 @@ def test_bench_end_to_end_small(tmp_path, tiny_qwen3):
     assert afd["ffn_layer_service_ms"] > 0 and rows["wide EP2"]["compared_requests"] == 4
 
 
-@pytest.mark.slow
 def test_bench_applies_speculation_to_every_configuration(tmp_path, tiny_qwen3):
     """n-gram d = 3 colocated and at AFD 1:1 with the default two microbatches: the same
     greedy tokens, vLLM's acceptance counters per configuration. The random model's text
@@ -80,7 +80,6 @@ def test_bench_applies_speculation_to_every_configuration(tmp_path, tiny_qwen3):
     assert afd["microbatches_effective"] == pytest.approx(2.0)  # verify steps are split
 
 
-@pytest.mark.slow
 def test_bench_runs_a_decode_pool_with_decode_bench_connector(tmp_path, tiny_qwen3):
     """vLLM's DecodeBenchConnector colocated and at AFD 1:1 with the default two microbatches:
     each prompt's KV is filled, not computed (one prompt token per request), in one step, and

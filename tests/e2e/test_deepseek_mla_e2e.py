@@ -1,5 +1,6 @@
 """The DeepSeek-V2/V3 layout under AFD: MLA attention, a shared expert, and a dense first layer
-(first_k_dense_replace=1), so the only MoE layer is layer 1. At 1:1 and 1:2, offline and through
+(first_k_dense_replace=1), so the only MoE layer is layer 1 (the checkpoint's layout:
+tests/unit/bench/test_tiny_models.py). At 1:1 and 1:2, offline and through
 the OpenAI server, greedy token ids must equal colocated vLLM's, and the FFN ranks must serve
 layer 1 only, under the model's own layer number.
 
@@ -30,7 +31,7 @@ from matrixlib import assert_matches, job, serve
 
 from vllm_afd.bench.offline_run import run_generation
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 DTYPE = "bfloat16"
 #: Logprob tolerance per ratio (see the module docstring).
@@ -45,25 +46,20 @@ def deepseek() -> str:
 
 
 @pytest.fixture(scope="module")
-def colocated(deepseek) -> dict:
-    return run_generation(job(deepseek, dtype=DTYPE))
+def colocated_runs(deepseek, run_pair) -> tuple[dict, dict]:
+    """Colocated, the prompts batched; and each prompt alone (what a server given one request
+    at a time runs)."""
+    return run_pair(job(deepseek, dtype=DTYPE), job(deepseek, dtype=DTYPE, one_at_a_time=True))
 
 
 @pytest.fixture(scope="module")
-def colocated_alone(deepseek) -> dict:
-    """Colocated, each prompt alone (what a server given one request at a time runs)."""
-    return run_generation(job(deepseek, dtype=DTYPE, one_at_a_time=True))
+def colocated(colocated_runs) -> dict:
+    return colocated_runs[0]
 
 
-def test_first_moe_layer_is_not_layer_0(deepseek):
-    from transformers import AutoConfig
-
-    from vllm_afd.config import moe_model_info
-
-    config = AutoConfig.from_pretrained(deepseek)
-    assert config.first_k_dense_replace == 1 and config.num_hidden_layers == 2
-    assert config.kv_lora_rank and config.n_shared_experts == 1  # MLA, a shared expert
-    assert moe_model_info(config).moe_layers == (1,)  # the spec's MoE layers
+@pytest.fixture(scope="module")
+def colocated_alone(colocated_runs) -> dict:
+    return colocated_runs[1]
 
 
 @pytest.mark.parametrize("ratio", ["1:1", "1:2"])

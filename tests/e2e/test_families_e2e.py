@@ -23,9 +23,7 @@ from pathlib import Path
 import pytest
 from matrixlib import assert_matches, job
 
-from vllm_afd.bench.offline_run import run_generation
-
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 COMMON = {
     "hidden_size": 128,
@@ -93,14 +91,13 @@ def build_family_model(model_type: str, out: Path) -> Path:
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
-def test_afd_1_1_matches_colocated(model_type, tmp_path):
+def test_afd_1_1_matches_colocated(model_type, tmp_path, run_pair):
     from transformers import AutoConfig
 
     from vllm_afd.config import moe_model_info
 
     model = str(build_family_model(model_type, tmp_path / model_type))
-    colocated = run_generation(job(model))
-    result = run_generation(job(model, {"ratio": "1:1"}))
+    colocated, result = run_pair(job(model), job(model, {"ratio": "1:1"}))
     assert_matches(result["token_ids"], result["logprobs"], colocated)
     (ffn,) = result["ffn"]
     # the experts really moved: the attention rank holds fewer bytes, the FFN rank served

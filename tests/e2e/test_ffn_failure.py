@@ -20,7 +20,7 @@ import time
 import pytest
 from serverlib import Server, http_request, session_processes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from serverlib import Server, session_processes
 
 from vllm_afd.bench.offline_run import child_env, run_generation
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 PROMPTS = ["hello world", "One FFN group serves every front-end that joins it"]
 FFN_FLAGS = ("--dtype", "float32", "--max-num-batched-tokens", "64", "--max-model-len", "512")

@@ -2,7 +2,9 @@
 
 Each configuration runs in a fresh process (``vllm_afd.bench.offline_run``), with chunked
 prefill and prefix caching on, prompts of different lengths (one longer than the chunk size,
-two sharing a long prefix) submitted together.
+two sharing a long prefix) submitted together, and the default two ping-pong microbatches.
+``make test`` runs 1:1 and 1:2 (shared experts); ``make test-all`` adds tensor-parallel
+attention ranks, FFN ranks bound to CPUs and the tcp transport.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ PROMPTS = [
 ]
 
 
+MAX_TOKENS = 24
+
+
 def _job(model: str, afd: dict | None, tp: int = 1) -> dict:
     return {
         "model": model,
         "prompts": PROMPTS,
-        "max_tokens": 24,
+        "max_tokens": MAX_TOKENS,
         "afd": afd,
         "tensor_parallel_size": tp,
         "max_num_batched_tokens": 64,
@@ -37,8 +42,19 @@ def _job(model: str, afd: dict | None, tp: int = 1) -> dict:
 
 
 @pytest.fixture(scope="module")
-def colocated_qwen3(tiny_qwen3):
-    return run_generation(_job(tiny_qwen3, None))
+def qwen3_runs(tiny_qwen3, run_pair) -> tuple[dict, dict]:
+    """Colocated and AFD 1:1 at the defaults (two microbatches)."""
+    return run_pair(_job(tiny_qwen3, None), _job(tiny_qwen3, {"ratio": "1:1"}))
+
+
+@pytest.fixture(scope="module")
+def colocated_qwen3(qwen3_runs):
+    return qwen3_runs[0]
+
+
+@pytest.fixture(scope="module")
+def afd_qwen3(qwen3_runs):
+    return qwen3_runs[1]
 
 
 def _assert_same_tokens(afd: dict, colocated: dict) -> None:
@@ -47,8 +63,8 @@ def _assert_same_tokens(afd: dict, colocated: dict) -> None:
         assert a == c, f"prompt {i}: AFD {a} != colocated {c}"
 
 
-def test_afd_1_1_matches_colocated_and_splits_weights(tiny_qwen3, colocated_qwen3):
-    result = run_generation(_job(tiny_qwen3, {"ratio": "1:1"}))
+def test_afd_1_1_matches_colocated_and_splits_weights(afd_qwen3, colocated_qwen3):
+    result = afd_qwen3
     _assert_same_tokens(result, colocated_qwen3)
     # The split: the attention rank holds no routed-expert bytes, the FFN rank holds all of them.
     (ffn,) = result["ffn"]
@@ -63,24 +79,40 @@ def test_afd_1_1_matches_colocated_and_splits_weights(tiny_qwen3, colocated_qwen
     assert ffn["tokens"] >= sum(len(t) for t in result["token_ids"])
 
 
-def test_afd_2_1_two_tp_attention_ranks(tiny_qwen3, colocated_qwen3):
+def test_decode_steps_are_split_into_two_microbatches(afd_qwen3):
+    """Each of the MAX_TOKENS - 1 decode steps of the five sequences sent two requests per MoE
+    layer (one microbatch sends one, plus a handful of prefill chunks)."""
+    (ffn,) = afd_qwen3["ffn"]
+    num_layers = len(ffn["per_layer_calls"])
+    assert ffn["requests"] >= num_layers * 2 * (MAX_TOKENS - 1)
+    assert ffn["later_microbatch_requests"] >= num_layers * (MAX_TOKENS - 1)
+
+
+@pytest.mark.full
+def test_afd_2_1_two_tp_attention_ranks(tiny_qwen3, colocated_qwen3, afd_qwen3):
     result = run_generation(_job(tiny_qwen3, {"ratio": "2:1"}, tp=2))
     _assert_same_tokens(result, colocated_qwen3)
     assert len(result["ffn"]) == 1
+    # Two attention ranks: each holds its tensor-parallel shard of the attention-side weights,
+    # and each sends the FFN rank a request per layer and microbatch of every step.
+    assert result["attention_param_bytes"] < 0.75 * afd_qwen3["attention_param_bytes"]
+    (ffn,), (ffn_tp1,) = result["ffn"], afd_qwen3["ffn"]
+    assert ffn["requests"] == 2 * ffn_tp1["requests"], (ffn, ffn_tp1)
 
 
-def test_afd_1_2_mixtral_two_ffn_ranks_bound_to_their_cpus(tiny_mixtral):
-    colocated = run_generation(_job(tiny_mixtral, None))
+@pytest.mark.full
+def test_afd_1_2_mixtral_two_ffn_ranks_bound_to_their_cpus(tiny_mixtral, run_pair):
     cpus = sorted(os.sched_getaffinity(0))
     first, last = cpus[0], cpus[-1]
     job = _job(tiny_mixtral, {"ratio": "1:2"}) | {"env": {"VLLM_AFD_FFN_CPUS": f"{first}|{last}"}}
-    result = run_generation(job)
+    colocated, result = run_pair(_job(tiny_mixtral, None), job)
     _assert_same_tokens(result, colocated)
     assert [f["experts"] for f in result["ffn"]] == [[0, 4], [4, 8]]
     assert all(f["tokens"] > 0 for f in result["ffn"])
     assert [f["cpus"] for f in result["ffn"]] == [[first], [last]]
 
 
+@pytest.mark.full
 def test_afd_tcp_transport_matches_colocated(tiny_qwen3, colocated_qwen3):
     result = run_generation(_job(tiny_qwen3, {"ratio": "1:1", "transport": "tcp"}))
     _assert_same_tokens(result, colocated_qwen3)
@@ -88,10 +120,10 @@ def test_afd_tcp_transport_matches_colocated(tiny_qwen3, colocated_qwen3):
     assert ffn["address"].startswith("127.0.0.1:")
 
 
-def test_afd_1_2_qwen2_moe_shared_experts_with_microbatches(tiny_qwen2_moe):
+def test_afd_1_2_qwen2_moe_shared_experts_with_microbatches(tiny_qwen2_moe, run_pair):
     """A gated shared expert on the attention side while two microbatches (the default)
     interleave at the routing boundary: each keeps its own shared-expert output (M7)."""
-    colocated = run_generation(_job(tiny_qwen2_moe, None))
-    result = run_generation(_job(tiny_qwen2_moe, {"ratio": "1:2"}))
+    colocated, result = run_pair(_job(tiny_qwen2_moe, None), _job(tiny_qwen2_moe, {"ratio": "1:2"}))
     _assert_same_tokens(result, colocated)
-    assert len(result["ffn"]) == 2
+    assert [f["experts"] for f in result["ffn"]] == [[0, 4], [4, 8]]
+    assert all(f["tokens"] > 0 and f["later_microbatch_requests"] > 0 for f in result["ffn"])

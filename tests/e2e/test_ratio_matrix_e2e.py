@@ -5,24 +5,24 @@ tokens' logprobs within 1e-4 (float32).
 This module fills the (family, ratio, API) cells the other e2e tests leave empty:
 test_offline.py runs Qwen3-MoE 1:1, Mixtral 1:2 and Qwen2-MoE 1:2 offline, test_server.py
 Qwen3-MoE 2:1 (two data-parallel attention ranks) and test_real_model_e2e.py the trained
-Mixtral-layout model 1:2 through the server. Each family's colocated run happens once (offline,
-module-scoped) and is the reference of both APIs; each server answers all prompts at once.
+Mixtral-layout model 1:2 through the server. Each family's colocated run happens once a
+session (offline, ``run_once``) and is the reference of both APIs; each server answers all
+prompts at once.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from matrixlib import assert_matches, job, serve
 
-from vllm_afd.bench.offline_run import run_generation
-
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 #: Cells not run elsewhere (see the module docstring).
 OFFLINE = [("qwen3_moe", "1:2"), ("mixtral", "1:1"), ("qwen2_moe", "1:1")]
-SERVER = [
-    (arch, ratio) for arch in ("qwen3_moe", "mixtral", "qwen2_moe") for ratio in ("1:1", "1:2")
-]
+ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe")
+RATIOS = ("1:1", "1:2")  # the server cells: every family at both
 
 
 @pytest.fixture(scope="module")
@@ -33,29 +33,28 @@ def tiny_model():
     return lambda arch: str(default_tiny_model(arch=arch))
 
 
-@pytest.fixture(scope="module")
-def colocated(tiny_model):
-    """``colocated(arch)``: the colocated offline run of ``arch``, once per module."""
-    runs: dict[str, dict] = {}
-
-    def get(arch: str) -> dict:
-        if arch not in runs:
-            runs[arch] = run_generation(job(tiny_model(arch)))
-        return runs[arch]
-
-    return get
-
-
 @pytest.mark.parametrize(("arch", "ratio"), OFFLINE)
-def test_offline_matches_colocated(tiny_model, colocated, arch, ratio):
-    result = run_generation(job(tiny_model(arch), {"ratio": ratio}))
-    assert_matches(result["token_ids"], result["logprobs"], colocated(arch))
+def test_offline_matches_colocated(tiny_model, run_pair, arch, ratio):
+    colocated, result = run_pair(job(tiny_model(arch)), job(tiny_model(arch), {"ratio": ratio}))
+    assert_matches(result["token_ids"], result["logprobs"], colocated)
     ffn_ranks = int(ratio.split(":")[1])
     assert len(result["ffn"]) == ffn_ranks
     assert all(f["tokens"] > 0 for f in result["ffn"])
 
 
-@pytest.mark.parametrize(("arch", "ratio"), SERVER)
-def test_server_matches_colocated(tiny_model, colocated, tmp_path, arch, ratio):
-    token_ids, logprobs = serve(tiny_model(arch), tmp_path / "server.log", ratio)
-    assert_matches(token_ids, logprobs, colocated(arch))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_servers_at_1_1_and_1_2_match_colocated(tiny_model, run_once, tmp_path, arch):
+    """Both servers of ``arch`` side by side (two servers at once about halve the wall time of
+    their start-up on two cores); each answers the prompts all at once."""
+    with ThreadPoolExecutor(len(RATIOS)) as pool:
+        served = [
+            pool.submit(serve, tiny_model(arch), tmp_path / f"server_{i}.log", ratio)
+            for i, ratio in enumerate(RATIOS)
+        ]
+        colocated = run_once(job(tiny_model(arch)))
+        served = [s.result() for s in served]
+    for ratio, (token_ids, logprobs) in zip(RATIOS, served, strict=True):
+        try:
+            assert_matches(token_ids, logprobs, colocated)
+        except AssertionError as exc:
+            raise AssertionError(f"{arch} {ratio}: {exc}") from exc

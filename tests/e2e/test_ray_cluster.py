@@ -15,7 +15,7 @@ import pytest
 
 from vllm_afd.bench.offline_run import run_generation
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 
 def _free_port() -> int:

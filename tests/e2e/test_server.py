@@ -1,12 +1,20 @@
-"""AFD through the OpenAI server: `vllm-afd serve MODEL --afd-ratio 2:1` (the one flag).
+"""One AFD server for the module, as a user starts it: `vllm-afd serve MODEL --afd-ratio 2:1`.
 
-One server for the module (the ratio alone gives two data-parallel attention ranks, one FFN
-rank, shared-memory
-transport, chunked prefill and prefix caching on). Concurrent requests of different lengths must
-return the greedy tokens of colocated serving; then the FFN rank is killed three times and
-stopped once under streaming load: failover replaces it and every stream ends with colocated's
-text (with failover
-off, a lost FFN rank fails requests fast: test_ffn_failure.py).
+The ratio alone gives two data-parallel attention ranks behind one API server and one FFN
+rank (shared-memory transport, chunked prefill and prefix caching on), started with default
+settings (no ``VLLM_AFD_*`` or ``RAY_AUTH_*`` variable) and vLLM's drain mode
+(``--shutdown-timeout``). The tests run in file order on it, each leaving it serving:
+
+1. the one flag gives two data-parallel attention ranks;
+2. concurrent requests of different lengths return colocated's greedy tokens;
+3. ``/metrics`` carries the AFD series, attention and FFN side agreeing;
+4. every listening socket is on loopback and Ray's are token-authenticated even there;
+5. the FFN rank is SIGKILLed, then SIGSTOPped (a hung rank), under streaming load: failover
+   replaces it and every stream ends with colocated's text (``test-all`` kills it twice more);
+6. last, SIGTERM with streams in flight: every stream completes, then nothing is left
+   (processes, Ray's daemons, /dev/shm segments, metrics blocks).
+
+With failover off, a lost FFN rank fails requests fast: test_ffn_failure.py.
 """
 
 from __future__ import annotations
@@ -15,13 +23,18 @@ import concurrent.futures
 import os
 import re
 import signal
+import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
-from serverlib import Server, http_request
+from listenerlib import grpc_answer, http_status, listeners, loopback, process_name
+from serverlib import Server, http_request, session_processes
 
-from vllm_afd.bench.offline_run import run_generation
+from tests.unit.metrics.metrics_testlib import value
+from vllm_afd.host import SHM_DIR
+from vllm_afd.metrics import blocks
 
 pytestmark = pytest.mark.slow
 
@@ -30,14 +43,35 @@ PROMPTS = [
     "The attention ranks keep the KV cache while the FFN ranks " * 4,
     "The attention ranks keep the KV cache while the FFN ranks hold experts",
     "def g(n):\n    return [i * i for i in range(n)]\n" * 6,
+    "Failover keeps every request",
+    "one two three four five six",
 ]
-MAX_TOKENS = [24, 16, 20, 12]
+MAX_TOKENS = [24, 16, 20, 12]  # the concurrent requests: the first four prompts
+STREAM_TOKENS = 300  # failover and drain: streams long enough to be in flight at the event
+
+
+def _metrics_blocks() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(blocks.PREFIX)}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen3, tmp_path_factory):
-    srv = Server(tiny_qwen3, tmp_path_factory.mktemp("server") / "server.log")
+def server(tiny_qwen3, run_once, tmp_path_factory):
+    """The server, and as ``server.colocated`` colocated greedy runs of every prompt, computed
+    while the server starts (shorter requests compare with a prefix)."""
+    before = _metrics_blocks()
+    with pytest.MonkeyPatch.context() as env:  # default settings: nothing of ours or Ray's
+        for name in list(os.environ):
+            if name.startswith(("RAY_AUTH", "VLLM_AFD_")) or name == "PROMETHEUS_MULTIPROC_DIR":
+                env.delenv(name)
+        srv = Server(
+            tiny_qwen3,
+            tmp_path_factory.mktemp("server") / "server.log",
+            extra=("--afd-ratio", "2:1", "--shutdown-timeout", "120"),
+        )
+    srv.metrics_blocks_before = before
     try:
+        job = {"model": tiny_qwen3, "prompts": PROMPTS, "max_tokens": STREAM_TOKENS}
+        srv.colocated = run_once(job)
         srv.wait_healthy()
         yield srv
     finally:
@@ -47,29 +81,109 @@ def server(tiny_qwen3, tmp_path_factory):
             srv.kill_leftovers()
 
 
+@pytest.fixture(scope="module")
+def colocated(server) -> dict:
+    return server.colocated
+
+
 def test_one_flag_gives_two_data_parallel_attention_ranks(server):
     log = server.log.read_text()
     assert "2 data-parallel attention ranks" in log
     assert "AFD on: 2 attention rank(s) : 1 FFN rank(s)" in log
 
 
-def test_concurrent_requests_match_colocated(server, tiny_qwen3):
-    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+def test_concurrent_requests_match_colocated(server, colocated):
+    with concurrent.futures.ThreadPoolExecutor(len(MAX_TOKENS)) as pool:
         replies = list(pool.map(server.complete, PROMPTS, MAX_TOKENS))
-    colocated = [
-        run_generation({"model": tiny_qwen3, "prompts": [p], "max_tokens": n})["token_ids"][0]
-        for p, n in zip(PROMPTS[:2], MAX_TOKENS[:2], strict=True)
-    ]
-    for (status, body), expected in zip(replies, colocated, strict=False):
+    for i, ((status, body), n) in enumerate(zip(replies, MAX_TOKENS, strict=True)):
         assert status == 200, body
-        assert body["choices"][0]["token_ids"] == expected
-    for (status, body), n in zip(replies, MAX_TOKENS, strict=True):
-        assert status == 200 and len(body["choices"][0]["token_ids"]) == n
+        assert body["choices"][0]["token_ids"] == colocated["token_ids"][i][:n], i
+
+
+def _scrape(server: Server) -> str:
+    status, text = http_request(server.url + "/metrics")
+    assert status == 200
+    return text
+
+
+def _settled_scrape(server: Server, limit_s: float = 10.0) -> str:
+    """/metrics once two scrapes 0.5 s apart agree (an idle DP rank's last dummy step may
+    still be counted on one side when the requests have returned)."""
+    deadline = time.monotonic() + limit_s
+    text = _scrape(server)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        again = _scrape(server)
+        if again == text:
+            break
+        text = again
+    return text
+
+
+def test_metrics_carry_the_afd_series(server):
+    for prompt in ("hello world", "1 2 3 4", "the experts"):
+        assert server.complete(prompt, 8)[0] == 200
+    text = _settled_scrape(server)
+    assert "vllm:" in text  # vLLM's own metrics are still there
+    assert value(text, "vllm_afd_ffn_rank_alive", ffn_rank=0) == 1.0
+    tokens = sum(
+        value(text, "vllm_afd_ffn_tokens_total", ffn_rank=0, layer=layer) for layer in (0, 1)
+    )
+    assert tokens > 0
+    assert value(text, "vllm_afd_ffn_service_seconds_count", ffn_rank=0) > 0
+    assert value(text, "vllm_afd_ffn_service_seconds_sum", ffn_rank=0) > 0
+    assert value(text, "vllm_afd_ffn_layer_service_seconds_sum", ffn_rank=0, layer=1) > 0
+    ffn_in = value(text, "vllm_afd_ffn_bytes_total", ffn_rank=0, direction="in")
+    assert ffn_in > 0
+    # Both attention ranks' series, which must account for every row the FFN rank served.
+    ranks = (0, 1)
+    sent = [
+        value(text, "vllm_afd_dispatched_tokens_total", attention_rank=a, ffn_rank=0) for a in ranks
+    ]
+    assert all(s > 0 for s in sent), sent  # the idle rank's dummy steps go through AFD too
+    assert sum(sent) == tokens
+    for a in ranks:
+        assert value(text, "vllm_afd_exposed_ffn_seconds_count", attention_rank=a) > 0
+        assert value(text, "vllm_afd_transport_errors_total", attention_rank=a, kind="timeout") == 0
+    bytes_sent = sum(
+        value(text, "vllm_afd_transport_bytes_total", attention_rank=a, direction="sent")
+        for a in ranks
+    )
+    assert bytes_sent == ffn_in
+
+
+#: Ray's gRPC listeners without the token answer UNAUTHENTICATED: GCS, raylet (node manager and
+#: object manager), the driver (the front-end) and the FFN rank's worker at least.
+MIN_RAY_GRPC_LISTENERS = 5
+
+
+def test_no_listener_off_loopback_and_ray_requires_its_token(server):
+    found = listeners(session_processes(server.proc.pid))
+    table = "\n".join(f"{ip}:{port} {process_name(p)}" for p, ip, port in found)
+    assert found, "no listener found: the session scan is broken"
+    off = [(ip, port, process_name(p)) for p, ip, port in found if not loopback(ip)]
+    assert off == [], f"listeners off loopback:\n{table}"
+    answers = {}
+    for proc, _ip, port in found:
+        if port == server.port:
+            continue
+        code = grpc_answer(port)
+        answers[port] = (code, None if code else http_status(port), process_name(proc))
+    ray_grpc = [a for a in answers.values() if a[0] is not None]
+    assert len(ray_grpc) >= MIN_RAY_GRPC_LISTENERS, answers
+    assert all(code == "UNAUTHENTICATED" for code, _, _ in ray_grpc), answers
+    http = {port: a for port, a in answers.items() if a[0] is None and a[1] is not None}
+    for port, (_, status, name) in http.items():
+        if status == 200:  # only the autoscaler's read-only metrics may answer
+            assert "monitor.py" in name, f"unauthenticated HTTP on {port}: {name}"
+        else:
+            assert status == 401, f"{port} {name}: HTTP {status}"
+    assert "RAY_AUTH_MODE=disabled" not in server.log.read_text()
 
 
 def _metric(server: Server, name: str) -> float:
     """The sum of a /metrics family's samples (all labels)."""
-    text = http_request(server.url + "/metrics")[1]
+    text = _scrape(server)
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
@@ -85,40 +199,110 @@ def _seconds_until_unhealthy(server: Server, limit_s: float) -> float:
     return float("inf")
 
 
-def test_ffn_rank_killed_three_times_and_stopped_once_under_streaming_load_loses_nothing(
-    server, tiny_qwen3
-):
-    """Failover: SIGKILL of the FFN rank while 6 streams of 300 tokens decode, three times,
-    then SIGSTOP (a hung rank: its pid lives); each time the loss shows in /health within 2 s,
-    a replacement serves within 60 s, and every stream ends with colocated's exact text and
-    tokens."""
-    prompts = [*PROMPTS, "Failover keeps every request", "one two three four five six"]
-    colocated = run_generation({"model": tiny_qwen3, "prompts": prompts, "max_tokens": 300})
-    for event, sig in enumerate([signal.SIGKILL] * 3 + [signal.SIGSTOP]):
-        pid = server.ffn_pid()
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            streams = [pool.submit(server.stream, p, 300) for p in prompts]
-            time.sleep(1.5)
-            os.kill(pid, sig)
-            lost_at = time.monotonic()
-            detected = _seconds_until_unhealthy(server, 10.0)
-            results = [s.result(timeout=300) for s in streams]
-        assert detected < 2.0, f"{sig.name} {event}: /health saw the loss after {detected:.1f}s"
-        replaced = time.monotonic() + 60  # logged just after the attention ranks may go on
-        while server.ffn_pid() == pid and time.monotonic() < replaced:
-            time.sleep(0.2)
-        assert server.ffn_pid() != pid, f"{sig.name} {event}: no replacement logged in 60 s"
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
-        in_flight = [r for r in results if r.times and r.times[0] < lost_at < r.times[-1]]
-        assert in_flight, f"{sig.name} {event}: no stream was in flight at the loss"
-        for i, result in enumerate(results):
-            assert result.status == 200, (event, i, result.text[-500:])
-            assert result.token_ids == colocated["token_ids"][i], (event, i)
-            assert result.text == colocated["texts"][i], (event, i)
-    log = server.log.read_text()
-    took = [float(s) for s in re.findall(r"FFN rank 0 replaced in ([\d.]+)s", log)]
-    assert len(took) == 4 and max(took) < 60.0, took
-    assert "stopped: no heartbeat for" in log
-    assert _metric(server, "vllm_afd_ffn_failovers_total") == 4
+def _lose_the_ffn_rank_under_streams(server: Server, colocated: dict, sig: signal.Signals) -> None:
+    """``sig`` to the FFN rank 1.5 s into 6 streams of 300 tokens: the loss shows in /health
+    within 2 s, a replacement serves within 60 s, and every stream ends with colocated's exact
+    text and tokens."""
+    pid = server.ffn_pid()
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        streams = [pool.submit(server.stream, p, STREAM_TOKENS) for p in PROMPTS]
+        time.sleep(1.5)
+        os.kill(pid, sig)
+        lost_at = time.monotonic()
+        detected = _seconds_until_unhealthy(server, 10.0)
+        results = [s.result(timeout=300) for s in streams]
+    assert detected < 2.0, f"{sig.name}: /health saw the loss after {detected:.1f}s"
+    replaced = time.monotonic() + 60  # logged just after the attention ranks may go on
+    while server.ffn_pid() == pid and time.monotonic() < replaced:
+        time.sleep(0.2)
+    assert server.ffn_pid() != pid, f"{sig.name}: no replacement logged in 60 s"
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+    in_flight = [r for r in results if r.times and r.times[0] < lost_at < r.times[-1]]
+    assert in_flight, f"{sig.name}: no stream was in flight at the loss"
+    for i, result in enumerate(results):
+        assert result.status == 200, (sig.name, i, result.text[-500:])
+        assert result.token_ids == colocated["token_ids"][i], (sig.name, i)
+        assert result.text == colocated["texts"][i], (sig.name, i)
+
+
+def _replacements(server: Server) -> list[float]:
+    return [
+        float(s) for s in re.findall(r"FFN rank 0 replaced in ([\d.]+)s", server.log.read_text())
+    ]
+
+
+def test_ffn_rank_killed_then_stopped_under_streaming_load_loses_nothing(server, colocated):
+    before = len(_replacements(server))
+    for sig in (signal.SIGKILL, signal.SIGSTOP):
+        _lose_the_ffn_rank_under_streams(server, colocated, sig)
+    took = _replacements(server)[before:]
+    assert len(took) == 2 and max(took) < 60.0, took
+    assert "stopped: no heartbeat for" in server.log.read_text()
+    assert _metric(server, "vllm_afd_ffn_failovers_total") == len(_replacements(server))
     assert _metric(server, "vllm_afd_redispatched_requests_total") > 0
     assert http_request(server.url + "/health")[0] == 200
+
+
+@pytest.mark.full
+def test_ffn_rank_killed_twice_more_in_a_row_loses_nothing(server, colocated):
+    """Repeated losses: a replacement killed within 30 s of its start continues the backoff
+    streak (a delayed restart), and still nothing is lost."""
+    before = len(_replacements(server))
+    for _ in range(2):
+        _lose_the_ffn_rank_under_streams(server, colocated, signal.SIGKILL)
+    took = _replacements(server)[before:]
+    assert len(took) == 2 and max(took) < 60.0, took
+    assert _metric(server, "vllm_afd_ffn_failovers_total") == len(_replacements(server))
+    assert http_request(server.url + "/health")[0] == 200
+
+
+def _afd_segments(pids) -> set[str]:
+    """The ``/dev/shm/vllm_afd_*`` segments mapped by these processes."""
+    found = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        found.update(re.findall(r"/dev/shm/(vllm_afd_\S+)", maps))
+    return found
+
+
+def _dead_writer(name: str) -> bool:
+    """Still there and its writer is gone (blocks of other live servers on the host are not)."""
+    snapshot = blocks.read_block(name)
+    return snapshot is not None and not snapshot.alive()
+
+
+def test_sigterm_under_load_drains_every_request_then_nothing_is_left(server, colocated):
+    """SIGTERM with streams in flight and vLLM's drain mode (``--shutdown-timeout`` > 0; 0, the
+    default, aborts them): every stream ends with its whole text, then the FFN group stops and
+    nothing is left (processes, Ray's daemons, the deployment's /dev/shm segments and metrics
+    blocks, the killed FFN ranks' included)."""
+    segments = _afd_segments(session_processes(server.proc.pid))
+    assert segments, "no vllm_afd_* segment mapped by the server's processes"
+    started = [threading.Event() for _ in PROMPTS]
+
+    def stream(i: int):
+        return server.stream(PROMPTS[i], STREAM_TOKENS, on_chunk=started[i].set)
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        streams = [pool.submit(stream, i) for i in range(len(PROMPTS))]
+        for event in started:
+            assert event.wait(60), "a stream produced no token"
+        server.proc.send_signal(signal.SIGTERM)
+        results = [s.result(timeout=300) for s in streams]
+    for i, result in enumerate(results):
+        assert result.status == 200, (i, result.error)
+        assert result.text == colocated["texts"][i], i
+    server.proc.wait(timeout=150)
+    log = server.log.read_text()
+    assert server.proc.returncode == 0, log[-3000:]
+    assert "mode=drain" in log
+    deadline = time.monotonic() + 30
+    while (left := session_processes(server.proc.pid)) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, [(p.pid, " ".join(p.cmdline())) for p in left]
+    assert not [s for s in segments if Path("/dev/shm", s).exists()]
+    stale = [n for n in _metrics_blocks() - server.metrics_blocks_before if _dead_writer(n)]
+    assert not stale, f"metrics blocks left behind by the server: {stale}"

@@ -9,6 +9,7 @@ layer numbers are the target's (0, 1): its experts must stay on the attention ra
 never be served by the FFN ranks' target experts of the same layer number. The draft is the
 target with its routed experts perturbed, so it agrees with the target often but not always:
 a draft served the target's experts would agree always, and its acceptance count would differ.
+``make test`` runs n-gram offline on the trained model; the rest is ``make test-all``'s.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def test_ngram_at_default_microbatches_matches_colocated(real_ngram):
     assert afd["spec_decode"]["accepted_tokens"] > 0
 
 
+@pytest.mark.full
 def test_ngram_through_the_server_matches_colocated(smollm2_moe, real_ngram, tmp_path):
     colocated, _ = real_ngram
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
@@ -107,11 +109,13 @@ def test_ngram_through_the_server_matches_colocated(smollm2_moe, real_ngram, tmp
             server.kill_leftovers()
 
 
+@pytest.mark.full
 def test_ngram_at_1_1_matches_colocated(tiny_qwen3):
     colocated, afd = _pair(tiny_qwen3, NGRAM, {"ratio": "1:1"})
     _assert_same(colocated, afd)
 
 
+@pytest.mark.full
 def test_an_moe_draft_sharing_layer_numbers_keeps_its_own_experts(tiny_qwen3, moe_draft):
     spec = {"method": "draft_model", "model": moe_draft, "num_speculative_tokens": 2}
     colocated, afd = _pair(tiny_qwen3, spec, DEFAULT_AFD)

@@ -18,22 +18,27 @@ microbatch 1). The drafts are built offline by vllm_afd/bench/draft_models.py.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from test_spec_decode_e2e import MAX_TOKENS, _assert_same
 
 from vllm_afd.bench.offline_run import run_generation
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.full, pytest.mark.timeout(900)]
 DEFAULT_AFD = {"ratio": "1:2"}  # microbatches: the default (2)
 #: Enough requests that every verify step can be split in two.
 PROMPTS = ["hello world", "1 2 3", "the router", "Once upon a time"]
 
 
 def _pair(model: str, spec: dict, afd: dict, **job) -> tuple[dict, dict]:
-    """(colocated, AFD) runs of the same speculative config, one after the other."""
+    """(colocated, AFD) runs of the same speculative config, side by side."""
     base = {"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, **job}
     base["engine_args"] = {"speculative_config": spec}
-    return run_generation({**base, "afd": None}), run_generation({**base, "afd": afd})
+    with ThreadPoolExecutor(2) as workers:
+        colocated = workers.submit(run_generation, {**base, "afd": None})
+        split = workers.submit(run_generation, {**base, "afd": afd})
+        return colocated.result(), split.result()
 
 
 @pytest.fixture(scope="module")

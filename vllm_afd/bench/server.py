@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,9 +161,16 @@ class ServeProcess:
         body = self._body(prompt, max_tokens, stream=False)
         return http_request(self.url + "/v1/completions", body, timeout=timeout)
 
-    def stream(self, prompt: str, max_tokens: int, timeout: float = 300.0) -> Streamed:
-        """A streamed greedy completion, read chunk by chunk as a client would; ``OSError``
-        when the connection fails. An error object in the stream sets status 500."""
+    def stream(
+        self,
+        prompt: str,
+        max_tokens: int,
+        timeout: float = 300.0,
+        on_chunk: Callable[[], None] | None = None,
+    ) -> Streamed:
+        """A streamed greedy completion, read chunk by chunk as a client would (``on_chunk``
+        is called after each); ``OSError`` when the connection fails. An error object in the
+        stream sets status 500."""
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         out = Streamed(0)
         try:
@@ -183,6 +191,8 @@ class ServeProcess:
                 out.text += choice.get("text") or ""
                 out.token_ids += choice.get("token_ids") or []
                 out.times.append(time.monotonic())
+                if on_chunk is not None:
+                    on_chunk()
             if response.status != 200 and not out.error:
                 out.error = f"HTTP {response.status}"
         finally:

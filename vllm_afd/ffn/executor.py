@@ -152,6 +152,17 @@ def _open_stats_block(address: str, rank: int, layers) -> FFNStatsBlock | None:
         return None
 
 
+def _weights_report(layers: dict[int, torch.nn.Module]) -> dict[str, list[str]]:
+    """What the layers hold once prepared for their kernels: the dtypes of their tensors and
+    their quant methods (an FP8 checkpoint served dequantized shows no float8 tensor)."""
+    return {
+        "weight_dtypes": sorted(
+            {str(p.dtype).removeprefix("torch.") for m in layers.values() for p in m.parameters()}
+        ),
+        "quant_methods": sorted({type(m.quant_method).__name__ for m in layers.values()}),
+    }
+
+
 def _check_layers(spec: TransportSpec, rank: int, layers: dict) -> None:
     """ValueError unless vLLM placed this rank's experts where the attention side sends them
     and there is a layer for every MoE layer of the spec."""
@@ -204,6 +215,7 @@ class FFNExecutor:
         _check_split_on_attention_ranks(model_dir, layers)
         self.layers = sorted(layers)  # the model's own numbers of the MoE layers served here
         self.param_bytes = expert_bytes(layers)
+        self.weights = _weights_report(layers)
         self.kernel = ExpertKernel(layers, device)
         self.checker = ScheduleChecker(rank, layers)
         self._announcing: set[int] = set()  # attention ranks seen announcing (logged once)
@@ -369,6 +381,7 @@ class FFNExecutor:
             "experts": [self.experts.start, self.experts.stop],
             "layers": self.layers,
             "param_bytes": self.param_bytes,
+            **self.weights,
             "address": self.address,
             "cpus": sorted(os.sched_getaffinity(0)),
         }

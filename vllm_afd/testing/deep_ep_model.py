@@ -166,7 +166,7 @@ class Buffer:
         return_recv_hook: bool = False,
     ):
         max_tokens = num_max_dispatch_tokens_per_rank
-        assert self.nvshmem_qp_depth >= (max_tokens + 1) * 2
+        assert self.nvshmem_qp_depth >= (max_tokens + 1) * 2, "NVSHMEM_QP_DEPTH too small"
         assert not use_fp8, "the model covers bf16 dispatch only"
         assert x.dim() == 2 and x.is_contiguous() and x.dtype == torch.bfloat16
         assert x.size(1) % 128 == 0 and x.size(1) in LL_HIDDEN_SIZES, "Unsupported hidden"
@@ -239,7 +239,7 @@ class Buffer:
         combine_wait_recv_cost_stats=None,
     ):
         src_info, layout_range, max_tokens, hidden, num_experts = handle
-        assert self.nvshmem_qp_depth >= (max_tokens + 1) * 2
+        assert self.nvshmem_qp_depth >= (max_tokens + 1) * 2, "NVSHMEM_QP_DEPTH too small"
         assert not (use_logfmt or zero_copy), "not modelled"
         local = num_experts // self.group_size
         assert x.dim() == 3 and x.is_contiguous() and x.dtype == torch.bfloat16

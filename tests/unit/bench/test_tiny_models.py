@@ -97,6 +97,19 @@ def test_expert_router_and_shared_names(built: dict[str, Path], arch: str) -> No
         assert shared_keys == expected
 
 
+def test_deepseek_v2_has_mla_a_shared_expert_and_its_first_moe_layer_is_1(
+    built: dict[str, Path],
+) -> None:
+    """The layout tests/e2e/test_deepseek_mla_e2e.py serves: MLA, a shared expert, a dense
+    first layer (first_k_dense_replace=1), so the model's only MoE layer is layer 1."""
+    from vllm_afd.config import moe_model_info
+
+    config = AutoConfig.from_pretrained(built["deepseek_v2"])
+    assert config.first_k_dense_replace == 1 and config.num_hidden_layers == 2
+    assert config.kv_lora_rank and config.n_shared_experts == 1
+    assert moe_model_info(config).moe_layers == (1,)
+
+
 def test_weights_are_random_with_unit_norms(built: dict[str, Path]) -> None:
     tensors = _tensors(built["qwen3_moe"])
     expert = tensors["model.layers.0.mlp.experts.0.gate_proj.weight"]

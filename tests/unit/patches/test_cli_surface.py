@@ -1,23 +1,23 @@
-"""The AFD flags exist on vLLM's own `serve` parser (what `vllm serve` builds), unchanged."""
+"""The AFD flags on vLLM's own `serve` parser (what `vllm serve` builds): exactly these added,
+every stock flag kept."""
 
 import pytest
 
+#: The whole CLI surface the plugin adds (a new flag must be added here on purpose).
 EXPECTED = {
     "--afd-ratio",
     "--afd-transport",
     "--afd-ffn-device",
     "--afd-timeout",
+    "--afd-failover-timeout",
     "--afd-ray-address",
     "--afd-microbatches",
+    "--afd-join",
     "--afd-ffn-host",
 }
 
 
-@pytest.fixture(scope="module")
-def serve_parser():
-    import vllm_afd
-
-    vllm_afd.register()
+def _serve_parser():
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -27,21 +27,54 @@ def serve_parser():
     return parser
 
 
-def test_afd_flags_are_on_vllm_serve(serve_parser):
-    serve = serve_parser._subparsers._group_actions[0].choices["serve"]
-    flags = {opt for action in serve._actions for opt in action.option_strings}
-    assert EXPECTED <= flags
-    assert "--data-parallel-size" in flags  # the stock flags are all still there
+def _flags(parser) -> set[str]:
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    return {opt for action in serve._actions for opt in action.option_strings}
 
 
-def test_flags_fold_into_additional_config(serve_parser):
+@pytest.fixture(scope="module")
+def serve_parser():
+    import vllm_afd
+
+    vllm_afd.register()
+    return _serve_parser()
+
+
+@pytest.fixture(scope="module")
+def stock_flags(serve_parser) -> set[str]:
+    """The flags of vLLM's serve parser built with P1's original ``add_cli_args``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    wrapped = EngineArgs.__dict__["add_cli_args"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EngineArgs, "add_cli_args", staticmethod(wrapped.__func__.__wrapped__))
+        return _flags(_serve_parser())
+
+
+def test_the_plugin_adds_exactly_the_afd_flags_and_keeps_every_stock_one(serve_parser, stock_flags):
+    flags = _flags(serve_parser)
+    assert flags - stock_flags == EXPECTED
+    assert stock_flags <= flags
+    assert len(stock_flags) > 100 and "--data-parallel-size" in stock_flags  # vLLM's own
+
+
+def test_flags_fold_into_additional_config(serve_parser, tmp_path):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    args = serve_parser.parse_args(["serve", "m", "--afd-ratio", "7:1", "--afd-timeout", "5"])
-    engine_args = AsyncEngineArgs.from_cli_args(args)
-    assert engine_args.additional_config["afd"] == {"ratio": "7:1", "timeout_s": 5.0}
-    stock = AsyncEngineArgs.from_cli_args(serve_parser.parse_args(["serve", "m"]))
-    assert "afd" not in (stock.additional_config or {})
+    def engine_args(*argv: str) -> AsyncEngineArgs:
+        # the model, an existing directory: vLLM resolves no hub id (under HF_HUB_OFFLINE it
+        # would look one up in the local cache); positional, as ServeSubcommand.cmd takes it
+        args = serve_parser.parse_args(["serve", str(tmp_path), *argv])
+        args.model = args.model_tag
+        return AsyncEngineArgs.from_cli_args(args)
+
+    afd = engine_args("--afd-ratio", "7:1", "--afd-timeout", "5", "--afd-join", "g.json")
+    assert afd.additional_config["afd"] == {
+        "ratio": "7:1",
+        "timeout_s": 5.0,
+        "join": "g.json",
+    }
+    assert "afd" not in (engine_args().additional_config or {})
 
 
 def test_register_is_idempotent():

@@ -278,7 +278,8 @@ def test_model_refuses_what_deepep_refuses(model, hub, secret):
     x = torch.ones(1, 128, dtype=torch.bfloat16)  # not a compiled hidden size
     with pytest.raises(AssertionError, match="Unsupported hidden"):
         b0.low_latency_dispatch(x, torch.zeros(1, 1, dtype=torch.int64), 4, 2, use_fp8=False)
-    with pytest.raises(AssertionError):  # 600 tokens: NVSHMEM_QP_DEPTH 1024 < (600 + 1) * 2
+    # 600 tokens: NVSHMEM_QP_DEPTH 1024 < (600 + 1) * 2
+    with pytest.raises(AssertionError, match="NVSHMEM_QP_DEPTH too small"):
         _dispatch_tokens = torch.ones(1, 2048, dtype=torch.bfloat16)
         b0.low_latency_dispatch(
             _dispatch_tokens, torch.zeros(1, 1, dtype=torch.int64), 600, 2, use_fp8=False

@@ -1,5 +1,5 @@
-"""Secure by default: every listening socket of a `vllm-afd serve` started with default
-settings is on loopback, and Ray's are token-authenticated even there (slow).
+"""Helpers of the listener scan (test_server.py): a session's listening sockets, and what each
+answers without credentials.
 
 Which listeners a server has (Ray 2.60, local instance started by the FFN group, loopback
 because it runs in Ray's single-machine mode; see placement.py):
@@ -25,13 +25,8 @@ from __future__ import annotations
 
 import http.client
 import ipaddress
-import os
 
 import psutil
-import pytest
-from serverlib import Server, session_processes
-
-pytestmark = pytest.mark.slow
 
 #: One method of each Ray gRPC service a listener may serve (an unknown method is answered
 #: UNIMPLEMENTED before authentication is looked at).
@@ -43,13 +38,13 @@ RAY_METHODS = (
 )
 
 
-def _loopback(ip: str) -> bool:
+def loopback(ip: str) -> bool:
     address = ipaddress.ip_address(ip.split("%")[0])
     mapped = getattr(address, "ipv4_mapped", None)
     return (mapped or address).is_loopback
 
 
-def _grpc_answer(port: int) -> str | None:
+def grpc_answer(port: int) -> str | None:
     """The status of a tokenless call to the first Ray service this port serves; None if it
     speaks no gRPC (or serves none of them)."""
     import grpc
@@ -69,7 +64,7 @@ def _grpc_answer(port: int) -> str | None:
     return None
 
 
-def _http_status(port: int) -> int | None:
+def http_status(port: int) -> int | None:
     try:
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
         connection.request("GET", "/")
@@ -78,9 +73,10 @@ def _http_status(port: int) -> int | None:
         return None
 
 
-def _listeners(sid: int) -> list[tuple[psutil.Process, str, int]]:
+def listeners(procs: list[psutil.Process]) -> list[tuple[psutil.Process, str, int]]:
+    """(process, ip, port) of every listening inet socket of ``procs``."""
     found = []
-    for proc in session_processes(sid):
+    for proc in procs:
         try:
             connections = proc.net_connections(kind="inet")
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -91,44 +87,9 @@ def _listeners(sid: int) -> list[tuple[psutil.Process, str, int]]:
     return found
 
 
-def _name(proc: psutil.Process) -> str:
-    """The full command line: checks below match on it, so never truncate (paths vary)."""
+def process_name(proc: psutil.Process) -> str:
+    """The full command line: checks match on it, so never truncate (paths vary)."""
     try:
         return " ".join(proc.cmdline()) or proc.name()
     except psutil.NoSuchProcess:
         return "?"
-
-
-@pytest.mark.timeout(600)
-def test_no_listener_off_loopback_and_ray_requires_its_token(tiny_qwen3, tmp_path, monkeypatch):
-    for name in list(os.environ):  # default settings: nothing of ours or Ray's auth given
-        if name.startswith(("RAY_AUTH", "VLLM_AFD_")):
-            monkeypatch.delenv(name)
-    server = Server(tiny_qwen3, tmp_path / "serve.log", ("--afd-ratio", "1:1"))
-    try:
-        server.wait_healthy()
-        assert server.complete("hello", 2)[0] == 200
-        listeners = _listeners(server.proc.pid)
-        table = "\n".join(f"{ip}:{port} {_name(p)}" for p, ip, port in listeners)
-        assert listeners, "no listener found: the session scan is broken"
-        off = [(ip, port, _name(p)) for p, ip, port in listeners if not _loopback(ip)]
-        assert off == [], f"listeners off loopback:\n{table}"
-        answers = {}
-        for proc, _ip, port in listeners:
-            if port == server.port:
-                continue
-            grpc_code = _grpc_answer(port)
-            answers[port] = (grpc_code, None if grpc_code else _http_status(port), _name(proc))
-        ray_grpc = [a for a in answers.values() if a[0] is not None]
-        assert len(ray_grpc) >= 5, f"expected GCS, 2 raylet, driver, FFN worker:\n{answers}"
-        assert all(code == "UNAUTHENTICATED" for code, _, _ in ray_grpc), answers
-        http = {port: a for port, a in answers.items() if a[0] is None and a[1] is not None}
-        for port, (_, status, name) in http.items():
-            if status == 200:  # only the autoscaler's read-only metrics may answer
-                assert "monitor.py" in name, f"unauthenticated HTTP on {port}: {name}"
-            else:
-                assert status == 401, f"{port} {name}: HTTP {status}"
-        assert "RAY_AUTH_MODE=disabled" not in server.log.read_text()
-    finally:
-        server.terminate()
-        server.kill_leftovers()
