@@ -1,8 +1,8 @@
 # Two set-up commands that work on a fresh machine (see README.md):
 #   make demo   - build a tiny MoE model, serve it colocated and with AFD, compare, A/B table
 #   make test   - the tests a contributor runs before every push (under 12 minutes on 2 cores)
-# and the full tier, what CI runs (.ci/run):
-#   make test-all - every test (under 30 minutes on 2 cores)
+# and the full tier:
+#   make test-all - every test
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

