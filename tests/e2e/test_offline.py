@@ -93,11 +93,15 @@ def test_afd_2_1_two_tp_attention_ranks(tiny_qwen3, colocated_qwen3, afd_qwen3):
     result = run_generation(_job(tiny_qwen3, {"ratio": "2:1"}, tp=2))
     _assert_same_tokens(result, colocated_qwen3)
     assert len(result["ffn"]) == 1
-    # Two attention ranks: each holds its tensor-parallel shard of the attention-side weights,
-    # and each sends the FFN rank a request per layer and microbatch of every step.
+    # Two attention ranks: each holds its tensor-parallel shard of the attention-side weights
+    # and sends the FFN rank its share of every step's rows (``remote_experts_impl``), so each
+    # token reaches the FFN exactly once, as at TP1.
     assert result["attention_param_bytes"] < 0.75 * afd_qwen3["attention_param_bytes"]
     (ffn,), (ffn_tp1,) = result["ffn"], afd_qwen3["ffn"]
-    assert ffn["requests"] == 2 * ffn_tp1["requests"], (ffn, ffn_tp1)
+    by_source = {int(rank): n for rank, n in ffn["requests_by_source"].items()}  # JSON keys
+    assert sorted(by_source) == [0, 1], by_source
+    assert by_source[1] >= len(ffn["per_layer_calls"]) * (MAX_TOKENS - 1), by_source
+    assert ffn["tokens"] == ffn_tp1["tokens"], (ffn, ffn_tp1)
 
 
 @pytest.mark.full

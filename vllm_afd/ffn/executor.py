@@ -123,6 +123,8 @@ class FFNStats:
     requests: int = 0
     #: Requests of a microbatch other than the first (evidence that steps were split).
     later_microbatch_requests: int = 0
+    #: Requests per attention rank (``FFNRequest.src_rank``): every rank of a step sends its own.
+    requests_by_source: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     tokens: int = 0
     bytes_in: int = 0
     busy_s: float = 0.0
@@ -134,6 +136,7 @@ class FFNStats:
         return {
             "requests": self.requests,
             "later_microbatch_requests": self.later_microbatch_requests,
+            "requests_by_source": dict(self.requests_by_source),
             "tokens": self.tokens,
             "bytes_in": self.bytes_in,
             "busy_s": self.busy_s,
@@ -320,6 +323,8 @@ class FFNExecutor:
         s = self.stats
         s.requests += len(group)
         s.later_microbatch_requests += sum(r.microbatch > 0 for r in group)
+        for request in group:
+            s.requests_by_source[request.src_rank] += 1
         s.tokens += x.shape[0]
         s.bytes_in += x.nbytes
         s.busy_s += dt

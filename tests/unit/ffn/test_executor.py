@@ -220,3 +220,17 @@ def test_a_reply_that_fails_partway_fails_only_the_requests_not_answered():
     assert [(src, out.tolist()) for src, out in transport.answered] == [(0, [[2.0] * 4])]
     assert [src for src, _ in transport.failed] == [1, 2]
     assert all("OSError: attention rank 1 is gone" in m for _, m in transport.failed)
+
+
+def test_requests_are_counted_per_attention_rank():
+    """``requests_by_source``: what a TP or DP test reads to see that every attention rank sent."""
+    from vllm_afd.ffn.executor import FFNStats
+    from vllm_afd.transport import FFNRequest
+
+    executor = object.__new__(FFNExecutor)
+    executor.stats = FFNStats()
+    ids, weights = torch.zeros(1, 2, dtype=torch.int32), torch.full((1, 2), 0.5)
+    group = [FFNRequest(src, 0, torch.ones(1, 4), ids, weights) for src in (0, 1, 1)]
+    executor._account(0, group, torch.ones(3, 4), 0.01)
+    snapshot = executor.stats.snapshot()
+    assert snapshot["requests"] == 3 and snapshot["requests_by_source"] == {0: 1, 1: 2}
