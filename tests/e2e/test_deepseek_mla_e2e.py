@@ -26,10 +26,10 @@ cause is not found yet).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from matrixlib import assert_matches, job, serve
-
-from vllm_afd.bench.offline_run import run_generation
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
@@ -62,9 +62,34 @@ def colocated_alone(colocated_runs) -> dict:
     return colocated_runs[1]
 
 
-@pytest.mark.parametrize("ratio", ["1:1", "1:2"])
-def test_offline_matches_colocated_and_serves_layer_1_only(deepseek, colocated, ratio):
-    result = run_generation(job(deepseek, {"ratio": ratio}, dtype=DTYPE))  # default microbatches
+RATIOS = ("1:1", "1:2")
+
+
+@pytest.fixture(scope="module")
+def offline(deepseek, run_pair) -> dict[str, dict]:
+    """The AFD runs at both ratios, side by side (default microbatches)."""
+    runs = run_pair(*(job(deepseek, {"ratio": ratio}, dtype=DTYPE) for ratio in RATIOS))
+    return dict(zip(RATIOS, runs, strict=True))
+
+
+@pytest.fixture(scope="module")
+def served(deepseek, tmp_path_factory) -> dict[str, tuple[list, list, str]]:
+    """Both servers side by side, each asked one prompt after the other: ``ratio -> (token
+    ids, logprobs, server log)``."""
+    tmp = tmp_path_factory.mktemp("deepseek_servers")
+
+    def one(ratio: str) -> tuple[list, list, str]:
+        log = tmp / f"server_{ratio.replace(':', '_')}.log"
+        token_ids, logprobs = serve(deepseek, log, ratio, dtype=DTYPE, concurrent=False)
+        return token_ids, logprobs, log.read_text()
+
+    with ThreadPoolExecutor(len(RATIOS)) as pool:
+        return dict(zip(RATIOS, pool.map(one, RATIOS), strict=True))
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_offline_matches_colocated_and_serves_layer_1_only(offline, colocated, ratio):
+    result = offline[ratio]
     assert_matches(result["token_ids"], result["logprobs"], colocated, atol=ATOL[ratio])
     ffn_ranks = int(ratio.split(":")[1])
     assert len(result["ffn"]) == ffn_ranks
@@ -74,11 +99,9 @@ def test_offline_matches_colocated_and_serves_layer_1_only(deepseek, colocated, 
         assert ffn["param_bytes"] == 8 // ffn_ranks * 3 * 128 * 64 * 2  # its experts, bf16
 
 
-@pytest.mark.parametrize("ratio", ["1:1", "1:2"])
-def test_server_matches_colocated(deepseek, colocated_alone, tmp_path, ratio):
-    log = tmp_path / "server.log"
-    token_ids, logprobs = serve(deepseek, log, ratio, dtype=DTYPE, concurrent=False)
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_server_matches_colocated(served, colocated_alone, ratio):
+    token_ids, logprobs, text = served[ratio]
     assert_matches(token_ids, logprobs, colocated_alone, atol=ATOL[ratio])
-    text = log.read_text()
     assert "of 1 MoE layers" in text  # each FFN rank's start-up line
     assert "-> 1 for this MLA model" in text  # the default two microbatches fell back to one

@@ -15,14 +15,11 @@ a draft served the target's experts would agree always, and its acceptance count
 from __future__ import annotations
 
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from serverlib import Server
 from test_offline import PROMPTS
-
-from vllm_afd.bench.offline_run import run_generation
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MAX_TOKENS = 24
@@ -46,12 +43,9 @@ def _job(model: str, spec: dict, afd: dict | None, prompts: list[str]) -> dict:
     }
 
 
-def _pair(model: str, spec: dict, afd: dict, prompts=PROMPTS) -> tuple[dict, dict]:
+def _pair(run_pair, model: str, spec: dict, afd: dict, prompts=PROMPTS) -> tuple[dict, dict]:
     """(colocated, AFD) runs of the same speculative config, side by side."""
-    with ThreadPoolExecutor(2) as workers:
-        colocated = workers.submit(run_generation, _job(model, spec, None, prompts))
-        split = workers.submit(run_generation, _job(model, spec, afd, prompts))
-        return colocated.result(), split.result()
+    return run_pair(_job(model, spec, None, prompts), _job(model, spec, afd, prompts))
 
 
 def _assert_same(colocated: dict, afd: dict) -> None:
@@ -80,8 +74,8 @@ def moe_draft(tiny_qwen3, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def real_ngram(smollm2_moe) -> tuple[dict, dict]:
-    return _pair(smollm2_moe, NGRAM, DEFAULT_AFD, COPY_PROMPTS)
+def real_ngram(smollm2_moe, run_pair) -> tuple[dict, dict]:
+    return _pair(run_pair, smollm2_moe, NGRAM, DEFAULT_AFD, COPY_PROMPTS)
 
 
 def test_ngram_at_default_microbatches_matches_colocated(real_ngram):
@@ -110,15 +104,9 @@ def test_ngram_through_the_server_matches_colocated(smollm2_moe, real_ngram, tmp
 
 
 @pytest.mark.full
-def test_ngram_at_1_1_matches_colocated(tiny_qwen3):
-    colocated, afd = _pair(tiny_qwen3, NGRAM, {"ratio": "1:1"})
-    _assert_same(colocated, afd)
-
-
-@pytest.mark.full
-def test_an_moe_draft_sharing_layer_numbers_keeps_its_own_experts(tiny_qwen3, moe_draft):
+def test_an_moe_draft_sharing_layer_numbers_keeps_its_own_experts(tiny_qwen3, moe_draft, run_pair):
     spec = {"method": "draft_model", "model": moe_draft, "num_speculative_tokens": 2}
-    colocated, afd = _pair(tiny_qwen3, spec, DEFAULT_AFD)
+    colocated, afd = _pair(run_pair, tiny_qwen3, spec, DEFAULT_AFD)
     _assert_same(colocated, afd)
     counts = colocated["spec_decode"]
     assert 0 < counts["accepted_tokens"] < counts["draft_tokens"], counts  # a real draft

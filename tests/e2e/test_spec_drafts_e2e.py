@@ -18,12 +18,8 @@ microbatch 1). The drafts are built offline by vllm_afd/bench/draft_models.py.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 from test_spec_decode_e2e import MAX_TOKENS, _assert_same
-
-from vllm_afd.bench.offline_run import run_generation
 
 pytestmark = [pytest.mark.slow, pytest.mark.full, pytest.mark.timeout(900)]
 DEFAULT_AFD = {"ratio": "1:2"}  # microbatches: the default (2)
@@ -31,14 +27,11 @@ DEFAULT_AFD = {"ratio": "1:2"}  # microbatches: the default (2)
 PROMPTS = ["hello world", "1 2 3", "the router", "Once upon a time"]
 
 
-def _pair(model: str, spec: dict, afd: dict, **job) -> tuple[dict, dict]:
+def _pair(run_pair, model: str, spec: dict, afd: dict, **job) -> tuple[dict, dict]:
     """(colocated, AFD) runs of the same speculative config, side by side."""
     base = {"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, **job}
     base["engine_args"] = {"speculative_config": spec}
-    with ThreadPoolExecutor(2) as workers:
-        colocated = workers.submit(run_generation, {**base, "afd": None})
-        split = workers.submit(run_generation, {**base, "afd": afd})
-        return colocated.result(), split.result()
+    return run_pair({**base, "afd": None}, {**base, "afd": afd})
 
 
 @pytest.fixture(scope="module")
@@ -48,33 +41,33 @@ def predictable_qwen3() -> str:
     return str(default_predictable_target(arch="qwen3_moe"))
 
 
-def test_eagle_head_matches_colocated(predictable_qwen3):
+def test_eagle_head_matches_colocated(predictable_qwen3, run_pair):
     from vllm_afd.bench.draft_models import default_eagle_head
 
     head = str(default_eagle_head(predictable_qwen3))
     spec = {"method": "eagle", "model": head, "num_speculative_tokens": 2}
-    colocated, afd = _pair(predictable_qwen3, spec, DEFAULT_AFD)
+    colocated, afd = _pair(run_pair, predictable_qwen3, spec, DEFAULT_AFD)
     _assert_same(colocated, afd)
     counts = colocated["spec_decode"]
     assert 0 < counts["accepted_tokens"] < counts["draft_tokens"], counts  # a real draft
 
 
-def test_eagle3_head_matches_colocated(predictable_qwen3):
+def test_eagle3_head_matches_colocated(predictable_qwen3, run_pair):
     from vllm_afd.bench.draft_models import default_eagle3_head
 
     head = str(default_eagle3_head(predictable_qwen3))
     spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 2}
-    colocated, afd = _pair(predictable_qwen3, spec, DEFAULT_AFD)
+    colocated, afd = _pair(run_pair, predictable_qwen3, spec, DEFAULT_AFD)
     _assert_same(colocated, afd)
 
 
-def test_mtp_moe_draft_keeps_its_experts_on_the_attention_ranks():
+def test_mtp_moe_draft_keeps_its_experts_on_the_attention_ranks(run_pair):
     from vllm_afd.bench.draft_models import default_mtp_model
 
     model = str(default_mtp_model())
     spec = {"method": "mtp", "num_speculative_tokens": 1}
     afd_config = {"ratio": "1:2", "microbatches": 1}
-    colocated, afd = _pair(model, spec, afd_config, dtype="bfloat16")
+    colocated, afd = _pair(run_pair, model, spec, afd_config, dtype="bfloat16")
     assert afd["token_ids"] == colocated["token_ids"]
     assert afd["spec_decode"] == colocated["spec_decode"]
     assert afd["spec_decode"]["drafts"] > 0
