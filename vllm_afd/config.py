@@ -28,6 +28,7 @@ import logging
 import math
 import re
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -402,7 +403,8 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
         raise AFDConfigError(f"{_where(key)}: {value!r} is not a {typ.__name__}") from None
 
 
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+#: The config.json keys that give the routed-expert count, by model family (the first set wins).
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _INTERMEDIATE_KEYS = ("moe_intermediate_size", "intermediate_size")
 
 
@@ -410,12 +412,12 @@ def moe_model_info(hf_config: Any) -> MoEModelInfo:
     """Extract routed-expert geometry from a transformers config; raise if there is none."""
     text_config = getattr(hf_config, "text_config", None) or hf_config
     get = lambda k: getattr(text_config, k, None)  # noqa: E731
-    num_experts = next((get(k) for k in _EXPERT_KEYS if get(k)), None)
+    num_experts = next((get(k) for k in EXPERT_KEYS if get(k)), None)
     arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
     if not num_experts:
         raise AFDConfigError(
             f"{_where('ratio')}: model {arch} has no routed experts (none of "
-            f"{', '.join(_EXPERT_KEYS)} is set in its config.json); AFD splits MoE layers only"
+            f"{', '.join(EXPERT_KEYS)} is set in its config.json); AFD splits MoE layers only"
         )
     num_layers = int(get("num_hidden_layers"))
     return MoEModelInfo(
@@ -425,19 +427,23 @@ def moe_model_info(hf_config: Any) -> MoEModelInfo:
         top_k=int(get("num_experts_per_tok") or get("moe_topk") or 1),
         hidden_size=int(get("hidden_size")),
         moe_intermediate_size=int(next(get(k) for k in _INTERMEDIATE_KEYS if get(k))),
-        moe_layers=tuple(i for i in range(num_layers) if _is_moe_layer(text_config, i)),
+        moe_layers=moe_layer_indices(get, num_layers),
     )
 
 
-def _is_moe_layer(cfg: Any, i: int) -> bool:
-    """Layer ``i`` has routed experts (handles the common sparse-step conventions)."""
-    if i in (getattr(cfg, "mlp_only_layers", None) or []):
-        return False
-    first_dense = getattr(cfg, "first_k_dense_replace", None)
-    if first_dense is not None and i < first_dense:
-        return False
-    step = getattr(cfg, "decoder_sparse_step", None) or getattr(cfg, "moe_layer_freq", None) or 1
-    return isinstance(step, int) and (i + 1) % step == 0
+def moe_layer_indices(get: Callable[[str], Any], num_layers: int) -> tuple[int, ...]:
+    """The layers with routed experts, from a config's keys (``get(key)``, ``None`` when
+    absent; the planner's reader of config.json uses it too): every layer but the first
+    ``first_k_dense_replace``, the ``mlp_only_layers`` and, with a sparse step
+    (``decoder_sparse_step`` or ``moe_layer_freq``), the layers off it."""
+    dense = set(get("mlp_only_layers") or ())
+    first_dense = get("first_k_dense_replace") or 0
+    step = get("decoder_sparse_step") or get("moe_layer_freq") or 1
+    return tuple(
+        i
+        for i in range(num_layers)
+        if i not in dense and i >= first_dense and isinstance(step, int) and (i + 1) % step == 0
+    )
 
 
 def check_supported(vllm_config: Any) -> None:

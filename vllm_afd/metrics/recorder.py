@@ -95,17 +95,14 @@ def record_error(kind: str, rank: int) -> None:
 
 
 def error_kind(exc: BaseException) -> str:
-    """Classify a transport exception for ``record_error`` (by the transports' messages)."""
-    from vllm_afd.transport.base import FFNServeError, TransportError
+    """Classify a transport exception for ``record_error`` by its type."""
+    from vllm_afd.transport.base import FFNServeError, FFNTimeout, TransportError
 
     if isinstance(exc, FFNServeError):
         return "ffn_error"
-    if not isinstance(exc, TransportError):
-        return "other"
-    text = str(exc)
-    if "did not answer within" in text or "timeout" in text.lower():
+    if isinstance(exc, FFNTimeout):
         return "timeout"
-    return "ffn_dead"
+    return "ffn_dead" if isinstance(exc, TransportError) else "other"
 
 
 def round_trip_bytes(tokens: int, hidden_size: int, itemsize: int, top_k: int) -> tuple[int, int]:

@@ -26,6 +26,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vllm_afd.config import EXPERT_KEYS, moe_layer_indices
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -366,8 +368,6 @@ def get_model(name_or_path: str) -> ModelSpec:
 
 # -- Hugging Face config.json -------------------------------------------------------------------
 
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
 
 def load_hf_config(path: str | Path) -> ModelSpec:
     """Read a HF config.json (or a directory holding one) into a `ModelSpec`.
@@ -387,10 +387,10 @@ def load_hf_config(path: str | Path) -> ModelSpec:
 
 
 def _spec_from_config(cfg: dict[str, Any], file: Path) -> ModelSpec:
-    experts = next((int(cfg[k]) for k in _EXPERT_KEYS if cfg.get(k)), 0)
+    experts = next((int(cfg[k]) for k in EXPERT_KEYS if cfg.get(k)), 0)
     if experts <= 0:
         raise ValueError(
-            f"{file}: model has no routed experts (none of {', '.join(_EXPERT_KEYS)} is set); "
+            f"{file}: model has no routed experts (none of {', '.join(EXPERT_KEYS)} is set); "
             "AFD needs a mixture-of-experts model"
         )
     layers = _get_int(cfg, file, "num_hidden_layers")
@@ -450,12 +450,7 @@ def _count_linear_layers(cfg: dict[str, Any], layers: int) -> int:
 
 
 def _count_dense_layers(cfg: dict[str, Any], layers: int) -> int:
-    dense = set(range(int(cfg.get("first_k_dense_replace") or 0)))
-    dense |= {int(i) for i in cfg.get("mlp_only_layers") or ()}
-    step = int(cfg.get("decoder_sparse_step") or 1)
-    if step > 1:
-        dense |= {i for i in range(layers) if (i + 1) % step != 0}
-    return len(dense)
+    return layers - len(moe_layer_indices(cfg.get, layers))
 
 
 def _dense_size(cfg: dict[str, Any]) -> int:

@@ -70,6 +70,11 @@ class FFNRankLost(TransportError):
         self.ffn_rank = ffn_rank
 
 
+class FFNTimeout(TransportError):
+    """An FFN rank, alive as far as the attention side can tell, did not answer within
+    ``TransportSpec.timeout_s``."""
+
+
 class FFNServeError(TransportError):
     """An FFN rank answered a request with an error: serving it raised there. The message
     names the FFN rank and carries its error text."""

@@ -108,6 +108,7 @@ from vllm_afd.transport.base import (
     FFNRankLost,
     FFNRequest,
     FFNServeError,
+    FFNTimeout,
     FFNTransport,
     ProtocolError,
     TransportError,
@@ -508,7 +509,7 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
                         self._check_alive(rank)
                     if now >= deadline:
                         pid = self._creators[ffn_rank][0]
-                        raise TransportError(
+                        raise FFNTimeout(
                             f"FFN rank {ffn_rank} (pid {pid}) did not answer within "
                             f"timeout_s={self.spec.timeout_s}"
                         )

@@ -83,6 +83,7 @@ from vllm_afd.transport.base import (
     FFNRankLost,
     FFNRequest,
     FFNServeError,
+    FFNTimeout,
     FFNTransport,
     ProtocolError,
     TransportError,
@@ -491,7 +492,7 @@ class TcpAttentionTransport(PointToPointAttentionTransport):
         """Block until some socket is ready (reading whatever arrived) or raise on timeout."""
         remaining = deadline - time.perf_counter()
         if remaining <= 0:
-            raise TransportError(
+            raise FFNTimeout(
                 f"FFN rank {waiting_for.ffn_rank} did not answer within "
                 f"timeout_s={self.spec.timeout_s}"
             )

@@ -77,12 +77,11 @@ def test_record_combine_takes_tokens_and_bytes_from_handle_and_endpoint():
 
 
 def test_error_kind():
-    from vllm_afd.transport import FFNServeError, TransportError
+    from vllm_afd.transport import FFNServeError, FFNTimeout, TransportError
 
-    assert (
-        recorder.error_kind(TransportError("FFN rank 0 (pid 1) did not answer within timeout_s=30"))
-        == "timeout"
-    )
+    assert recorder.error_kind(FFNTimeout("FFN rank 0 (pid 1) did not answer")) == "timeout"
+    # by type, not by words: a message that mentions a timeout is not one
+    assert recorder.error_kind(TransportError("FFN rank 0: timeout_s=30, died")) == "ffn_dead"
     assert recorder.error_kind(TransportError("FFN rank 0 (pid 1) died")) == "ffn_dead"
     assert recorder.error_kind(FFNServeError("FFN rank 0: layer 1: timeout")) == "ffn_error"
     assert recorder.error_kind(TransportError("FFN rank 1: connection lost (x)")) == "ffn_dead"

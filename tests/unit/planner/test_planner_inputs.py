@@ -372,3 +372,23 @@ def test_json_profile_accepts_context_strings_and_rejects_bad_values(tmp_path):
     bad_csv.write_text("model,context,DV_ms\nQwen3,4K,5\n")
     with pytest.raises(ValueError, match="lacks column"):
         load_profile(bad_csv, model="Qwen3")
+
+
+@pytest.mark.parametrize(
+    "sparsity",
+    [
+        {"decoder_sparse_step": 2},
+        {"moe_layer_freq": 2},  # DeepSeek's name for the step: the planner once ignored it
+        {"first_k_dense_replace": 3},
+        {"mlp_only_layers": [0, 5]},
+    ],
+)
+def test_the_planner_counts_the_moe_layers_the_deployment_splits(tmp_path, sparsity):
+    from types import SimpleNamespace
+
+    from vllm_afd.config import moe_model_info
+
+    cfg = {**QWEN3_MOE, "num_hidden_layers": 8, "decoder_sparse_step": None, **sparsity}
+    spec = load_hf_config(write_config(tmp_path, "sparse", cfg))
+    info = moe_model_info(SimpleNamespace(architectures=["Qwen3MoeForCausalLM"], **cfg))
+    assert spec.num_dense_layers == 8 - len(info.moe_layers) > 0

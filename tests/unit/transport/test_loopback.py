@@ -14,6 +14,7 @@ from transport_testlib import EXPERTS, expected, make_spec, recv_all, routing
 
 from vllm_afd.transport import (
     FFNServeError,
+    FFNTimeout,
     TransportError,
     create_attention_transport,
 )
@@ -203,7 +204,7 @@ def test_shm_superseded_request_computed_in_place_is_dropped(loopback) -> None:
     first = routing(4, lb.spec, seed=1)
     handle = att.dispatch(0, *first)
     (stale,) = recv_all(lb.ffn[0], 1)
-    with pytest.raises(TransportError, match="did not answer"):
+    with pytest.raises(FFNTimeout, match="did not answer"):
         att.combine(handle)
     second = routing(4, lb.spec, seed=2)
     handle = att.dispatch(1, *second)

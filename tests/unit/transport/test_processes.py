@@ -15,7 +15,7 @@ import torch
 from transport_testlib import attach_and_exit, leftover_segments, make_spec, routing
 
 from vllm_afd.testing.ffn import DelayedForward
-from vllm_afd.transport import TransportError
+from vllm_afd.transport import FFNTimeout, TransportError
 from vllm_afd.transport.reference import (
     LocalMoE,
     ScaleExperts,
@@ -90,7 +90,7 @@ def test_silent_ffn_rank_times_out(backend: str, start_ffn) -> None:
     att = cluster.connect(0)
     handle = att.dispatch(0, *routing(2, spec, seed=0))
     start = time.monotonic()
-    with pytest.raises(TransportError, match="did not answer within timeout_s=0.5"):
+    with pytest.raises(FFNTimeout, match="did not answer within timeout_s=0.5"):
         att.combine(handle)
     assert 0.45 < time.monotonic() - start < 2.5
     cluster.kill(0)  # still sleeping in its forward
