@@ -253,6 +253,18 @@ def reap_segments(
     return reaped
 
 
+#: Where everything of ours listens unless told otherwise.
+LOOPBACK = "127.0.0.1"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``; an empty host is ``LOOPBACK``."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"tcp address must be 'host:port', got {address!r}")
+    return host or LOOPBACK, int(port)
+
+
 def free_port() -> int:
     """A TCP port free on the loopback interface now (for gloo rendezvous, test servers)."""
     with socket.socket() as s:

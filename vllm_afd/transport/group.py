@@ -31,8 +31,8 @@ import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener, wait
 
+from vllm_afd.host import parse_address
 from vllm_afd.transport.base import TransportError
-from vllm_afd.transport.tcp import parse_address
 
 #: How long a gather waits for the last rank (all ranks build their DeepEP buffer together).
 GATHER_TIMEOUT_S = 300.0

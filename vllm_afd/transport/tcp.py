@@ -78,6 +78,7 @@ from collections.abc import Callable, Collection
 import torch
 
 from vllm_afd.config import AFDConfigError
+from vllm_afd.host import LOOPBACK, parse_address
 from vllm_afd.transport import auth
 from vllm_afd.transport.base import (
     FFNRankLost,
@@ -97,7 +98,7 @@ from vllm_afd.transport.p2p import (
     WaitPolicy,
 )
 
-DEFAULT_HOST = "127.0.0.1"
+DEFAULT_HOST = LOOPBACK
 
 # magic, kind, slot, layer, num_tokens, seq, step, microbatch
 _HEADER = struct.Struct("<IHHiiqqH6x")
@@ -142,14 +143,6 @@ def _hello_fields(spec: TransportSpec, rank: int) -> tuple[int, ...]:
         spec.dtype.itemsize,
         schedule_words(spec.moe_layers),
     )
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` -> ``(host, port)``."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"tcp address must be 'host:port', got {address!r}")
-    return host or DEFAULT_HOST, int(port)
 
 
 def max_outbox_bytes(spec: TransportSpec) -> int:
