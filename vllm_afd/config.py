@@ -548,7 +548,7 @@ def check_this_host(afd: AFDConfig) -> None:
       instance (the FFN ranks run here) it must also be an address of this machine (the
       wildcard ``0.0.0.0`` included), i.e. one the FFN ranks can listen on.
     """
-    from vllm_afd.host import shm_platform_problem
+    from vllm_afd.host import is_loopback, shm_platform_problem
 
     if afd.transport == "shm":
         problem = shm_platform_problem()
@@ -568,7 +568,7 @@ def check_this_host(afd: AFDConfig) -> None:
             "FFN ranks of the local Ray instance listen; use 127.0.0.1 (default), 0.0.0.0 or "
             "one of this machine's addresses"
         )
-    if afd.transport == "tcp" and not _is_loopback(infos):
+    if afd.transport == "tcp" and not all(is_loopback(info[4][0]) for info in infos):
         logger.warning(
             "AFD: the tcp transport listens on %s: peers are authenticated (HMAC with the "
             "deployment's secret) but hidden states cross the network unencrypted; keep it on "
@@ -585,12 +585,6 @@ def _can_bind(info: tuple) -> bool:
         return True
     except OSError:
         return False
-
-
-def _is_loopback(infos: list[tuple]) -> bool:
-    import ipaddress
-
-    return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
 def _use_dbo(vllm_config: Any, afd: AFDConfig) -> None:

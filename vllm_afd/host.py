@@ -21,6 +21,7 @@ token, the tcp transport's shared secret) live in a private directory (``private
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import platform
 import shutil
@@ -255,6 +256,17 @@ def reap_segments(
 
 #: Where everything of ours listens unless told otherwise.
 LOOPBACK = "127.0.0.1"
+
+
+def is_loopback(ip: str) -> bool:
+    """Whether ``ip`` (an IPv4 or IPv6 address, a zone suffix or an IPv4-mapped form allowed)
+    is a loopback address; a host name is not."""
+    try:
+        address = ipaddress.ip_address(ip.split("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 def parse_address(address: str) -> tuple[str, int]:

@@ -24,7 +24,6 @@ whatever host the init method names, so a process group of ours needs a ``file:/
 from __future__ import annotations
 
 import http.client
-import ipaddress
 
 import psutil
 
@@ -36,12 +35,6 @@ RAY_METHODS = (
     "/ray.rpc.ObjectManagerService/Pull",
     "/ray.rpc.CoreWorkerService/NumPendingTasks",
 )
-
-
-def loopback(ip: str) -> bool:
-    address = ipaddress.ip_address(ip.split("%")[0])
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
 
 
 def grpc_answer(port: int) -> str | None:

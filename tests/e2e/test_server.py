@@ -29,11 +29,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from listenerlib import grpc_answer, http_status, listeners, loopback, process_name
+from listenerlib import grpc_answer, http_status, listeners, process_name
 from serverlib import Server, http_request, session_processes
 
 from tests.unit.metrics.metrics_testlib import value
-from vllm_afd.host import SHM_DIR
+from vllm_afd.host import SHM_DIR, is_loopback
 from vllm_afd.metrics import blocks
 
 pytestmark = pytest.mark.slow
@@ -164,18 +164,11 @@ def _answer(listener: tuple[psutil.Process, int]) -> tuple[str | None, int | Non
     return code, None if code else http_status(port), process_name(proc)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known, not fixed yet: with two data-parallel attention ranks (the one-flag 2:1 "
-    "shape) vLLM's world-group TCPStore in worker DP0 listens on every interface "
-    "(init_process_group('tcp://127.0.0.1:PORT'); torch's TCPStore ignores the host). "
-    "strict: passing again fails this mark, so it is removed when fixed",
-)
 def test_no_listener_off_loopback_and_ray_requires_its_token(server):
     found = listeners(session_processes(server.proc.pid))
     table = "\n".join(f"{ip}:{port} {process_name(p)}" for p, ip, port in found)
     assert found, "no listener found: the session scan is broken"
-    off = [(ip, port, process_name(p)) for p, ip, port in found if not loopback(ip)]
+    off = [(ip, port, process_name(p)) for p, ip, port in found if not is_loopback(ip)]
     assert off == [], f"listeners off loopback:\n{table}"
     probed = [(proc, port) for proc, _ip, port in found if port != server.port]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:  # a silent port costs 2 s

@@ -8,7 +8,7 @@ is inert there: it wraps a class that process never calls.
   ``engine_args.py`` (P1-P3), ``health.py`` (P4), ``metrics_registry.py`` (P6).
 - worker (the processes that run the model): ``layers.py`` (P5, P7, P8), ``cpu_runner.py``
   (M1-M7), ``gpu_runner.py`` (G1-G2, GPUs only), ``cpu_comm.py`` (S1-S2), ``cpu_amx.py``
-  (S3, every process).
+  (S3, every process), ``dp_store.py`` (S4).
 - FFN rank (the FFN ranks' processes): ``ffn_rank.py`` (F1-F4). Not applied by ``apply()``:
   ``ffn/weights.py`` enters its context manager around building one rank's MoE layers, and
   every swap is undone when the build is done. It also applies ``cpu_comm.py`` there (S2:
@@ -216,6 +216,17 @@ S3 ``torch.cpu._is_amx_tile_supported`` and ``torch._C._cpu._init_amx`` (PyTorch
    AMX tiles; nothing else changes (vLLM picks the same kernels). Also run by FFN ranks.
    Upstream: none filed; vLLM's CPU worker (or its ``_C`` extension at load) should ask.
    Remove when: vLLM requests the AMX permission itself.
+S4 ``vllm.distributed.parallel_state.create_tcp_store`` (module global), wrapped.
+   Why: with data parallelism on one node (every ``--afd-ratio A:F`` server with A > 1), global
+   rank 0 creates the world group's ``TCPStore`` as master with port 0, and a ``TCPStore``
+   master binds every interface whatever host it is given: worker DP0 listened on ``::``,
+   unauthenticated, though every peer connects to ``127.0.0.1`` (the shared server's listener
+   scan, tests/e2e/test_server.py).
+   How: a master store for a loopback host gets a listening socket bound to that host
+   (``dp_store.loopback_listener``), through the ``listen_socket`` parameter vLLM's
+   ``create_tcp_store`` already has; other hosts (multi-node) are passed through.
+   Upstream: none filed; ``init_distributed_environment`` could pass such a socket itself.
+   Remove when: vLLM binds its master stores to the host it is given.
 
 FFN rank
 
@@ -273,6 +284,7 @@ def apply() -> None:
         cpu_amx,
         cpu_comm,
         cpu_runner,
+        dp_store,
         engine_args,
         gpu_runner,
         health,
@@ -288,3 +300,4 @@ def apply() -> None:
     gpu_runner.apply()
     cpu_comm.apply()
     cpu_amx.apply()
+    dp_store.apply()

@@ -11,6 +11,7 @@ import functools
 import importlib
 import inspect
 import logging
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -243,6 +244,7 @@ TARGETS = (
         "get_local_expert_ids",
         kind="used",
     ),
+    Target("S4", _PARALLEL_STATE, "", "create_tcp_store", ("host", "port", "listen_socket")),
     Target(
         "F4",
         f"{_MOE}.fused_moe_method_base",
@@ -327,22 +329,30 @@ def _where(owner: type, name: str) -> str:
     return f"{owner.__name__}.{name}"
 
 
+def raw_attribute(owner: type | types.ModuleType, name: str) -> Any:
+    """``owner.name`` as stored: a class's own or inherited (static/class method objects kept),
+    or a module's global; ``None`` if absent."""
+    scopes = owner.__mro__ if isinstance(owner, type) else (owner,)
+    return next((k.__dict__[name] for k in scopes if name in k.__dict__), None)
+
+
 def _wrap(
-    owner: type,
+    owner: type | types.ModuleType,
     name: str,
     make_wrapper: Callable[[Callable], Callable],
     kind: str = "function",
     params: tuple[str, ...] = (),
     ordered: bool = False,
 ) -> None:
-    """Set ``owner.name`` to ``make_wrapper(original)`` once (sentinel-guarded).
+    """Set ``owner.name`` (a class attribute or a module global) to ``make_wrapper(original)``
+    once (sentinel-guarded).
 
     ``original`` is the function found along the MRO (own or inherited), unwrapped from its
     static/class method; ``kind`` (function / static / class) must match it. A missing target,
     a changed kind or a missing parameter is an ImportError naming the patch.
     """
     where = _where(owner, name)
-    raw = next((k.__dict__[name] for k in owner.__mro__ if name in k.__dict__), None)
+    raw = raw_attribute(owner, name)
     if raw is None:
         raise ImportError(f"vllm_afd patch {where}: target not found")
     original = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw

@@ -16,7 +16,7 @@ import re
 import pytest
 
 import vllm_afd.patches
-from vllm_afd.patches.base import TARGETS, WRAPPED, Target
+from vllm_afd.patches.base import TARGETS, WRAPPED, Target, raw_attribute
 
 LEDGER_IDS = re.findall(r"^([PMSFG]\d+) ", vllm_afd.patches.__doc__, re.M)
 
@@ -54,7 +54,7 @@ def test_target_exists_with_the_expected_parameters(target: Target):
 )
 def test_wrapped_target_is_still_the_same_kind_of_method(target: Target):
     owner, _ = _attribute(target)
-    raw = next(k.__dict__[target.name] for k in owner.__mro__ if target.name in k.__dict__)
+    raw = raw_attribute(owner, target.name)
     kind = {staticmethod: "static", classmethod: "class"}.get(type(raw), "function")
     assert kind == target.kind
 
