@@ -15,7 +15,7 @@ inside the FFN group), so the expert count must divide evenly.
 Every error names the flag (and its ``additional_config`` key) and what is allowed. The checks
 run in the front-end before anything starts (``deployment.setup_afd`` calls them all, in this
 order): ``AFDConfig.of`` (each value on its own: ``__post_init__``), ``check_supported`` (the
-rest of the vLLM config), ``check_this_host`` (what depends on this machine: the shm backend's
+rest of the vLLM config), ``check_this_host`` (what depends on this machine: the transport's
 CPU, ``--afd-ffn-host``), then ``envs.check_all`` (the variables) and ``placement``'s Ray and
 secret checks.
 """
@@ -90,6 +90,16 @@ def parse_ratio(text: str) -> tuple[int, int] | None:
     return attn, ffn
 
 
+def _transport_arg(text: str) -> str:
+    from vllm_afd.transport import backend
+
+    try:
+        backend(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _ratio_arg(text: str) -> str:
     try:
         parse_ratio(text)
@@ -118,13 +128,16 @@ class AFDConfig:
             type=_ratio_arg,
         )
     )
-    #: Transport backend name (see ``vllm_afd.transport.available_transports()``).
+    #: Transport backend: a registered name (``vllm_afd.transport.available_transports()``)
+    #: or an out-of-tree backend's ``package.module:BackendClass``.
     transport: str = field(
         default="shm",
         metadata=_flag(
             "--afd-transport",
             "Dispatch/combine backend between attention and FFN ranks: shm (one host, "
-            "shared memory), tcp (across hosts), deepep (GPUs, NVLink/RDMA).",
+            "shared memory), tcp (across hosts), deepep (GPUs, NVLink/RDMA), or an "
+            "out-of-tree backend as package.module:BackendClass.",
+            type=_transport_arg,
         ),
     )
     #: Device of the FFN executors: ``auto`` follows the attention ranks' platform.
@@ -196,13 +209,10 @@ class AFDConfig:
     )
 
     def __post_init__(self) -> None:
-        from vllm_afd.transport import available_transports
-
-        if self.transport not in available_transports():
-            raise AFDConfigError(
-                f"{_where('transport')}: unknown backend {self.transport!r}; allowed: "
-                f"{', '.join(available_transports())}"
-            )
+        try:
+            _transport_arg(self.transport)
+        except argparse.ArgumentTypeError as exc:
+            raise AFDConfigError(f"{_where('transport')}: {exc}") from None
         devices = get_args(FFNDevice)
         if self.ffn_device not in devices:
             raise AFDConfigError(
@@ -309,7 +319,9 @@ def flag_table() -> list[tuple[str, str, str]]:
 
 
 def _choices(f: dataclasses.Field) -> tuple[str, ...] | None:
-    if f.name == "transport":  # open set: backends register themselves
+    """The values a flag's help shows: its declared choices, the registered backends for the
+    transport (an open set: a module path is also taken)."""
+    if f.name == "transport":
         from vllm_afd.transport import available_transports
 
         return available_transports()
@@ -331,7 +343,7 @@ def add_afd_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(AFDConfig):
         meta = {k: v for k, v in f.metadata.items() if v is not None}
         flag, help_text = meta.pop("flag"), meta.pop("help")
-        meta["choices"] = _choices(f)
+        meta["choices"] = f.metadata.get("choices")  # the transport's: checked by its type
         if f.default not in (dataclasses.MISSING, None):
             help_text += f" (default {f.default})"
         group.add_argument(flag, default=None, help=help_text, **meta)
@@ -543,17 +555,19 @@ def check_this_host(afd: AFDConfig) -> None:
     """Raise ``AFDConfigError`` if this machine cannot run ``afd`` (front-end only: other
     processes may run elsewhere).
 
-    - ``--afd-transport shm`` needs x86-64 store ordering (``host.shm_platform_problem``).
+    - the transport's own check of this machine (``Backend.host_problem``; shm: x86-64 store
+      ordering).
     - ``--afd-ffn-host`` must be an IP address or a host name that resolves; with a local Ray
       instance (the FFN ranks run here) it must also be an address of this machine (the
       wildcard ``0.0.0.0`` included), i.e. one the FFN ranks can listen on.
     """
-    from vllm_afd.host import is_loopback, shm_platform_problem
+    from vllm_afd.host import is_loopback
+    from vllm_afd.transport import backend
 
-    if afd.transport == "shm":
-        problem = shm_platform_problem()
-        if problem is not None:
-            raise AFDConfigError(f"{_where('transport')}: {problem}")
+    transport = backend(afd.transport)
+    problem = transport.host_problem()
+    if problem is not None:
+        raise AFDConfigError(f"{_where('transport')}: {problem}")
     host = afd.ffn_host
     try:
         infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
@@ -568,11 +582,12 @@ def check_this_host(afd: AFDConfig) -> None:
             "FFN ranks of the local Ray instance listen; use 127.0.0.1 (default), 0.0.0.0 or "
             "one of this machine's addresses"
         )
-    if afd.transport == "tcp" and not all(is_loopback(info[4][0]) for info in infos):
+    if transport.plaintext_on_ffn_host and not all(is_loopback(i[4][0]) for i in infos):
         logger.warning(
-            "AFD: the tcp transport listens on %s: peers are authenticated (HMAC with the "
+            "AFD: the %s transport listens on %s: peers are authenticated (HMAC with the "
             "deployment's secret) but hidden states cross the network unencrypted; keep it on "
             "a private network",
+            transport.name,
             host,
         )
 

@@ -152,32 +152,25 @@ def check_devices(
 ) -> None:
     """Refuse, before anything starts, a deployment its devices cannot run (the GPU path):
 
-    - the point-to-point transports (shm, tcp) with a CUDA model: they move hidden states
-      through host memory, and a CUDA model's tensors would come back on the wrong device;
+    - what the transport cannot connect (``Backend.device_problem``: the point-to-point
+      transports with a CUDA model, whose hidden states they would move through host memory;
+      deepep anywhere but on GPUs at both ends);
     - with a local Ray instance, attention ranks and FFN ranks on GPUs that do not fit the
       node's GPUs side by side (``A + F``: the FFN ranks get GPUs of their own,
       ``placement.ffn_gpu``);
-    - the deepep transport anywhere but on GPUs at both ends (DeepEP runs on CUDA devices);
-    - with the deepep transport, what DeepEP's low-latency mode cannot take
-      (``transport.deepep.limits_problem``: hidden size after vLLM's padding, dtype, tokens
-      per round, dispatches in flight, virtual experts).
+    - what the transport cannot take (``Backend.limits_problem``; deepep: hidden size after
+      vLLM's padding, dtype, tokens per round, dispatches in flight, virtual experts).
 
     ``gpus_on_node`` and ``num_sms`` default to this machine's (tests pass them).
     """
+    from vllm_afd.transport import backend
+
+    transport = backend(afd.transport)
     ffn_device = _ffn_device(afd)
     num_ffn = afd.num_ffn_ranks(ranks)
-    if attention_device == "cuda" and afd.transport in ("shm", "tcp"):
-        raise AFDConfigError(
-            f"--afd-transport (additional_config.afd.transport) {afd.transport}: the "
-            "point-to-point transports carry hidden states through host memory and cannot "
-            "serve a CUDA model; use --afd-transport deepep on GPUs"
-        )
-    if afd.transport == "deepep" and (attention_device, ffn_device) != ("cuda", "cuda"):
-        raise AFDConfigError(
-            "--afd-transport (additional_config.afd.transport) deepep: DeepEP runs between "
-            f"GPUs; this deployment has attention ranks on {attention_device} and FFN ranks on "
-            f"{ffn_device} (--afd-ffn-device); use shm or tcp on CPUs"
-        )
+    problem = transport.device_problem(attention_device, ffn_device)
+    if problem is not None:
+        raise AFDConfigError(f"--afd-transport (additional_config.afd.transport) {problem}")
     if ffn_device == "cuda" and afd.ray_is_local:
         if gpus_on_node is None:
             import torch
@@ -190,21 +183,18 @@ def check_devices(
                 f"{gpus_on_node}; use fewer ranks, or --afd-ray-address to place the FFN ranks "
                 "on other nodes"
             )
-    if afd.transport == "deepep":
-        from vllm_afd.transport.deepep import DEFAULT_NUM_SMS, limits_problem
-
-        problem = limits_problem(
-            info.hidden_size,
-            dtype,
-            max_tokens,
-            afd.microbatches,
-            ranks,
-            num_ffn,
-            info.num_experts,
-            num_sms or DEFAULT_NUM_SMS,
-        )
-        if problem is not None:
-            raise AFDConfigError(f"--afd-transport deepep: {problem}")
+    problem = transport.limits_problem(
+        hidden_size=info.hidden_size,
+        dtype=dtype,
+        max_tokens=max_tokens,
+        microbatches=afd.microbatches,
+        num_attention_ranks=ranks,
+        num_ffn_ranks=num_ffn,
+        num_experts=info.num_experts,
+        num_sms=num_sms,
+    )
+    if problem is not None:
+        raise AFDConfigError(f"--afd-transport {transport.name}: {problem}")
 
 
 def check_settings(afd: AFDConfig, info, ranks: int) -> None:
@@ -218,7 +208,9 @@ def check_settings(afd: AFDConfig, info, ranks: int) -> None:
     info.check_ffn_ranks(num_ffn)
     check_this_host(afd)
     envs.check_all(num_ffn, timeout_s=afd.timeout_s, local=afd.ray_is_local)
-    if afd.transport == "tcp" and envs.VLLM_AFD_AUTH_FILE:
+    from vllm_afd.transport import backend
+
+    if backend(afd.transport).needs_secret and envs.VLLM_AFD_AUTH_FILE:
         from vllm_afd.transport.auth import load_secret
 
         load_secret()

@@ -75,7 +75,7 @@ from vllm_afd.host import (
     remove_private_dir,
     write_private_file,
 )
-from vllm_afd.transport import TransportSpec, directory
+from vllm_afd.transport import TransportSpec, backend, directory
 from vllm_afd.transport.directory import RankEntry
 
 logger = logging.getLogger("vllm.afd")
@@ -149,7 +149,7 @@ class FFNGroup:
     device: str
     local: bool = True
     supervisor: Supervisor | None = None
-    #: The deepep transport's group hub (``transport/group.py``), served by this process.
+    #: The transport's rendezvous (``Backend.start_rendezvous``; deepep: its hub), served here.
     hub: object = None
 
     def stats(self) -> list[dict]:
@@ -253,14 +253,15 @@ def _private() -> str:
 
 
 def prepare_transport_secret(afd: AFDConfig) -> None:
-    """tcp and deepep transports: make sure the deployment has its shared secret
-    (``transport/auth.py``; deepep's group hub authenticates with it, ``transport/group.py``).
+    """A transport that authenticates its peers (``Backend.needs_secret``: tcp; deepep's group
+    hub, ``transport/group.py``): make sure the deployment has its shared secret
+    (``transport/auth.py``).
 
     A ``VLLM_AFD_AUTH_FILE`` set by the user is used as it is (``deployment.setup_afd`` checked
     it); otherwise a fresh secret is written into the private directory and the variable set
     for every process started from here on.
     """
-    if afd.transport not in ("tcp", "deepep") or envs.VLLM_AFD_AUTH_FILE:
+    if not backend(afd.transport).needs_secret or envs.VLLM_AFD_AUTH_FILE:
         return
     from vllm_afd.transport.auth import new_secret
 
@@ -398,7 +399,7 @@ def start_ffn_group(
         moe_layers=model.moe_layers,
         # What the FFN side is asked to listen on (tcp: interface, any free port); the
         # addresses it actually got replace these once it is up.
-        addresses=(f"{afd.ffn_host}:0",) * num_ffn if afd.transport == "tcp" else (),
+        addresses=backend(afd.transport).requested_addresses(afd.ffn_host, num_ffn),
         failover_s=afd.failover_s,
     )
     key = json.dumps([spec.to_json(), model_dir, device, afd.ray_address, afd.ffn_host])
@@ -410,7 +411,7 @@ def start_ffn_group(
         reap_dead_deployments()
         prepare_transport_secret(afd)
         spec = dataclasses.replace(spec, directory=_ffn_directory())
-        hub = _start_hub(spec, afd)
+        hub = backend(spec.backend).start_rendezvous(spec, afd.ffn_host)
         if hub is not None:
             spec = dataclasses.replace(spec, addresses=(hub.address,) * num_ffn)
         try:
@@ -422,21 +423,11 @@ def start_ffn_group(
             raise
         _GROUP.hub = hub
         _GROUP_KEY = key
-        if afd.failover_s > 0 and hub is None:  # a DeepEP group cannot take a new member
+        if afd.failover_s > 0 and backend(spec.backend).supports_failover:
             _GROUP.supervisor = Supervisor(_GROUP)
         # The hand-off to every process started from here on (engine cores, workers).
         os.environ[envs.RUNTIME] = _GROUP.spec.to_json()
         return _GROUP
-
-
-def _start_hub(spec: TransportSpec, afd: AFDConfig):
-    """deepep: the group's hub on the FFN host's interface (``transport/group.py``), else None."""
-    if spec.backend != "deepep":
-        return None
-    from vllm_afd.transport import auth, group
-
-    num_ranks = spec.num_attention_ranks + spec.num_ffn_ranks
-    return group.Hub(afd.ffn_host, num_ranks, auth.load_secret())
 
 
 def _ffn_directory() -> str:
@@ -814,7 +805,8 @@ def join_ffn_group(
     leases = str(content["leases"])
     first = _claim_ranks(leases, num_attention_ranks, spec.num_attention_ranks, where)
     _LEASES = (leases, list(range(first, first + num_attention_ranks)))
-    if spec.backend == "tcp" and content.get("auth_file") and not envs.VLLM_AFD_AUTH_FILE:
+    secret = backend(spec.backend).needs_secret
+    if secret and content.get("auth_file") and not envs.VLLM_AFD_AUTH_FILE:
         _set_env(envs.AUTH_FILE, str(content["auth_file"]))
     spec = dataclasses.replace(spec, attention_rank_offset=first)
     os.environ[envs.RUNTIME] = spec.to_json()

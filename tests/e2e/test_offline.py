@@ -4,12 +4,14 @@ Each configuration runs in a fresh process (``vllm_afd.bench.offline_run``), wit
 prefill and prefix caching on, prompts of different lengths (one longer than the chunk size,
 two sharing a long prefix) submitted together, and the default two ping-pong microbatches.
 ``make test`` runs 1:1 and 1:2 (shared experts); ``make test-all`` adds tensor-parallel
-attention ranks, FFN ranks bound to CPUs and the tcp transport.
+attention ranks, FFN ranks bound to CPUs, the tcp transport and a backend named by module
+path.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -117,11 +119,30 @@ def test_afd_1_2_mixtral_two_ffn_ranks_bound_to_their_cpus(tiny_mixtral, run_pai
 
 
 @pytest.mark.full
-def test_afd_tcp_transport_matches_colocated(tiny_qwen3, colocated_qwen3):
-    result = run_generation(_job(tiny_qwen3, {"ratio": "1:1", "transport": "tcp"}))
-    _assert_same_tokens(result, colocated_qwen3)
-    (ffn,) = result["ffn"]
-    assert ffn["address"].startswith("127.0.0.1:")
+def test_tcp_and_an_out_of_tree_backend_match_colocated(
+    tiny_qwen3, colocated_qwen3, run_pair, tmp_path
+):
+    """The tcp transport, and a backend written in one test file (``counting_backend.py``)
+    named by module path, which no product module knows: every combine and every FFN reply
+    went through it."""
+    root = str(Path(__file__).parents[2])
+    counting = {
+        "ratio": "1:1",
+        "transport": "tests.e2e.counting_backend:CountingShm",
+    }
+    env = {"AFD_COUNTING_DIR": str(tmp_path), "PYTHONPATH": root}
+    tcp, custom = run_pair(
+        _job(tiny_qwen3, {"ratio": "1:1", "transport": "tcp"}),
+        _job(tiny_qwen3, counting) | {"env": env},
+    )
+    _assert_same_tokens(tcp, colocated_qwen3)
+    assert tcp["ffn"][0]["address"].startswith("127.0.0.1:")
+    _assert_same_tokens(custom, colocated_qwen3)
+    (ffn,) = custom["ffn"]
+    replies = int((tmp_path / "ffn0").read_text())
+    combines = int((tmp_path / "attention0").read_text())
+    assert replies == ffn["requests"] > 0, (replies, ffn)
+    assert combines >= replies, (combines, replies)
 
 
 def test_afd_1_2_qwen2_moe_shared_experts_with_microbatches(tiny_qwen2_moe, run_pair):

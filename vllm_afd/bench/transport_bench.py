@@ -67,6 +67,7 @@ import torch
 from vllm_afd import envs
 from vllm_afd.testing.ffn import EchoForward, ffn_worker_main
 from vllm_afd.transport import TransportSpec, create_attention_transport
+from vllm_afd.transport import backend as transport_backend
 from vllm_afd.transport.p2p import WaitPolicy
 
 DEFAULT_TOKENS = (1, 4, 16, 64, 256, 512)
@@ -488,9 +489,10 @@ def _machine() -> dict:
     }
 
 
-def _tcp_secret() -> str | None:
-    """The tcp endpoints authenticate with a deployment's shared secret: give the benchmark's
-    one (a private directory, removed at the end), unless ``VLLM_AFD_AUTH_FILE`` names one."""
+def _secret() -> str | None:
+    """Endpoints that authenticate (``Backend.needs_secret``: tcp) use a deployment's shared
+    secret: give the benchmark's one (a private directory, removed at the end), unless
+    ``VLLM_AFD_AUTH_FILE`` names one."""
     if envs.VLLM_AFD_AUTH_FILE:
         return None
     from vllm_afd.host import private_dir, write_private_file
@@ -508,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     cpus = allowed[:2] if args.pin and len(allowed) >= 2 else None
     if cpus:
         os.sched_setaffinity(0, {cpus[0]})
-    secret_dir = _tcp_secret() if "tcp" in args.backends else None
+    needs_secret = any(transport_backend(name).needs_secret for name in args.backends)
+    secret_dir = _secret() if needs_secret else None
     ctx = mp.get_context("forkserver")  # its children inherit the secret's path
     ctx.set_forkserver_preload(["vllm_afd.testing.ffn"])
     print("  ".join(f"{c:>11}" for c in _COLUMNS))

@@ -75,12 +75,12 @@ def endpoint_block(endpoint) -> AttentionStatsBlock | None:
     global _LAST_ENDPOINT
     last = _LAST_ENDPOINT
     if last is None or last[0] is not endpoint:
+        from vllm_afd.transport import backend
+
         spec = endpoint.spec
         block = attention_block_for(spec.addresses, endpoint.rank)
         if block is not None:
-            block.bytes_per_token = round_trip_bytes(
-                1, spec.hidden_size, spec.dtype.itemsize, spec.top_k
-            )
+            block.bytes_per_token = backend(spec.backend).round_trip_bytes(spec, 1)
         last = _LAST_ENDPOINT = (endpoint, block)
     return last[1]
 
@@ -103,13 +103,6 @@ def error_kind(exc: BaseException) -> str:
     if isinstance(exc, FFNTimeout):
         return "timeout"
     return "ffn_dead" if isinstance(exc, TransportError) else "other"
-
-
-def round_trip_bytes(tokens: int, hidden_size: int, itemsize: int, top_k: int) -> tuple[int, int]:
-    """(sent, received) payload bytes for ``tokens`` token rows: hidden states plus int32 ids
-    and float32 weights out, hidden states back."""
-    hidden = tokens * hidden_size * itemsize
-    return hidden + tokens * top_k * 8, hidden
 
 
 def close_attention_block() -> None:

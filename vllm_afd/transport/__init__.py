@@ -1,8 +1,10 @@
-"""Transport registry: ``create_attention_transport`` / ``create_ffn_transport`` by name.
+"""Transport registry: a backend (``base.Backend``: its endpoints and what it can do) by name.
 
 Backends register themselves lazily: the registry maps a name to the module that defines it,
-so that heavy optional imports (deep_ep on GPUs) happen only when that backend is chosen.
-A name is bound once: registering another target under a taken name is refused.
+so that heavy optional imports (deep_ep on GPUs) happen only when that backend is asked for.
+A name is bound once: registering another target under a taken name is refused. A backend
+outside this package needs no registration: ``--afd-transport package.module:MyBackend``
+names it by module path (as vLLM's ``kv_connector_module_path``), in every process.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib
 
 from vllm_afd.transport.base import (
     AttentionTransport,
+    Backend,
     DispatchHandle,
     FFNRankLost,
     FFNRequest,
@@ -22,29 +25,32 @@ from vllm_afd.transport.base import (
     TransportSpec,
 )
 
-# name -> "module:AttentionClass:FFNClass"
+# name -> "module:BackendClass"
 _BACKENDS: dict[str, str] = {
-    "shm": "vllm_afd.transport.shm:ShmAttentionTransport:ShmFFNTransport",
-    "tcp": "vllm_afd.transport.tcp:TcpAttentionTransport:TcpFFNTransport",
-    "deepep": "vllm_afd.transport.deepep:DeepEPAttentionTransport:DeepEPFFNTransport",
+    "shm": "vllm_afd.transport.shm:ShmBackend",
+    "tcp": "vllm_afd.transport.tcp:TcpBackend",
+    "deepep": "vllm_afd.transport.deepep:DeepEPBackend",
 }
 
 
-def register_transport(name: str, target: str) -> None:
-    """Register a backend as ``"package.module:AttentionCls:FFNCls"``.
+def _is_target(text: str) -> bool:
+    parts = text.split(":")
+    return len(parts) == 2 and all(parts)
 
-    The module is imported only when the backend is first created. Registering the same
+
+def register_transport(name: str, target: str) -> None:
+    """Register a backend as ``"package.module:BackendClass"`` (a ``Backend`` subclass).
+
+    The module is imported only when the backend is first asked for. Registering the same
     target again is a no-op.
 
     Raises:
-        ValueError: if ``target`` is not ``"module:AttentionCls:FFNCls"``, or if ``name`` is
-            already registered with a different target.
+        ValueError: if ``target`` is not ``"module:BackendClass"``, or if ``name`` is already
+            registered with a different target.
     """
-    parts = target.split(":")
-    if len(parts) != 3 or not all(parts):
+    if not _is_target(target):
         raise ValueError(
-            f"AFD transport target {target!r} for {name!r}: expected "
-            "'package.module:AttentionClass:FFNClass'"
+            f"AFD transport target {target!r} for {name!r}: expected 'package.module:BackendClass'"
         )
     current = _BACKENDS.get(name)
     if current is not None and current != target:
@@ -60,23 +66,38 @@ def available_transports() -> tuple[str, ...]:
     return tuple(sorted(_BACKENDS))
 
 
-def _load(name: str) -> tuple[type[AttentionTransport], type[FFNTransport]]:
-    if name not in _BACKENDS:
+def backend(name: str) -> type[Backend]:
+    """The backend registered as ``name``, or the one a ``"package.module:BackendClass"`` path
+    names (its module imported now).
+
+    Raises:
+        ValueError: for a name neither registered nor a module path, or a module path that does
+            not import.
+        TypeError: if the target is not a ``Backend`` subclass with endpoint classes.
+    """
+    target = _BACKENDS.get(name) or (name if _is_target(name) else None)
+    if target is None:
         raise ValueError(
             f"unknown AFD transport backend {name!r}; allowed: {', '.join(available_transports())}"
+            " or a module path 'package.module:BackendClass'"
         )
-    module_name, attn_name, ffn_name = _BACKENDS[name].split(":")
-    module = importlib.import_module(module_name)
-    classes = []
-    for attr, base in ((attn_name, AttentionTransport), (ffn_name, FFNTransport)):
-        cls = getattr(module, attr)
-        if not (isinstance(cls, type) and issubclass(cls, base)):
+    module_name, attr = target.split(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"AFD transport backend {name!r}: cannot load {target!r} ({exc})"
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise TypeError(f"AFD transport backend {name!r}: {target} is not a Backend subclass")
+    for attr, base in (("attention", AttentionTransport), ("ffn", FFNTransport)):
+        endpoint = getattr(cls, attr, None)
+        if not (isinstance(endpoint, type) and issubclass(endpoint, base)):
             raise TypeError(
-                f"AFD transport backend {name!r}: {module_name}.{attr} is not a subclass of "
+                f"AFD transport backend {name!r}: {target}.{attr} is not a subclass of "
                 f"{base.__name__}"
             )
-        classes.append(cls)
-    return classes[0], classes[1]
+    return cls
 
 
 def create_attention_transport(spec: TransportSpec, rank: int) -> AttentionTransport:
@@ -90,7 +111,7 @@ def create_attention_transport(spec: TransportSpec, rank: int) -> AttentionTrans
         TransportError: if an FFN rank cannot be reached.
         RuntimeError: if this machine cannot run the backend (e.g. deepep without a GPU).
     """
-    return _load(spec.backend)[0](spec, rank)
+    return backend(spec.backend).attention(spec, rank)
 
 
 def create_ffn_transport(spec: TransportSpec, rank: int) -> FFNTransport:
@@ -103,11 +124,12 @@ def create_ffn_transport(spec: TransportSpec, rank: int) -> FFNTransport:
         ValueError: for an unknown backend, or a ``spec``/``rank`` the backend refuses.
         RuntimeError: if this machine cannot run the backend (e.g. deepep without a GPU).
     """
-    return _load(spec.backend)[1](spec, rank)
+    return backend(spec.backend).ffn(spec, rank)
 
 
 __all__ = [
     "AttentionTransport",
+    "Backend",
     "DispatchHandle",
     "FFNRankLost",
     "FFNRequest",
@@ -118,6 +140,7 @@ __all__ = [
     "TransportError",
     "TransportSpec",
     "available_transports",
+    "backend",
     "create_attention_transport",
     "create_ffn_transport",
     "register_transport",

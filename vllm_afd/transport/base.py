@@ -46,7 +46,7 @@ import dataclasses
 import functools
 import json
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -322,3 +322,84 @@ class FFNTransport(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release buffers and connections."""
+
+
+class Backend:
+    """What one transport backend is and can do, declared on the backend, as vLLM declares what
+    its MoE kernels support (``FusedMoEExperts.is_supported_config``) and what a KV connector
+    needs (``get_required_kvcache_layout``). Config, deployment, placement and metrics ask these
+    and never compare a backend's name, so a new backend is one module with one subclass,
+    registered by name (``register_transport``) or named by its module path
+    (``--afd-transport package.module:MyBackend``).
+
+    Every answer has a default here (what the point-to-point CPU backends do); a backend
+    overrides what differs. Class-level only: nothing is instantiated and nothing heavy is
+    imported by asking (the front-end asks before any worker starts).
+    """
+
+    #: The name ``--afd-transport`` takes.
+    name: ClassVar[str]
+    #: The endpoint classes (``create_attention_transport``, ``create_ffn_transport``).
+    attention: ClassVar[type[AttentionTransport]]
+    ffn: ClassVar[type[FFNTransport]]
+    #: It authenticates its peers with the deployment's shared secret (``auth.py``): the
+    #: front-end writes one (or checks the user's ``VLLM_AFD_AUTH_FILE``) and a joining
+    #: front-end takes the group's.
+    needs_secret: ClassVar[bool] = False
+    #: Its data plane crosses the FFN host's interface unencrypted (the front-end warns when
+    #: that interface is not loopback).
+    plaintext_on_ffn_host: ClassVar[bool] = False
+    #: Failover (``--afd-failover-timeout``) can replace its lost FFN ranks.
+    supports_failover: ClassVar[bool] = True
+    #: Which side applies the routing weights: ``"ffn"`` (the FFN side answers rows weighted
+    #: and summed over its experts) or ``"attention"`` (the combine weights them).
+    weights_applied_on: ClassVar[str] = "ffn"
+
+    @classmethod
+    def host_problem(cls) -> str | None:
+        """Why this machine cannot run the backend's endpoints (``None``: it can)."""
+        return None
+
+    @classmethod
+    def device_problem(cls, attention_device: str, ffn_device: str) -> str | None:
+        """Why it cannot connect attention ranks on ``attention_device`` to FFN ranks on
+        ``ffn_device`` (``"cpu"``, ``"cuda"``); ``None``: it can."""
+        return None
+
+    @classmethod
+    def limits_problem(
+        cls,
+        *,
+        hidden_size: int,
+        dtype: torch.dtype | None,
+        max_tokens: int,
+        microbatches: int,
+        num_attention_ranks: int,
+        num_ffn_ranks: int,
+        num_experts: int,
+        num_sms: int | None = None,
+    ) -> str | None:
+        """Why it cannot serve a deployment of these sizes (``max_tokens``: per attention rank
+        and dispatch; ``microbatches``: dispatches in flight; ``num_sms``: the GPU's SM count,
+        ``None``: the backend's default), naming the setting to change; ``None``: it can."""
+        return None
+
+    @classmethod
+    def requested_addresses(cls, ffn_host: str, num_ffn_ranks: int) -> tuple[str, ...]:
+        """``TransportSpec.addresses`` as asked of the FFN side (what it listens on); ``()``
+        when the FFN side chooses."""
+        return ()
+
+    @classmethod
+    def start_rendezvous(cls, spec: TransportSpec, ffn_host: str) -> Any:
+        """The group's meeting point, started by the front-end before any rank (an object
+        with ``address`` and ``close()``; every rank is given its ``address``), or ``None``
+        when ranks connect to each other directly."""
+        return None
+
+    @classmethod
+    def round_trip_bytes(cls, spec: TransportSpec, tokens: int) -> tuple[int, int]:
+        """(sent, received) payload bytes of one round trip of ``tokens`` token rows: here
+        hidden states plus int32 ids and float32 weights out, hidden states back."""
+        hidden = tokens * spec.hidden_size * spec.dtype.itemsize
+        return hidden + tokens * spec.top_k * 8, hidden

@@ -62,6 +62,7 @@ import torch
 from vllm_afd.transport import auth, group
 from vllm_afd.transport.base import (
     AttentionTransport,
+    Backend,
     DispatchHandle,
     FFNRequest,
     FFNTransport,
@@ -495,3 +496,63 @@ class DeepEPFFNTransport(_Endpoint, FFNTransport):
 
     def close(self) -> None:
         self._release()
+
+
+class DeepEPBackend(Backend):
+    """GPUs at both ends, DeepEP's low-latency kernels; the ranks meet through the front-end's
+    hub (``group.py``), authenticated with the deployment's secret. A collective: no failover
+    (a DeepEP group cannot take a new member), and the combine applies the routing weights."""
+
+    name = "deepep"
+    attention = DeepEPAttentionTransport
+    ffn = DeepEPFFNTransport
+    needs_secret = True
+    supports_failover = False
+    weights_applied_on = "attention"
+
+    @classmethod
+    def device_problem(cls, attention_device: str, ffn_device: str) -> str | None:
+        if (attention_device, ffn_device) == ("cuda", "cuda"):
+            return None
+        return (
+            "deepep: DeepEP runs between GPUs; this deployment has attention ranks on "
+            f"{attention_device} and FFN ranks on {ffn_device} (--afd-ffn-device); use shm or "
+            "tcp on CPUs"
+        )
+
+    @classmethod
+    def limits_problem(
+        cls,
+        *,
+        hidden_size: int,
+        dtype: torch.dtype | None,
+        max_tokens: int,
+        microbatches: int,
+        num_attention_ranks: int,
+        num_ffn_ranks: int,
+        num_experts: int,
+        num_sms: int | None = None,
+    ) -> str | None:
+        return limits_problem(
+            hidden_size,
+            dtype,
+            max_tokens,
+            microbatches,
+            num_attention_ranks,
+            num_ffn_ranks,
+            num_experts,
+            num_sms or DEFAULT_NUM_SMS,
+        )
+
+    @classmethod
+    def start_rendezvous(cls, spec: TransportSpec, ffn_host: str) -> group.Hub:
+        num_ranks = spec.num_attention_ranks + spec.num_ffn_ranks
+        return group.Hub(ffn_host, num_ranks, auth.load_secret())
+
+    @classmethod
+    def round_trip_bytes(cls, spec: TransportSpec, tokens: int) -> tuple[int, int]:
+        """One hidden-state row per (token, expert) pair each way, at most (DeepEP's
+        low-latency layout: a token goes once to each FFN rank that holds one of its experts,
+        one row per expert comes back); ids and weights stay on the attention side."""
+        rows = tokens * spec.top_k * spec.hidden_size * spec.dtype.itemsize
+        return rows, rows

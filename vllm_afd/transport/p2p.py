@@ -63,6 +63,7 @@ from vllm_afd import envs
 from vllm_afd.transport import directory
 from vllm_afd.transport.base import (
     AttentionTransport,
+    Backend,
     DispatchHandle,
     FFNRankLost,
     ProtocolError,
@@ -506,3 +507,18 @@ class PointToPointAttentionTransport(AttentionTransport):
             ``[N, H]`` ``spec.dtype``, possibly a view of a transport buffer (read before the
             slot is freed, never kept).
         """
+
+
+class PointToPointBackend(Backend):
+    """What the point-to-point backends share: hidden states through host memory, so CPU
+    attention ranks only (their FFN ranks may compute on a GPU)."""
+
+    @classmethod
+    def device_problem(cls, attention_device: str, ffn_device: str) -> str | None:
+        if attention_device == "cpu":
+            return None
+        return (
+            f"{cls.name}: the point-to-point transports carry hidden states through host "
+            f"memory and cannot serve a {attention_device.upper()} model; use --afd-transport "
+            "deepep on GPUs"
+        )

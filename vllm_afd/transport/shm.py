@@ -118,6 +118,7 @@ from vllm_afd.transport.control import StepSchedule, Tag, answer_mismatch, sched
 from vllm_afd.transport.p2p import (
     Backoff,
     PointToPointAttentionTransport,
+    PointToPointBackend,
     ViewCache,
     WaitPolicy,
 )
@@ -744,3 +745,15 @@ class ShmFFNTransport(FFNTransport):
         self._finalizer()
         self._slots, self._words = [], None
         self._segment.release()
+
+
+class ShmBackend(PointToPointBackend):
+    """One host, shared memory; x86-64 only (``host.shm_platform_problem``)."""
+
+    name = "shm"
+    attention = ShmAttentionTransport
+    ffn = ShmFFNTransport
+
+    @classmethod
+    def host_problem(cls) -> str | None:
+        return shm_platform_problem()

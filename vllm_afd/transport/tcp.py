@@ -94,6 +94,7 @@ from vllm_afd.transport.control import StepSchedule, Tag, answer_mismatch, sched
 from vllm_afd.transport.p2p import (
     Backoff,
     PointToPointAttentionTransport,
+    PointToPointBackend,
     RowViews,
     WaitPolicy,
 )
@@ -810,3 +811,18 @@ class TcpFFNTransport(FFNTransport):
                 self._drop(key.data)
         self._selector.close()
         self._listener.close()
+
+
+class TcpBackend(PointToPointBackend):
+    """Across hosts: the FFN ranks listen on ``--afd-ffn-host`` (any free port), peers
+    authenticate with the deployment's secret (HMAC), hidden states travel unencrypted."""
+
+    name = "tcp"
+    attention = TcpAttentionTransport
+    ffn = TcpFFNTransport
+    needs_secret = True
+    plaintext_on_ffn_host = True
+
+    @classmethod
+    def requested_addresses(cls, ffn_host: str, num_ffn_ranks: int) -> tuple[str, ...]:
+        return (f"{ffn_host}:0",) * num_ffn_ranks

@@ -86,4 +86,3 @@ def test_error_kind():
     assert recorder.error_kind(FFNServeError("FFN rank 0: layer 1: timeout")) == "ffn_error"
     assert recorder.error_kind(TransportError("FFN rank 1: connection lost (x)")) == "ffn_dead"
     assert recorder.error_kind(ValueError("x")) == "other"
-    assert recorder.round_trip_bytes(3, 128, 4, 2) == (3 * 128 * 4 + 3 * 2 * 8, 3 * 128 * 4)

@@ -1,0 +1,45 @@
+"""A transport backend added in one file: shm, counting its rounds (issue 18's test).
+
+Nothing in the product names it: a run selects it by module path,
+``--afd-transport tests.e2e.counting_backend:CountingShm`` (``transport.backend``), in the
+front-end, the engine core and the FFN rank actors alike. Each endpoint keeps its count in
+``$AFD_COUNTING_DIR/{attention,ffn}<rank>`` (rewritten after every round), so that the test
+sees, from outside the product, that every combine went through this backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm_afd.transport.shm import ShmAttentionTransport, ShmBackend, ShmFFNTransport
+
+
+def _record(side: str, rank: int, count: int) -> None:
+    path = os.path.join(os.environ["AFD_COUNTING_DIR"], f"{side}{rank}")
+    with open(path, "w") as f:
+        f.write(str(count))
+
+
+class _CountingAttention(ShmAttentionTransport):
+    combines = 0
+
+    def combine(self, handle):
+        out = super().combine(handle)
+        self.combines += 1
+        _record("attention", self.rank, self.combines)
+        return out
+
+
+class _CountingFFN(ShmFFNTransport):
+    replies = 0
+
+    def reply(self, request, out) -> None:
+        super().reply(request, out)
+        self.replies += 1
+        _record("ffn", self.rank, self.replies)
+
+
+class CountingShm(ShmBackend):
+    name = "counting-shm"
+    attention = _CountingAttention
+    ffn = _CountingFFN
