@@ -201,7 +201,8 @@ class FFNRequest:
         x: ``[N, H]`` hidden states, ``TransportSpec.dtype``.
         topk_ids: ``[N, K]`` int32 *global* expert ids.
         topk_weights: ``[N, K]`` float32 routing weights.
-        tag: backend-private, identifies the request for ``reply``.
+        reply_key: backend-private, identifies the request for ``reply`` (not its
+            ``control.Tag``: that is ``layer``, ``step`` and ``microbatch``).
         reply_buffer: ``[N, H]`` ``spec.dtype`` where ``reply`` puts the answer, or ``None``
             when the backend has no such buffer (tcp sends ``out`` itself). An FFN rank may
             compute its answer straight into it and pass it to ``reply``, which then only
@@ -216,7 +217,7 @@ class FFNRequest:
     x: torch.Tensor
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
-    tag: object = None
+    reply_key: object = None
     reply_buffer: torch.Tensor | None = None
     step: int = 0
     microbatch: int = 0

@@ -422,7 +422,13 @@ class DeepEPFFNTransport(_Endpoint, FFNTransport):
             # step 0, no schedule: the schedules were checked here (all attention ranks agree)
             requests.append(
                 FFNRequest(
-                    -1, layer, x, ids[:, None].int(), weights, tag=microbatch, microbatch=microbatch
+                    -1,
+                    layer,
+                    x,
+                    ids[:, None].int(),
+                    weights,
+                    reply_key=microbatch,
+                    microbatch=microbatch,
                 )
             )
         return requests
@@ -471,7 +477,7 @@ class DeepEPFFNTransport(_Endpoint, FFNTransport):
     def reply(self, request: FFNRequest, out: torch.Tensor) -> None:
         """``out``: ``[N, H]`` unweighted expert outputs, rows in ``request`` order. The layer's
         combines run, in microbatch order, once every microbatch is answered."""
-        self._rounds[request.tag].out = out
+        self._rounds[request.reply_key].out = out
         if any(r.out is None for r in self._rounds):
             return
         rounds, self._rounds = self._rounds, []

@@ -664,7 +664,7 @@ class ShmFFNTransport(FFNTransport):
                 )
             )
         if len(requests) > 1:
-            requests.sort(key=lambda r: (r.src_rank, r.tag[1]))
+            requests.sort(key=lambda r: (r.src_rank, r.reply_key[1]))
         return requests
 
     def _refuse_header(self, slot: _Slot, seq: int, num_tokens: int) -> None:
@@ -700,7 +700,7 @@ class ShmFFNTransport(FFNTransport):
     def reply(self, request: FFNRequest, out: torch.Tensor) -> None:
         """See ``FFNTransport.reply``; ``out``: ``[N, H]``, converted to ``spec.dtype``, or
         ``request.reply_buffer`` itself (already in place: nothing is copied)."""
-        index, seq = request.tag
+        index, seq = request.reply_key
         slot = self._slots[index][1]
         buffer = request.reply_buffer
         if out is not buffer and out.shape != buffer.shape:
@@ -716,7 +716,7 @@ class ShmFFNTransport(FFNTransport):
     def reply_error(self, request: FFNRequest, message: str) -> None:
         """See ``FFNTransport.reply_error``: the text goes into the slot's response area
         (truncated to it), its length into the response header."""
-        index, seq = request.tag
+        index, seq = request.reply_key
         slot = self._slots[index][1]
         if self._words[slot.req_seq] != seq:
             return  # superseded, as in ``reply``

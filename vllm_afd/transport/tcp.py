@@ -605,7 +605,7 @@ class _AttentionPeer:
                 self.x[slot].rows[n],
                 self.ids[slot].rows[n],
                 self.weights[slot].rows[n],
-                tag=(self, slot, seq),
+                reply_key=(self, slot, seq),
                 step=step,
                 microbatch=microbatch,
                 schedule=self.schedule,
@@ -744,7 +744,7 @@ class TcpFFNTransport(FFNTransport):
 
     def reply(self, request: FFNRequest, out: torch.Tensor) -> None:
         """See ``FFNTransport.reply``; ``out``: ``[N, H]``, converted to ``spec.dtype``."""
-        peer, slot, seq = request.tag
+        peer, slot, seq = request.reply_key
         n = request.x.shape[0]
         if out.shape != (n, self.spec.hidden_size):
             raise ValueError(f"reply must be [{n}, {self.spec.hidden_size}], got {out.shape}")
@@ -758,7 +758,7 @@ class TcpFFNTransport(FFNTransport):
     def reply_error(self, request: FFNRequest, message: str) -> None:
         """See ``FFNTransport.reply_error``: an ERROR frame with the text (truncated to
         ``MAX_TEXT_BYTES``)."""
-        peer, slot, seq = request.tag
+        peer, slot, seq = request.reply_key
         if peer.closed:
             return
         body = message.encode()[:MAX_TEXT_BYTES]
