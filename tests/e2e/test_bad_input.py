@@ -1,12 +1,15 @@
 """Bad input to `vllm-afd serve`: one clear error naming the flag, exit 2, before any worker.
 
-Each case runs the real console script; "before any worker" is checked by the absence of any
-engine or FFN start in its output and by the time it took.
+The core cases (``make test``) each run the console script in a fresh process; the rest run
+its ``main`` in children forked from one process that imported vLLM once (``serve_cases.py``).
+"Before any worker" is checked by the absence of any engine or FFN start in the output and by
+the time each case took.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import subprocess
 import sys
@@ -22,19 +25,13 @@ pytestmark = pytest.mark.slow
 STARTED_MARKERS = ("EngineCore", "FFN rank 0 up", "Started a local Ray instance")
 
 
+def _argv(model: str, *flags: str) -> list[str]:
+    """``vllm-afd serve`` arguments (after ``serve``)."""
+    return [model, "--host", "127.0.0.1", "--port", "1", "--dtype", "float32", *flags]
+
+
 def _serve(model: str, *flags: str, env: dict[str, str] | None = None) -> tuple[int, str, float]:
-    argv = [
-        str(Path(sys.executable).with_name("vllm-afd")),
-        "serve",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "1",
-        "--dtype",
-        "float32",
-        *flags,
-    ]
+    argv = [str(Path(sys.executable).with_name("vllm-afd")), "serve", *_argv(model, *flags)]
     start = time.monotonic()
     proc = subprocess.run(
         argv,
@@ -69,8 +66,12 @@ def dense_model(tiny_qwen3, tmp_path_factory) -> str:
     return str(out)
 
 
-def _cases(qwen3: str, dense: str) -> list[tuple[str, tuple[str, ...], str, dict | None]]:
-    """(name, serve arguments, expected message, extra environment)."""
+#: (name, serve arguments, expected message, extra environment)
+Case = tuple[str, tuple[str, ...], str, dict | None]
+
+
+def _cases(qwen3: str, dense: str) -> list[Case]:
+    """The cases, in order."""
     flag_cases = [
         ("zero side", (qwen3, "--afd-ratio", "0:1"), "--afd-ratio"),
         ("not a ratio", (qwen3, "--afd-ratio", "a:b"), "--afd-ratio"),
@@ -160,9 +161,28 @@ def _cases(qwen3: str, dense: str) -> list[tuple[str, tuple[str, ...], str, dict
 CORE = ("not a ratio", "more FFN ranks than experts", "unknown transport", "FFN CPU lists")
 
 
-def _check(cases: list[tuple[str, tuple[str, ...], str, dict | None]]) -> None:
+def _in_fresh_processes(cases: list[Case]) -> list[tuple[int, str, float]]:
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda case: _serve(*case[1], env=case[3]), cases))
+        return list(pool.map(lambda case: _serve(*case[1], env=case[3]), cases))
+
+
+def _forked(cases: list[Case], tmp_path: Path) -> list[tuple[int, str, float]]:
+    spec = tmp_path / "cases.json"
+    spec.write_text(json.dumps([{"argv": _argv(*c[1]), "env": c[3]} for c in cases]))
+    runner = Path(__file__).with_name("serve_cases.py")
+    proc = subprocess.run(
+        [sys.executable, str(runner), str(spec)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return [tuple(r) for r in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
+def _check(cases: list[Case], results: list[tuple[int, str, float]]) -> None:
     for (name, _, expected, _env), (code, output, elapsed) in zip(cases, results, strict=True):
         assert code == 2, f"{name}: exit {code}\n{output[-2000:]}"
         assert expected in output, f"{name}: {expected!r} not in\n{output[-2000:]}"
@@ -174,9 +194,10 @@ def _check(cases: list[tuple[str, tuple[str, ...], str, dict | None]]) -> None:
 def test_bad_inputs_fail_fast_with_the_flag_named(tiny_qwen3):
     cases = [c for c in _cases(tiny_qwen3, dense="") if c[0] in CORE]
     assert len(cases) == len(CORE)
-    _check(cases)
+    _check(cases, _in_fresh_processes(cases))
 
 
 @pytest.mark.full
-def test_more_bad_inputs_fail_fast_with_the_flag_named(tiny_qwen3, dense_model):
-    _check([c for c in _cases(tiny_qwen3, dense_model) if c[0] not in CORE])
+def test_more_bad_inputs_fail_fast_with_the_flag_named(tiny_qwen3, dense_model, tmp_path):
+    cases = [c for c in _cases(tiny_qwen3, dense_model) if c[0] not in CORE]
+    _check(cases, _forked(cases, tmp_path))

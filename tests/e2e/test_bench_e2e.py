@@ -1,46 +1,83 @@
 """`vllm-afd bench` end to end: a small bench (colocated, DP2 x EP2, AFD 1:1) and the JSON it
-writes."""
+writes, speculative decoding in every configuration, a decode pool on vLLM's
+DecodeBenchConnector.
+
+The three benches run as `vllm-afd bench` processes, two at a time (a module fixture): each runs
+its configurations one after another, as a benchmark must, and the checks here read tokens and
+counters, never timings, so two benches side by side cost them nothing.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
-
-from vllm_afd.bench import ab
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 
-def test_bench_end_to_end_small(tmp_path, tiny_qwen3):
-    out = tmp_path / "ab.json"
-    argv = [
-        "--model",
-        tiny_qwen3,
-        "--ratios",
-        "1:1",
-        "--microbatches",
-        "1",
-        "--ep-sizes",
-        "2",
-        "--batch",
-        "4",
-        "--prompt-len",
-        "32",
-        "--output-len",
-        "16",
-        "--rounds",
-        "2",
-        "--json",
-        str(out),
-        "--log-dir",
-        str(tmp_path / "logs"),
-    ]
-    with pytest.raises(SystemExit) as exc:
-        ab.main(argv)
-    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
-    assert exc.value.code == 0, rows
+def _small(model: str) -> list[str]:
+    argv = ["--model", model, "--ratios", "1:1", "--microbatches", "1", "--ep-sizes", "2"]
+    return [*argv, "--batch", "4", "--prompt-len", "32", "--output-len", "16", "--rounds", "2"]
+
+
+def _speculative(model: str) -> list[str]:
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    spec["prompt_lookup_max"] = 3
+    argv = ["--model", model, "--ratios", "1:1", "--microbatches", "2", "--ep-sizes", "none"]
+    argv += ["--batch", "4", "--prompt-len", "64", "--output-len", "16", "--rounds", "1"]
+    return [*argv, "--speculative-config", json.dumps(spec)]
+
+
+KV = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}
+
+
+def _decode_pool(model: str) -> list[str]:
+    argv = ["--model", model, "--ratios", "1:1", "--microbatches", "2", "--ep-sizes", "none"]
+    argv += ["--batch", "4", "--prompt-len", "256", "--output-len", "16", "--rounds", "1"]
+    return [*argv, "--kv-transfer-config", json.dumps(KV)]
+
+
+@pytest.fixture(scope="module")
+def benches(tiny_qwen3, tmp_path_factory) -> dict[str, tuple[int, dict, str]]:
+    """name -> (exit code, the JSON written, the output's tail) of each bench (run in this
+    process's environment, as ``ab.main`` here would)."""
+    argvs = {"small": _small, "speculative": _speculative, "decode_pool": _decode_pool}
+    script = str(Path(sys.executable).with_name("vllm-afd"))
+
+    def run(name: str) -> tuple[int, dict, str]:
+        tmp = tmp_path_factory.mktemp(name)
+        argv = [*argvs[name](tiny_qwen3), "--json", str(tmp / "out.json")]
+        argv += ["--log-dir", str(tmp / "logs")]
+        proc = subprocess.run(
+            [script, "bench", *argv],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            stdin=subprocess.DEVNULL,
+        )
+        out = tmp / "out.json"
+        data = json.loads(out.read_text()) if out.exists() else {}
+        return proc.returncode, data, (proc.stdout + proc.stderr)[-3000:]
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(argvs, pool.map(run, argvs), strict=True))
+
+
+def _rows(bench: tuple[int, dict, str]) -> tuple[dict, dict]:
+    code, data, tail = bench
+    rows = {r["name"]: r for r in data.get("rows", [])}
+    assert code == 0 and rows, f"exit {code}: {rows}\n{tail}"
+    return data, rows
+
+
+def test_bench_end_to_end_small(benches):
+    _, rows = _rows(benches["small"])
     assert set(rows) == {"colocated", "wide EP2", "afd 1:1 k1"}
     for row in rows.values():
         assert row["status"] == "ok" and row["identical"] is True, row
@@ -52,22 +89,13 @@ def test_bench_end_to_end_small(tmp_path, tiny_qwen3):
     assert afd["ffn_layer_service_ms"] > 0 and rows["wide EP2"]["compared_requests"] == 4
 
 
-def test_bench_applies_speculation_to_every_configuration(tmp_path, tiny_qwen3):
+def test_bench_applies_speculation_to_every_configuration(benches):
     """n-gram d = 3 colocated and at AFD 1:1 with the default two microbatches: the same
     greedy tokens, vLLM's acceptance counters per configuration. The random model's text
     seldom repeats, so drafts are few (prompt_lookup_min 1 finds some) and none is accepted."""
-    out = tmp_path / "spec.json"
+    data, rows = _rows(benches["speculative"])
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    spec["prompt_lookup_max"] = 3
-    argv = ["--model", tiny_qwen3, "--ratios", "1:1", "--microbatches", "2", "--ep-sizes", "none"]
-    argv += ["--batch", "4", "--prompt-len", "64", "--output-len", "16", "--rounds", "1"]
-    argv += ["--speculative-config", json.dumps(spec), "--json", str(out)]
-    with pytest.raises(SystemExit) as exc:
-        ab.main([*argv, "--log-dir", str(tmp_path / "logs")])
-    data = json.loads(out.read_text())
-    rows = {r["name"]: r for r in data["rows"]}
-    assert exc.value.code == 0, rows
-    assert data["settings"]["speculative_config"] == spec
+    assert data["settings"]["speculative_config"] == spec | {"prompt_lookup_max": 3}
     assert set(rows) == {"colocated", "afd 1:1 k2"}
     for row in rows.values():
         assert row["status"] == "ok" and row["identical"] is True, row
@@ -80,21 +108,12 @@ def test_bench_applies_speculation_to_every_configuration(tmp_path, tiny_qwen3):
     assert afd["microbatches_effective"] == pytest.approx(2.0)  # verify steps are split
 
 
-def test_bench_runs_a_decode_pool_with_decode_bench_connector(tmp_path, tiny_qwen3):
+def test_bench_runs_a_decode_pool_with_decode_bench_connector(benches):
     """vLLM's DecodeBenchConnector colocated and at AFD 1:1 with the default two microbatches:
     each prompt's KV is filled, not computed (one prompt token per request), in one step, and
     every layout decodes the same tokens from the same constants."""
-    out = tmp_path / "pool.json"
-    kv = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}
-    argv = ["--model", tiny_qwen3, "--ratios", "1:1", "--microbatches", "2", "--ep-sizes", "none"]
-    argv += ["--batch", "4", "--prompt-len", "256", "--output-len", "16", "--rounds", "1"]
-    argv += ["--kv-transfer-config", json.dumps(kv), "--json", str(out)]
-    with pytest.raises(SystemExit) as exc:
-        ab.main([*argv, "--log-dir", str(tmp_path / "logs")])
-    data = json.loads(out.read_text())
-    rows = {r["name"]: r for r in data["rows"]}
-    assert exc.value.code == 0, rows
-    assert data["settings"]["kv_transfer_config"] == kv
+    data, rows = _rows(benches["decode_pool"])
+    assert data["settings"]["kv_transfer_config"] == KV
     assert set(rows) == {"colocated", "afd 1:1 k2"}
     for row in rows.values():
         assert row["status"] == "ok" and row["identical"] is True, row
