@@ -34,11 +34,8 @@ PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=10
 test: venv
 	$(PYTEST) -m "not full"
 
-# Two test files at a time (pytest-xdist; a file's tests stay together, so its module-scoped
-# servers are shared as before): the e2e modules mostly wait on engine start-up, and two at once
-# about halve the wall time on two cores, as run_pair does within a module.
 test-all: venv
-	$(PYTEST) -n 2 --dist loadfile
+	$(PYTEST)
 
 lint: venv
 	$(BIN)/ruff check vllm_afd tests

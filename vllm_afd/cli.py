@@ -76,7 +76,7 @@ def ffn_server(argv: list[str]) -> None:
     try:
         vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
         model_dir = checkpoint_dir(vllm_config.model_config.model)
-        path = placement.write_group_file(args.group_file, model_dir)
+        path = placement.write_group_file(placement.current_group(), args.group_file, model_dir)
         print(f"vllm-afd ffn-server: FFN group ready; join with --afd-join {path}", flush=True)
         stop.wait()
     finally:

@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from vllm_afd.errors import AFDConfigError
+
 FFNDevice = Literal["auto", "cpu", "cuda"]
 #: Most ping-pong microbatches per step (``--afd-microbatches``).
 MAX_MICROBATCHES = 8
@@ -39,10 +41,6 @@ _RATIO_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 #: ``--afd-ray-address`` values that mean a Ray instance on this machine.
 LOCAL_RAY = (None, "", "local", "auto")
 logger = logging.getLogger("vllm.afd")
-
-
-class AFDConfigError(ValueError):
-    """Invalid AFD configuration. The message names the flag and what is allowed."""
 
 
 def _flag(name: str, help: str, metavar: str | None = None, **argparse_kwargs: Any) -> dict:

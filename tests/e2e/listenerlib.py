@@ -2,7 +2,7 @@
 answers without credentials.
 
 Which listeners a server has (Ray 2.60, local instance started by the FFN group, loopback
-because it runs in Ray's single-machine mode; see placement.py):
+because it runs in Ray's single-machine mode; see placement/credentials.py):
 
 =====================  =========  ==============================================
 process                protocol   without the token

@@ -69,12 +69,12 @@ def test_deepep_limits_are_checked_before_start():
 def test_local_ffn_ranks_get_the_gpus_after_the_attention_ranks():
     spec = TransportSpec("deepep", 7, 2, 128, 2048, 8, 256, torch.bfloat16)
     assert [placement.ffn_gpu(spec, r) for r in range(2)] == [7, 8]
-    env = placement._gpu_env(spec, 1, "cuda", local=True)
+    env = placement.cluster.gpu_env(spec, 1, "cuda", local=True)
     assert env == {"CUDA_VISIBLE_DEVICES": "8", "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
-    assert placement._bundle("cuda", local=True) == {"CPU": 1}
-    assert placement._bundle("cuda", local=False) == {"CPU": 1, "GPU": 1}
-    assert placement._gpu_env(spec, 0, "cuda", local=False) == {}
-    assert placement._gpu_env(spec, 0, "cpu", local=True) == {}
+    assert placement.cluster.ffn_bundle("cuda", local=True) == {"CPU": 1}
+    assert placement.cluster.ffn_bundle("cuda", local=False) == {"CPU": 1, "GPU": 1}
+    assert placement.cluster.gpu_env(spec, 0, "cuda", local=False) == {}
+    assert placement.cluster.gpu_env(spec, 0, "cpu", local=True) == {}
 
 
 def test_deepep_is_refused_unless_both_ends_are_gpus():

@@ -152,7 +152,7 @@ def test_the_supervisor_replaces_a_killed_rank_and_publishes_it(tmp_path):
 
 
 def test_the_supervisor_gives_up_after_failures_in_a_row(tmp_path, monkeypatch):
-    monkeypatch.setattr(placement, "FAILOVER_MAX_STREAK", 2)
+    monkeypatch.setattr(placement.failover, "FAILOVER_MAX_STREAK", 2)
     first = _sleeper()
     group = _Group(_spec(tmp_path), fail_starts=5)
     _publish(tmp_path, first.pid)

@@ -14,6 +14,7 @@ import torch
 
 from vllm_afd import envs, placement
 from vllm_afd.config import AFDConfig, AFDConfigError, MoEModelInfo
+from vllm_afd.host import process_start_time
 from vllm_afd.transport import TransportSpec
 
 MODEL = MoEModelInfo("Qwen3MoeForCausalLM", 2, 8, 2, 16, 32, (0, 1))
@@ -30,7 +31,7 @@ def group(tmp_path, monkeypatch):
     spec = TransportSpec("shm", 2, 1, 8, 16, 2, 64, torch.float32, moe_layers=(0, 1))
     content = {
         "format": placement.GROUP_FILE_FORMAT,
-        "vllm_afd": placement._version(),
+        "vllm_afd": placement.shared._version(),
         "spec": json.loads(spec.to_json()),
         "model": str(model_dir),
         "model_sha256": placement.model_identity(str(model_dir)),
@@ -65,7 +66,7 @@ def test_ranks_held_by_a_live_front_end_are_skipped_and_a_dead_ones_taken_over(g
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         holder = {"host": os.uname().nodename, "pid": other.pid}
-        holder["start"] = placement.process_start_time(other.pid)
+        holder["start"] = process_start_time(other.pid)
         (leases / "rank0").write_text(json.dumps(holder))
         assert _join(path, model_dir).attention_rank_offset == 1  # rank 0 is in use
         placement.stop_ffn_group()

@@ -94,6 +94,17 @@ def test_package_root_is_small():
     assert len(root) <= 9, root
 
 
+def test_no_product_module_over_900_lines():
+    """The tools (bench/, planner/) aside: a module that long holds more than one job."""
+    long = {
+        name: n
+        for name, path in _modules().items()
+        if not name.startswith(("vllm_afd.bench", "vllm_afd.planner"))
+        and (n := len(path.read_text().splitlines())) > 900
+    }
+    assert long == {}, long
+
+
 def test_microbatch_is_pure():
     """The ping-pong mechanism imports neither vLLM nor the rest of the package."""
     tree = ast.parse((PACKAGE / "microbatch.py").read_text())

@@ -1,5 +1,6 @@
-"""What the FFN group start puts where (``placement.py``): no credential in Ray's metadata, the
-Ray token and the tcp secret in private files, and the environment restored at stop."""
+"""What the FFN group start puts where (``placement/credentials.py``): no credential in Ray's
+metadata, the Ray token and the tcp secret in private files, and the environment restored at
+stop."""
 
 from __future__ import annotations
 
@@ -65,11 +66,11 @@ def test_tcp_secret_and_ray_token_are_private_and_released(monkeypatch):
     monkeypatch.delenv(envs.AUTH_FILE, raising=False)
     monkeypatch.setenv(placement.RAY_AUTH_MODE, "disabled")
     monkeypatch.setenv(placement.RAY_AUTH_TOKEN, "the user's token for another cluster")
-    monkeypatch.setattr(placement, "_refresh_ray_auth", lambda: None)
+    monkeypatch.setattr(placement.credentials, "_refresh_ray_auth", lambda: None)
     try:
         placement.prepare_transport_secret(AFDConfig(ratio=(1, 1), transport="tcp"))
         placement.use_local_ray_credentials()
-        directory = placement._PRIVATE
+        directory = placement.credentials._PRIVATE
         assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
         for path in (os.environ[envs.AUTH_FILE], os.environ[placement.RAY_AUTH_TOKEN_PATH]):
             assert os.path.dirname(path) == directory
@@ -88,15 +89,15 @@ def test_tcp_secret_and_ray_token_are_private_and_released(monkeypatch):
 
 def test_a_given_secret_file_is_used_as_is(monkeypatch, tcp_secret):
     placement.prepare_transport_secret(AFDConfig(ratio=(1, 1), transport="tcp"))
-    assert os.environ[envs.AUTH_FILE] == tcp_secret and placement._PRIVATE is None
+    assert os.environ[envs.AUTH_FILE] == tcp_secret and placement.credentials._PRIVATE is None
 
 
 def test_given_cluster_token_is_passed_through(monkeypatch):
     monkeypatch.delenv(placement.RAY_AUTH_MODE, raising=False)
     monkeypatch.setenv(placement.RAY_AUTH_TOKEN_PATH, "/home/u/.ray/prod_token")
-    monkeypatch.setattr(placement, "_refresh_ray_auth", lambda: None)
+    monkeypatch.setattr(placement.credentials, "_refresh_ray_auth", lambda: None)
     try:
-        placement._given_cluster_credentials()
+        placement.credentials.given_cluster_credentials()
         assert os.environ[placement.RAY_AUTH_MODE] == "token"
         assert os.environ[placement.RAY_AUTH_TOKEN_PATH] == "/home/u/.ray/prod_token"
     finally:

@@ -96,7 +96,7 @@ def record_error(kind: str, rank: int) -> None:
 
 def error_kind(exc: BaseException) -> str:
     """Classify a transport exception for ``record_error`` by its type."""
-    from vllm_afd.transport.base import FFNServeError, FFNTimeout, TransportError
+    from vllm_afd.errors import FFNServeError, FFNTimeout, TransportError
 
     if isinstance(exc, FFNServeError):
         return "ffn_error"

@@ -36,7 +36,7 @@ import hmac
 import secrets
 
 from vllm_afd import envs
-from vllm_afd.config import AFDConfigError
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.host import read_private_file
 
 NONCE_BYTES = 32

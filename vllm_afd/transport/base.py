@@ -50,39 +50,14 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
+from vllm_afd.errors import (  # noqa: F401 - the contract's errors, named here too
+    FFNRankLost,
+    FFNServeError,
+    FFNTimeout,
+    ProtocolError,
+    TransportError,
+)
 from vllm_afd.transport.control import StepSchedule
-
-
-class TransportError(RuntimeError):
-    """An FFN rank did not answer: it died, or it did not answer within the timeout."""
-
-
-class FFNRankLost(TransportError):
-    """An FFN rank is gone: its process died or closed its endpoint, or its connection broke.
-
-    Unlike a timeout or an error answer, this is what failover recovers from: the attention
-    side waits for the rank's replacement (``directory.py``) and sends it the requests the lost
-    rank had not answered (``p2p.PointToPointAttentionTransport``).
-    """
-
-    def __init__(self, ffn_rank: int, message: str) -> None:
-        super().__init__(message)
-        self.ffn_rank = ffn_rank
-
-
-class FFNTimeout(TransportError):
-    """An FFN rank, alive as far as the attention side can tell, did not answer within
-    ``TransportSpec.timeout_s``."""
-
-
-class FFNServeError(TransportError):
-    """An FFN rank answered a request with an error: serving it raised there. The message
-    names the FFN rank and carries its error text."""
-
-
-class ProtocolError(TransportError):
-    """A message whose tag disagrees with its sender's schedule, or an answer whose tag is not
-    its request's (``control.py``). The message names both sides."""
 
 
 def expert_range(num_experts: int, num_ffn_ranks: int, ffn_rank: int) -> range:

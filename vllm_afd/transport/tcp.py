@@ -77,7 +77,7 @@ from collections.abc import Callable, Collection
 
 import torch
 
-from vllm_afd.config import AFDConfigError
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.host import LOOPBACK, parse_address
 from vllm_afd.transport import auth
 from vllm_afd.transport.base import (

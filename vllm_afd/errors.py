@@ -1,0 +1,43 @@
+"""Every error the product raises on purpose, in one place: configuration errors (before
+anything starts) and transport errors (a request that cannot be answered). No module needs
+another stage's module for an exception type; callers classify errors by type, never by their
+message text (``metrics/recorder.error_kind``).
+"""
+
+from __future__ import annotations
+
+
+class AFDConfigError(ValueError):
+    """Invalid AFD configuration. The message names the flag and what is allowed."""
+
+
+class TransportError(RuntimeError):
+    """An FFN rank did not answer: it died, or it did not answer within the timeout."""
+
+
+class FFNRankLost(TransportError):
+    """An FFN rank is gone: its process died or closed its endpoint, or its connection broke.
+
+    Unlike a timeout or an error answer, this is what failover recovers from: the attention
+    side waits for the rank's replacement (``transport/directory.py``) and sends it the
+    requests the lost rank had not answered (``transport/p2p.py``).
+    """
+
+    def __init__(self, ffn_rank: int, message: str) -> None:
+        super().__init__(message)
+        self.ffn_rank = ffn_rank
+
+
+class FFNTimeout(TransportError):
+    """An FFN rank, alive as far as the attention side can tell, did not answer within
+    ``TransportSpec.timeout_s``."""
+
+
+class FFNServeError(TransportError):
+    """An FFN rank answered a request with an error: serving it raised there. The message
+    names the FFN rank and carries its error text."""
+
+
+class ProtocolError(TransportError):
+    """A message whose tag disagrees with its sender's schedule, or an answer whose tag is not
+    its request's (``transport/control.py``). The message names both sides."""

@@ -1,0 +1,160 @@
+"""Placement, failover: ``Supervisor``, a thread of the front-end, replaces an FFN rank that
+died, stopped or wedged (``health.rank_problem``), and publishes the replacement in the FFN
+directory (``transport/directory.py``), where the attention ranks find it
+(``transport/p2p.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+
+from vllm_afd.ffn.rank import HEARTBEAT_INTERVAL_S
+from vllm_afd.host import (
+    pid_alive,
+)
+from vllm_afd.placement.cluster import START_TIMEOUT_S, FFNGroup, log_rank_up
+from vllm_afd.placement.health import rank_problem, reap_dead_segments
+from vllm_afd.transport import directory
+from vllm_afd.transport.directory import RankEntry
+
+logger = logging.getLogger("vllm.afd")
+#: Failover (``Supervisor``): a replacement that served this long ends a streak of failures;
+#: after this many failures of one rank in a row the supervisor gives up on it; the longest
+#: wait before starting a replacement.
+FAILOVER_STABLE_S = 30.0
+FAILOVER_MAX_STREAK = 5
+FAILOVER_MAX_DELAY_S = 30.0
+
+
+def restart_delay(streak: int) -> float:
+    """Seconds before starting the replacement after the ``streak``-th failure of a rank in a
+    row: 0 for the first, then 1, 3, 7, 15 s (at most ``FAILOVER_MAX_DELAY_S``)."""
+    return min(2.0 ** (streak - 1) - 1, FAILOVER_MAX_DELAY_S)
+
+
+class Supervisor:
+    """Failover: a thread of the front-end that replaces FFN ranks that died, stopped or wedged.
+
+    Every ``HEARTBEAT_INTERVAL_S`` it checks each ``up`` rank of the FFN directory as
+    ``/health`` does (``rank_problem``: pid, heartbeat, busy-since; ranks on this host), so a
+    loss is seen within ``HEARTBEAT_TIMEOUT_S`` plus one interval. Then it marks the rank
+    ``recovering``, kills what is left of it (a stopped or wedged process would never answer),
+    removes its shared-memory segments, starts a replacement in the same placement bundle
+    (``FFNGroup.start_rank``: same experts, loaded again) and publishes it ``up`` with the next
+    incarnation, the failover count and the seconds from detection to serving. The attention
+    ranks, which noticed the loss themselves, wait for that entry and send the replacement what
+    the lost rank had not answered (``transport/p2p.py``).
+
+    Repeated failures back off: a rank that fails again within ``FAILOVER_STABLE_S`` of its
+    replacement extends its streak, and the replacement waits ``restart_delay(streak)``; after
+    ``FAILOVER_MAX_STREAK`` failures in a row the rank is published ``failed`` with the reason,
+    waiting requests fail at once with it, and ``/health`` says so.
+    """
+
+    def __init__(self, group: FFNGroup) -> None:
+        self.group = group
+        num_ffn = group.spec.num_ffn_ranks
+        self._streak = [0] * num_ffn
+        self._started = [time.monotonic()] * num_ffn
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="afd-ffn-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop supervising (a replacement being started is given up)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=START_TIMEOUT_S)
+
+    def _run(self) -> None:
+        spec = self.group.spec
+        while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+            for entry in directory.entries(spec.directory, spec.num_ffn_ranks):
+                if entry is None or entry.state != directory.UP:
+                    continue
+                problem, _ = rank_problem(entry, spec.timeout_s)
+                if problem is not None and not self._stop.is_set():
+                    try:
+                        self._fail_over(entry, problem)
+                    except Exception:  # noqa: BLE001 - the supervisor must outlive one failover
+                        logger.exception("AFD: failover of FFN rank %d failed", entry.rank)
+
+    def _publish(self, entry: RankEntry, **changes) -> RankEntry:
+        entry = dataclasses.replace(entry, **changes)
+        directory.publish(self.group.spec.directory, entry)
+        return entry
+
+    def _fail_over(self, entry: RankEntry, problem: str) -> None:
+        rank, detected = entry.rank, time.monotonic()
+        stable = detected - self._started[rank] >= FAILOVER_STABLE_S
+        streak = 1 if stable else self._streak[rank] + 1
+        logger.warning("AFD: %s; replacing it (failure %d in a row)", problem, streak)
+        entry = self._publish(entry, state=directory.RECOVERING, reason=problem)
+        self._kill(rank, entry)
+        while True:
+            if streak > FAILOVER_MAX_STREAK:
+                reason = (
+                    f"FFN rank {rank} failed {streak - 1} times in a row, each within "
+                    f"{FAILOVER_STABLE_S:g}s of its start; the last: {problem}"
+                )
+                logger.error("AFD: %s; giving up on it: requests fail until a restart", reason)
+                self._publish(entry, state=directory.FAILED, reason=reason)
+                return
+            if self._stop.wait(restart_delay(streak)):
+                return
+            try:
+                self.group.start_rank(rank)
+                break
+            except Exception as exc:  # noqa: BLE001 - counted as the next failure
+                problem = f"FFN rank {rank}: its replacement did not start ({exc})"
+                logger.warning("AFD: %s", problem)
+                streak += 1
+        info = self.group.infos[rank]
+        took = time.monotonic() - detected
+        self._streak[rank], self._started[rank] = streak, time.monotonic()
+        self._publish(
+            entry,
+            incarnation=entry.incarnation + 1,
+            state=directory.UP,
+            address=info["address"],
+            host=info["host"],
+            pid=info["pid"],
+            failovers=entry.failovers + 1,
+            recovery_s=entry.recovery_s + took,
+        )
+        log_rank_up(info)
+        logger.warning(
+            "AFD: FFN rank %d replaced in %.1fs (failover %d; it had %s)",
+            rank,
+            took,
+            entry.failovers + 1,
+            problem.split(") ", 1)[-1],
+        )
+
+    def _kill(self, rank: int, entry: RankEntry) -> None:
+        """Kill the lost rank's process (stopped and wedged ones too) and reap its segments."""
+        import ray
+
+        actor = self.group.actors[rank]
+        if actor is not None and ray.is_initialized():
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if entry.host != socket.gethostname():
+            return
+        if pid_alive(entry.pid):
+            try:
+                os.kill(entry.pid, signal.SIGKILL)  # the pid of the process this group started
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5.0
+        while pid_alive(entry.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        reap_dead_segments()

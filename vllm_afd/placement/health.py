@@ -1,0 +1,110 @@
+"""Placement, health: what keeps the FFN ranks from serving (``/health``, the failover
+supervisor), and the clean-up of what dead processes left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+from vllm_afd import envs
+from vllm_afd.host import (
+    pid_alive,
+    reap_private_dirs,
+)
+from vllm_afd.transport import TransportSpec, directory
+from vllm_afd.transport.directory import RankEntry
+
+logger = logging.getLogger("vllm.afd")
+#: How old an FFN rank's heartbeat (``ffn.rank.HEARTBEAT_INTERVAL_S``) may be before
+#: ``ffn_group_problems`` calls the rank stopped.
+HEARTBEAT_TIMEOUT_S = 1.0
+
+
+def reap_dead_segments() -> list[str]:
+    """Unlink this user's ``/dev/shm`` segments (transport and metrics) whose creator died
+    (SIGKILLed FFN or attention ranks of earlier runs); returns their names."""
+    from vllm_afd.metrics.blocks import reap_stale_blocks
+    from vllm_afd.transport.shm import reap_stale_segments
+
+    reaped = reap_stale_segments() + reap_stale_blocks()
+    if reaped:
+        logger.info("AFD: removed %d segment(s) of dead processes from /dev/shm", len(reaped))
+    return reaped
+
+
+def reap_dead_deployments() -> list[str]:
+    """``reap_dead_segments``, and the private directories of front-ends that died without
+    cleaning up (``host.reap_private_dirs``): run before a new FFN group starts."""
+    dirs = reap_private_dirs()
+    if dirs:
+        logger.info("AFD: removed %d private directory(ies) of dead front-ends", len(dirs))
+    return reap_dead_segments() + dirs
+
+
+def rank_problem(entry: RankEntry, timeout_s: float) -> tuple[str | None, float]:
+    """Why the process of ``entry`` (an ``up`` FFN rank) cannot serve, or ``None``; and the
+    count of requests that failed on it. Only ranks on this host are checked (pid, stats
+    block); others are ``(None, 0)``: their failures surface as transport errors."""
+    from vllm_afd.metrics.blocks import (
+        F_BUSY_SINCE,
+        F_FAILURES,
+        F_HEARTBEAT,
+        ffn_block_name,
+        read_block,
+    )
+
+    if entry.host != socket.gethostname():
+        return None, 0.0
+    who = f"FFN rank {entry.rank} (pid {entry.pid})"
+    if not pid_alive(entry.pid):
+        return f"{who} died", 0.0
+    block = read_block(ffn_block_name(entry.address, entry.rank))
+    if block is None:
+        return None, 0.0
+    now = time.monotonic()
+    beat, busy, failures = (block.scalars[i] for i in (F_HEARTBEAT, F_BUSY_SINCE, F_FAILURES))
+    if beat and now - beat > HEARTBEAT_TIMEOUT_S:
+        return f"{who} stopped: no heartbeat for {now - beat:.1f}s", failures
+    if busy and now - busy > timeout_s:
+        return (
+            f"{who} wedged: one layer batch running for {now - busy:.1f}s "
+            f"(timeout_s={timeout_s:g})",
+            failures,
+        )
+    return None, failures
+
+
+def ffn_group_problems() -> list[str]:
+    """What keeps the deployment's FFN ranks from serving, one line each (empty: healthy).
+
+    Readable from any process of the deployment (``/health`` runs in the API server), from the
+    FFN directory (``VLLM_AFD_RUNTIME``'s ``directory``). A rank is unhealthy while it is being
+    replaced, once the supervisor gave up on it, and, on this host, when its process is gone,
+    when its heartbeat (a thread of the rank, every ``HEARTBEAT_INTERVAL_S``) is older than
+    ``HEARTBEAT_TIMEOUT_S`` (stopped, e.g. SIGSTOP, or frozen), when one layer batch has been
+    running longer than the transport timeout (wedged), or once a request failed there
+    (``FFNServeError``).
+    """
+    runtime = envs.VLLM_AFD_RUNTIME
+    spec = TransportSpec.from_json(runtime) if runtime else None
+    if spec is None or not spec.directory:
+        return []
+    problems = []
+    for rank, entry in enumerate(directory.entries(spec.directory, spec.num_ffn_ranks)):
+        if entry is None:
+            continue
+        if entry.state == directory.RECOVERING:
+            problems.append(f"FFN rank {rank} is being replaced: {entry.reason}")
+        elif entry.state == directory.FAILED:
+            problems.append(entry.reason)
+        else:
+            problem, failures = rank_problem(entry, spec.timeout_s)
+            if problem:
+                problems.append(problem)
+            if failures:
+                problems.append(
+                    f"FFN rank {rank} (pid {entry.pid}) failed {failures:.0f} request(s)"
+                )
+    return problems

@@ -1,0 +1,193 @@
+"""Placement, lifecycle: start and stop the FFN executor group, Ray actors in one placement
+group sized by the ratio (``cluster.py``).
+
+The front-end process (``LLM(...)`` or the API server) owns the group: it is started while
+vLLM builds its engine config, before any engine or worker process exists, so that the
+transport addresses can be handed to every attention rank; and it is stopped with the
+front-end (``atexit``, or explicitly by ``stop_ffn_group``). Ray is started locally when no
+cluster address is given, and shut down again by whoever started it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import threading
+
+import torch
+
+from vllm_afd import envs
+from vllm_afd.config import AFDConfig, MoEModelInfo
+from vllm_afd.placement import shared
+from vllm_afd.placement.cluster import (
+    START_TIMEOUT_S,
+    FFNGroup,
+    check_ray_address,
+    ensure_ray,
+    ffn_bundle,
+    log_rank_up,
+    new_actor,
+    wait_ready,
+)
+from vllm_afd.placement.credentials import (
+    prepare_transport_secret,
+    private_directory,
+    release_credentials,
+)
+from vllm_afd.placement.failover import Supervisor
+from vllm_afd.placement.health import reap_dead_deployments
+from vllm_afd.transport import TransportSpec, backend, directory
+from vllm_afd.transport.directory import RankEntry
+
+logger = logging.getLogger("vllm.afd")
+
+
+_LOCK = threading.Lock()
+_GROUP: FFNGroup | None = None
+_GROUP_KEY: str | None = None
+
+
+def start_ffn_group(
+    afd: AFDConfig,
+    model: MoEModelInfo,
+    model_dir: str,
+    num_attention_ranks: int,
+    max_tokens: int,
+    dtype: torch.dtype,
+    device: str,
+) -> FFNGroup:
+    """Start (or reuse, if identical) this process's FFN group and export its address."""
+    global _GROUP, _GROUP_KEY
+    num_ffn = afd.num_ffn_ranks(num_attention_ranks)
+    model.check_ffn_ranks(num_ffn)
+    spec = TransportSpec(
+        backend=afd.transport,
+        num_attention_ranks=num_attention_ranks,
+        num_ffn_ranks=num_ffn,
+        num_experts=model.num_experts,
+        hidden_size=model.hidden_size,
+        top_k=model.top_k,
+        max_tokens=max_tokens,
+        dtype=dtype,
+        num_slots=max(2, afd.microbatches),
+        timeout_s=afd.timeout_s,
+        moe_layers=model.moe_layers,
+        # What the FFN side is asked to listen on (tcp: interface, any free port); the
+        # addresses it actually got replace these once it is up.
+        addresses=backend(afd.transport).requested_addresses(afd.ffn_host, num_ffn),
+        failover_s=afd.failover_s,
+    )
+    key = json.dumps([spec.to_json(), model_dir, device, afd.ray_address, afd.ffn_host])
+    with _LOCK:
+        if _GROUP is not None and key == _GROUP_KEY:
+            return _GROUP
+        stop_ffn_group()
+        check_ray_address(afd.ray_address)
+        reap_dead_deployments()
+        prepare_transport_secret(afd)
+        spec = dataclasses.replace(spec, directory=_ffn_directory())
+        hub = backend(spec.backend).start_rendezvous(spec, afd.ffn_host)
+        if hub is not None:
+            spec = dataclasses.replace(spec, addresses=(hub.address,) * num_ffn)
+        try:
+            _GROUP = _launch(spec, afd, model_dir, device)
+        except BaseException:
+            if hub is not None:
+                hub.close()
+            release_credentials()
+            raise
+        _GROUP.hub = hub
+        _GROUP_KEY = key
+        if afd.failover_s > 0 and backend(spec.backend).supports_failover:
+            _GROUP.supervisor = Supervisor(_GROUP)
+        # The hand-off to every process started from here on (engine cores, workers).
+        os.environ[envs.RUNTIME] = _GROUP.spec.to_json()
+        return _GROUP
+
+
+def _ffn_directory() -> str:
+    """The deployment's FFN directory (``transport/directory.py``), in its private directory."""
+    path = os.path.join(private_directory(), "ffn")
+    os.mkdir(path, 0o700)
+    return path
+
+
+def _launch(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) -> FFNGroup:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    owns_ray = ensure_ray(afd.ray_address, num_cpus=max(os.cpu_count() or 1, spec.num_ffn_ranks))
+    local = afd.ray_is_local
+    bundle = ffn_bundle(device, local)
+    pg = placement_group([dict(bundle) for _ in range(spec.num_ffn_ranks)], strategy="PACK")
+    if not wait_ready(pg.ready(), START_TIMEOUT_S):
+        remove_placement_group(pg)
+        raise RuntimeError(
+            f"AFD: Ray could not place {spec.num_ffn_ranks} FFN rank(s) with {bundle} each "
+            f"within {START_TIMEOUT_S:.0f}s; check the cluster's free resources"
+        )
+    group = FFNGroup(spec, [], [], pg, owns_ray, spec, model_dir, device, local)
+    group.actors = [
+        new_actor(pg, r, spec, model_dir, device, local) for r in range(spec.num_ffn_ranks)
+    ]
+    try:
+        group.infos = ray.get([a.info.remote() for a in group.actors], timeout=START_TIMEOUT_S)
+    except Exception:
+        for a in group.actors:
+            ray.kill(a)
+        remove_placement_group(pg)
+        if owns_ray:
+            ray.shutdown()
+        raise
+    group.spec = dataclasses.replace(spec, addresses=tuple(i["address"] for i in group.infos))
+    for info in group.infos:
+        log_rank_up(info)
+        directory.publish(
+            spec.directory,
+            RankEntry(info["rank"], 1, directory.UP, info["address"], info["host"], info["pid"]),
+        )
+    return group
+
+
+def current_group() -> FFNGroup | None:
+    return _GROUP
+
+
+def stop_ffn_group() -> None:
+    """Stop this process's FFN group (and the local Ray it started). Idempotent."""
+    global _GROUP, _GROUP_KEY
+    group, _GROUP, _GROUP_KEY = _GROUP, None, None
+    os.environ.pop(envs.RUNTIME, None)
+    shared.leave_group()  # a front-end that joined a group leaves it running
+    if group is None:
+        release_credentials()
+        return
+    if group.supervisor is not None:
+        group.supervisor.stop()  # before the ranks: no replacement may start meanwhile
+    if group.hub is not None:
+        group.hub.close()
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in group.actors:
+        try:
+            ray.get(actor.stop.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 - best effort: the actor may be dead already
+            pass
+        ray.kill(actor)
+    try:
+        remove_placement_group(group.placement_group)
+    except Exception:  # noqa: BLE001
+        pass
+    from vllm_afd.metrics.blocks import unlink_deployment_blocks
+
+    unlink_deployment_blocks(group.spec)
+    if group.owns_ray:
+        ray.shutdown()
+    release_credentials()
+
+
+atexit.register(stop_ffn_group)
