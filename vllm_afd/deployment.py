@@ -95,15 +95,7 @@ def setup_afd(vllm_config) -> None:
     log_kv_transfer_requirements(vllm_config)
     from vllm_afd.placement import start_ffn_group
 
-    group = start_ffn_group(
-        afd,
-        info,
-        model_dir,
-        ranks,
-        max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-        dtype=vllm_config.model_config.dtype,
-        device=_ffn_device(afd),
-    )
+    group = start_ffn_group(_group_request(afd, info, ranks, model_dir, vllm_config))
     logger.info(
         "AFD on: %d attention rank(s) : %d FFN rank(s), transport %s",
         ranks,
@@ -118,19 +110,27 @@ def _join(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config) -> None
 
     check_this_host(afd)
     log_kv_transfer_requirements(vllm_config)
-    spec = join_ffn_group(
+    spec = join_ffn_group(_group_request(afd, info, ranks, model_dir, vllm_config))
+    logger.info(
+        "AFD on: %d attention rank(s) joined a group of %d FFN rank(s), transport %s",
+        ranks,
+        spec.num_ffn_ranks,
+        spec.backend,
+    )
+
+
+def _group_request(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config):
+    """What this front-end brings to its FFN group (``placement.GroupRequest``)."""
+    from vllm_afd.placement import GroupRequest
+
+    return GroupRequest(
         afd,
         info,
         model_dir,
         ranks,
         max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
         dtype=vllm_config.model_config.dtype,
-    )
-    logger.info(
-        "AFD on: %d attention rank(s) joined a group of %d FFN rank(s), transport %s",
-        ranks,
-        spec.num_ffn_ranks,
-        spec.backend,
+        device=_ffn_device(afd),
     )
 
 

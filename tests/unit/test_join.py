@@ -48,7 +48,8 @@ def group(tmp_path, monkeypatch):
 
 def _join(path, model_dir, ranks=1, model=MODEL, max_tokens=64, dtype=torch.float32, **afd):
     config = AFDConfig.from_dict({"join": str(path), **afd})
-    return placement.join_ffn_group(config, model, model_dir, ranks, max_tokens, dtype)
+    request = placement.GroupRequest(config, model, model_dir, ranks, max_tokens, dtype)
+    return placement.join_ffn_group(request)
 
 
 def test_a_front_end_takes_free_ranks_and_gives_them_back(group):

@@ -16,7 +16,13 @@ One module per job; a reader starting a deployment walks them in this order:
 This package's names are the ones the rest of the product and the tests use.
 """
 
-from vllm_afd.placement.cluster import START_TIMEOUT_S, FFNGroup, check_ray_address, ffn_gpu
+from vllm_afd.placement.cluster import (
+    START_TIMEOUT_S,
+    FFNGroup,
+    GroupRequest,
+    check_ray_address,
+    ffn_gpu,
+)
 from vllm_afd.placement.credentials import (
     RAY_AUTH_MODE,
     RAY_AUTH_TOKEN,
@@ -53,6 +59,7 @@ __all__ = [
     "RAY_CLUSTER_MODE",
     "START_TIMEOUT_S",
     "FFNGroup",
+    "GroupRequest",
     "Supervisor",
     "check_ray_address",
     "current_group",

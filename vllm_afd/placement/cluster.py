@@ -17,7 +17,9 @@ import socket
 import threading
 from dataclasses import dataclass
 
-from vllm_afd.config import AFDConfigError
+import torch
+
+from vllm_afd.config import AFDConfig, AFDConfigError, MoEModelInfo
 from vllm_afd.ffn.rank import FFNRank
 from vllm_afd.placement.credentials import (
     RAY_AUTH_MODE,
@@ -77,6 +79,24 @@ class FFNGroup:
             ray.kill(actor)
             raise
         self.actors[rank], self.infos[rank] = actor, info
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """What a front-end brings to an FFN group, to start one (``lifecycle.start_ffn_group``) or
+    to join a running one (``shared.join_ffn_group``)."""
+
+    afd: AFDConfig
+    model: MoEModelInfo
+    #: The checkpoint's local directory (FFN ranks load their experts from it).
+    model_dir: str
+    #: This front-end's attention ranks (data parallel x tensor parallel).
+    num_attention_ranks: int
+    #: Most tokens one attention rank sends in one dispatch (``--max-num-batched-tokens``).
+    max_tokens: int
+    dtype: torch.dtype
+    #: The FFN ranks' device (a group that is joined keeps its own).
+    device: str = "cpu"
 
 
 def check_ray_address(address: str | None) -> None:

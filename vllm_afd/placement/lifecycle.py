@@ -17,14 +17,13 @@ import logging
 import os
 import threading
 
-import torch
-
 from vllm_afd import envs
-from vllm_afd.config import AFDConfig, MoEModelInfo
+from vllm_afd.config import AFDConfig
 from vllm_afd.placement import shared
 from vllm_afd.placement.cluster import (
     START_TIMEOUT_S,
     FFNGroup,
+    GroupRequest,
     check_ray_address,
     ensure_ray,
     ffn_bundle,
@@ -50,16 +49,11 @@ _GROUP: FFNGroup | None = None
 _GROUP_KEY: str | None = None
 
 
-def start_ffn_group(
-    afd: AFDConfig,
-    model: MoEModelInfo,
-    model_dir: str,
-    num_attention_ranks: int,
-    max_tokens: int,
-    dtype: torch.dtype,
-    device: str,
-) -> FFNGroup:
+def start_ffn_group(request: GroupRequest) -> FFNGroup:
     """Start (or reuse, if identical) this process's FFN group and export its address."""
+    afd, model, model_dir, device = request.afd, request.model, request.model_dir, request.device
+    num_attention_ranks, max_tokens = request.num_attention_ranks, request.max_tokens
+    dtype = request.dtype
     global _GROUP, _GROUP_KEY
     num_ffn = afd.num_ffn_ranks(num_attention_ranks)
     model.check_ffn_ranks(num_ffn)

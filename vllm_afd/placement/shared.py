@@ -13,15 +13,13 @@ import logging
 import os
 import socket
 
-import torch
-
 from vllm_afd import envs
-from vllm_afd.config import AFDConfig, AFDConfigError, MoEModelInfo
+from vllm_afd.config import AFDConfigError
 from vllm_afd.host import (
     process_start_time,
     write_private_file,
 )
-from vllm_afd.placement.cluster import FFNGroup
+from vllm_afd.placement.cluster import FFNGroup, GroupRequest
 from vllm_afd.placement.credentials import private_directory, set_env
 from vllm_afd.transport import TransportSpec, backend
 
@@ -94,14 +92,7 @@ def _read_group_file(path: str) -> dict:
     return content
 
 
-def join_ffn_group(
-    afd: AFDConfig,
-    model: MoEModelInfo,
-    model_dir: str,
-    num_attention_ranks: int,
-    max_tokens: int,
-    dtype: torch.dtype,
-) -> TransportSpec:
+def join_ffn_group(request: GroupRequest) -> TransportSpec:
     """Join the FFN group of ``afd.join`` with this front-end's attention ranks.
 
     Everything that must agree is checked first, each mismatch an ``AFDConfigError`` naming
@@ -113,6 +104,12 @@ def join_ffn_group(
     gives its ranks back (``stop_ffn_group``).
     """
     global _LEASES
+    afd, model, model_dir = request.afd, request.model, request.model_dir
+    num_attention_ranks, max_tokens, dtype = (
+        request.num_attention_ranks,
+        request.max_tokens,
+        request.dtype,
+    )
     content = _read_group_file(afd.join)
     where = f"--afd-join (additional_config.afd.join) {afd.join!r}"
     spec = TransportSpec.from_json(json.dumps(content["spec"]))
