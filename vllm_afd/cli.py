@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
 
         return plan_main(rest)
     if command == "profile":
-        from vllm_afd.planner.calibrate import main as profile_main
+        from vllm_afd.bench.calibrate import main as profile_main
 
         return profile_main(rest)
     if command == "bench":

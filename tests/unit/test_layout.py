@@ -105,6 +105,20 @@ def test_no_product_module_over_900_lines():
     assert long == {}, long
 
 
+def test_the_planner_is_pure():
+    """The planner reads configs and files and computes: it imports no engine, FFN, transport,
+    placement or benchmark module (``vllm-afd profile`` is ``bench/calibrate.py``)."""
+    modules = _modules()
+    allowed = ("vllm_afd.planner", "vllm_afd.config", "vllm_afd.errors", "vllm_afd.envs")
+    imported = {
+        target
+        for name, path in modules.items()
+        if name.startswith("vllm_afd.planner")
+        for target in _imports(name, path, modules)
+    }
+    assert {t for t in imported if not t.startswith(allowed)} == set()
+
+
 def test_microbatch_is_pure():
     """The ping-pong mechanism imports neither vLLM nor the rest of the package."""
     tree = ast.parse((PACKAGE / "microbatch.py").read_text())

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from vllm_afd.planner import calibrate as profiler
+from vllm_afd.bench import calibrate as profiler
 from vllm_afd.planner.cpu import load_cpu_fit, predict_colocated
 from vllm_afd.planner.hardware import load_hardware
 from vllm_afd.planner.models import ModelSpec
