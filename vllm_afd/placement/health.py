@@ -26,9 +26,10 @@ def reap_dead_segments() -> list[str]:
     """Unlink this user's ``/dev/shm`` segments (transport and metrics) whose creator died
     (SIGKILLed FFN or attention ranks of earlier runs); returns their names."""
     from vllm_afd.metrics.blocks import reap_stale_blocks
-    from vllm_afd.transport.shm import reap_stale_segments
+    from vllm_afd.transport import available_transports, backend
 
-    reaped = reap_stale_segments() + reap_stale_blocks()
+    reaped = [name for t in available_transports() for name in backend(t).reap_stale()]
+    reaped += reap_stale_blocks()
     if reaped:
         logger.info("AFD: removed %d segment(s) of dead processes from /dev/shm", len(reaped))
     return reaped

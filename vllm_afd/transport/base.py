@@ -374,6 +374,12 @@ class Backend:
         return None
 
     @classmethod
+    def reap_stale(cls) -> list[str]:
+        """Remove what this user's dead endpoints of this backend left on this host (shm: its
+        ``/dev/shm`` segments); returns their names."""
+        return []
+
+    @classmethod
     def round_trip_bytes(cls, spec: TransportSpec, tokens: int) -> tuple[int, int]:
         """(sent, received) payload bytes of one round trip of ``tokens`` token rows: here
         hidden states plus int32 ids and float32 weights out, hidden states back."""

@@ -757,3 +757,7 @@ class ShmBackend(PointToPointBackend):
     @classmethod
     def host_problem(cls) -> str | None:
         return shm_platform_problem()
+
+    @classmethod
+    def reap_stale(cls) -> list[str]:
+        return reap_stale_segments()

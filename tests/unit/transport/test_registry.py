@@ -63,6 +63,7 @@ def test_a_backend_declares_what_it_can_do() -> None:
     assert "cannot serve a CUDA model" in tcp.device_problem("cuda", "cuda")
     assert deepep.device_problem("cuda", "cuda") is None and deepep.device_problem("cpu", "cpu")
     assert shm.start_rendezvous(make_spec("shm", 1, 1), "127.0.0.1") is None
+    assert tcp.reap_stale() == [] and isinstance(shm.reap_stale(), list)
     sizes = {"hidden_size": 7168, "max_tokens": 512, "microbatches": 2, "num_experts": 256}
     ranks = {"num_attention_ranks": 7, "num_ffn_ranks": 1}
     assert shm.limits_problem(dtype=torch.float32, **sizes, **ranks) is None
