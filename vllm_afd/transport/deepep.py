@@ -94,16 +94,19 @@ def padded_hidden_size(hidden_size: int) -> int | None:
 
 def limits_problem(
     hidden_size: int,
-    dtype: torch.dtype,
+    *,
+    dtype: torch.dtype | None,
     max_tokens: int,
     microbatches: int,
     num_attention_ranks: int,
     num_ffn_ranks: int,
     num_experts: int,
-    num_sms: int = DEFAULT_NUM_SMS,
+    num_sms: int | None = None,
 ) -> str | None:
     """Why DeepEP's low-latency mode cannot serve this deployment (``None``: it can), naming
-    the setting to change; checked before anything starts (``deployment.check_devices``)."""
+    the setting to change; checked before anything starts (``deployment.check_devices``, as
+    ``DeepEPBackend.limits_problem``). ``num_sms``: ``None`` is ``DEFAULT_NUM_SMS``."""
+    num_sms = num_sms or DEFAULT_NUM_SMS
     if padded_hidden_size(hidden_size) is None:
         return (
             f"hidden size {hidden_size}: DeepEP's low-latency kernels take at most "
@@ -526,29 +529,7 @@ class DeepEPBackend(Backend):
             "tcp on CPUs"
         )
 
-    @classmethod
-    def limits_problem(
-        cls,
-        *,
-        hidden_size: int,
-        dtype: torch.dtype | None,
-        max_tokens: int,
-        microbatches: int,
-        num_attention_ranks: int,
-        num_ffn_ranks: int,
-        num_experts: int,
-        num_sms: int | None = None,
-    ) -> str | None:
-        return limits_problem(
-            hidden_size,
-            dtype,
-            max_tokens,
-            microbatches,
-            num_attention_ranks,
-            num_ffn_ranks,
-            num_experts,
-            num_sms or DEFAULT_NUM_SMS,
-        )
+    limits_problem = staticmethod(limits_problem)
 
     @classmethod
     def start_rendezvous(cls, spec: TransportSpec, ffn_host: str) -> group.Hub:
