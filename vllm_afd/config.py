@@ -16,7 +16,7 @@ Every error names the flag (and its ``additional_config`` key) and what is allow
 run in the front-end before anything starts (``deployment.setup_afd`` calls them all, in this
 order): ``AFDConfig.of`` (each value on its own: ``__post_init__``), ``check_supported`` (the
 rest of the vLLM config), ``check_this_host`` (what depends on this machine: the transport's
-CPU, ``--afd-ffn-host``), then ``envs.check_all`` (the variables) and ``placement``'s Ray and
+host check, ``--afd-ffn-host``), then ``envs.check_all`` (the variables) and ``placement``'s Ray and
 secret checks.
 """
 
@@ -341,7 +341,6 @@ def add_afd_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(AFDConfig):
         meta = {k: v for k, v in f.metadata.items() if v is not None}
         flag, help_text = meta.pop("flag"), meta.pop("help")
-        meta["choices"] = f.metadata.get("choices")  # the transport's: checked by its type
         if f.default not in (dataclasses.MISSING, None):
             help_text += f" (default {f.default})"
         group.add_argument(flag, default=None, help=help_text, **meta)
