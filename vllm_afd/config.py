@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
 import re
@@ -98,6 +99,18 @@ def _transport_arg(text: str) -> str:
     return text
 
 
+def _json_object_arg(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object such as '{{\"allow_mnnvl\": true}}', got {text!r}"
+        )
+    return value
+
+
 def _ratio_arg(text: str) -> str:
     try:
         parse_ratio(text)
@@ -136,6 +149,20 @@ class AFDConfig:
             "shared memory), tcp (across hosts), deepep (GPUs, NVLink/RDMA), or an "
             "out-of-tree backend as package.module:BackendClass.",
             type=_transport_arg,
+        ),
+    )
+    #: The backend's own settings (``Backend.settings``), opaque to the rest of the product:
+    #: they reach its endpoints as ``TransportSpec.config`` (as vLLM's
+    #: ``kv_connector_extra_config`` reaches a KV connector).
+    transport_config: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=_flag(
+            "--afd-transport-config",
+            "Settings of the transport backend itself, as a JSON object, e.g. "
+            "'{\"allow_mnnvl\": true}' for deepep; an unknown key is refused with the "
+            "backend's list.",
+            "JSON",
+            type=_json_object_arg,
         ),
     )
     #: Device of the FFN executors: ``auto`` follows the attention ranks' platform.
@@ -211,6 +238,16 @@ class AFDConfig:
             _transport_arg(self.transport)
         except argparse.ArgumentTypeError as exc:
             raise AFDConfigError(f"{_where('transport')}: {exc}") from None
+        from vllm_afd.transport import backend
+
+        if not isinstance(self.transport_config, dict):
+            raise AFDConfigError(
+                f"{_where('transport_config')}: expected a JSON object, got "
+                f"{self.transport_config!r}"
+            )
+        problem = backend(self.transport).config_problem(self.transport_config)
+        if problem:
+            raise AFDConfigError(f"{_where('transport_config')}: {problem}")
         devices = get_args(FFNDevice)
         if self.ffn_device not in devices:
             raise AFDConfigError(
@@ -264,6 +301,11 @@ class AFDConfig:
         for key, typ in (("timeout_s", float), ("failover_s", float), ("microbatches", int)):
             if key in kwargs:
                 kwargs[key] = _coerce(key, kwargs[key], typ)
+        if isinstance(kwargs.get("transport_config"), str):
+            try:
+                kwargs["transport_config"] = _json_object_arg(kwargs["transport_config"])
+            except argparse.ArgumentTypeError as exc:
+                raise AFDConfigError(f"{_where('transport_config')}: {exc}") from None
         return cls(**kwargs)
 
     @property
@@ -329,7 +371,7 @@ def _choices(f: dataclasses.Field) -> tuple[str, ...] | None:
 def add_afd_flags(parser: argparse.ArgumentParser) -> None:
     """Add the "AFD" argument group to a vLLM engine-args parser (idempotent).
 
-    Every flag defaults to ``None`` (not given), so that only the flags a user gave reach
+    A flag not given sets nothing (``argparse.SUPPRESS``), so that only the flags a user gave reach
     ``additional_config["afd"]``; the defaults live in ``AFDConfig`` and are shown in the help.
     """
     if any(getattr(a, "dest", None) == "afd_ratio" for a in parser._actions):
@@ -343,7 +385,9 @@ def add_afd_flags(parser: argparse.ArgumentParser) -> None:
         flag, help_text = meta.pop("flag"), meta.pop("help")
         if f.default not in (dataclasses.MISSING, None):
             help_text += f" (default {f.default})"
-        group.add_argument(flag, default=None, help=help_text, **meta)
+        # SUPPRESS: a flag not given leaves no attribute (read as "not given"), and argparse's
+        # help formatter adds no "(default: None)" next to the real default above
+        group.add_argument(flag, default=argparse.SUPPRESS, help=help_text, **meta)
 
 
 def afd_flags_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -3,8 +3,10 @@
 Nothing in the product names it: a run selects it by module path,
 ``--afd-transport tests.e2e.counting_backend:CountingShm`` (``transport.backend``), in the
 front-end, the engine core and the FFN rank actors alike. Each endpoint keeps its count in
-``$AFD_COUNTING_DIR/{attention,ffn}<rank>`` (rewritten after every round), so that the test
-sees, from outside the product, that every combine went through this backend.
+``{counts_dir}/{attention,ffn}<rank>`` (rewritten after every round), ``counts_dir`` being the
+backend's own setting (``--afd-transport-config '{"counts_dir": ...}'``), so that the test
+sees, from outside the product, that every combine went through this backend and that its
+setting reached every endpoint.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import os
 from vllm_afd.transport.shm import ShmAttentionTransport, ShmBackend, ShmFFNTransport
 
 
-def _record(side: str, rank: int, count: int) -> None:
-    path = os.path.join(os.environ["AFD_COUNTING_DIR"], f"{side}{rank}")
+def _record(spec, side: str, rank: int, count: int) -> None:
+    path = os.path.join(spec.config["counts_dir"], f"{side}{rank}")
     with open(path, "w") as f:
         f.write(str(count))
 
@@ -26,7 +28,7 @@ class _CountingAttention(ShmAttentionTransport):
     def combine(self, handle):
         out = super().combine(handle)
         self.combines += 1
-        _record("attention", self.rank, self.combines)
+        _record(self.spec, "attention", self.rank, self.combines)
         return out
 
 
@@ -36,10 +38,11 @@ class _CountingFFN(ShmFFNTransport):
     def reply(self, request, out) -> None:
         super().reply(request, out)
         self.replies += 1
-        _record("ffn", self.rank, self.replies)
+        _record(self.spec, "ffn", self.rank, self.replies)
 
 
 class CountingShm(ShmBackend):
     name = "counting-shm"
+    settings = {"counts_dir": str}
     attention = _CountingAttention
     ffn = _CountingFFN

@@ -2,13 +2,14 @@
 and the in-flight request (failover itself: test_server.py).
 
 One server at 1:1 with ``--afd-failover-timeout 0`` and the fault-injection file configured
-(``VLLM_AFD_FAULT_FILE``, absent at first). A SIGSTOPped FFN rank turns `/health` to 503 within
-2 s through its heartbeat (its pid is alive, so a pid check alone would not see it) and back to
-200 on SIGCONT. Then the fault file makes the FFN rank's serve loop raise: the in-flight request
-fails within 2 s, the FFN's error text reaches the attention rank (server log), and `/health`
-turns 503 (the engine stops: an exception in a forward is fatal to vLLM's engine), and stopping
-the server leaves no process behind. Without failover a lost FFN rank fails the combine at once
-(``FFNRankLost``: tests/unit/transport/test_failover.py, test_processes.py).
+(``VLLM_AFD_FAULT_FILE``, absent at first), under ``--fail-on-environ-validation``. A
+SIGSTOPped FFN rank turns `/health` to 503 within 2 s through its heartbeat (its pid is alive,
+so a pid check alone would not see it) and back to 200 on SIGCONT. Then the fault file makes
+the FFN rank's serve loop raise: the in-flight request fails within 2 s, the FFN's error text
+reaches the attention rank (server log), and `/health` turns 503 (the engine stops: an
+exception in a forward is fatal to vLLM's engine), and stopping the server leaves no process
+behind. Without failover a lost FFN rank fails the combine at once (``FFNRankLost``:
+tests/unit/transport/test_failover.py, test_processes.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def server(tiny_qwen3, tmp_path_factory):
     srv = Server(
         tiny_qwen3,
         tmp / "server.log",
-        extra=("--afd-ratio", "1:1", "--afd-failover-timeout", "0"),
+        # vLLM refuses to start on a VLLM_* variable it does not know (patch E1 declares ours)
+        extra=("--afd-ratio", "1:1", "--afd-failover-timeout", "0", "--fail-on-environ-validation"),
         env={"VLLM_AFD_FAULT_FILE": str(tmp / "fault")},
     )
     srv.fault = tmp / "fault"

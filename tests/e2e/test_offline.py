@@ -45,8 +45,13 @@ def _job(model: str, afd: dict | None, tp: int = 1) -> dict:
 
 @pytest.fixture(scope="module")
 def qwen3_runs(tiny_qwen3, run_pair) -> tuple[dict, dict]:
-    """Colocated and AFD 1:1 at the defaults (two microbatches)."""
-    return run_pair(_job(tiny_qwen3, None), _job(tiny_qwen3, {"ratio": "1:1"}))
+    """Colocated and AFD 1:1 at the defaults (two microbatches); AFD with a ``VLLM_AFD_*``
+    variable set and vLLM's ``fail_on_environ_validation`` (patch E1 declares ours)."""
+    afd = _job(tiny_qwen3, {"ratio": "1:1"}) | {
+        "env": {"VLLM_AFD_POLL_MS": "20"},  # the default, set
+        "engine_args": {"fail_on_environ_validation": True},
+    }
+    return run_pair(_job(tiny_qwen3, None), afd)
 
 
 @pytest.fixture(scope="module")
@@ -123,14 +128,15 @@ def test_tcp_and_an_out_of_tree_backend_match_colocated(
     tiny_qwen3, colocated_qwen3, run_pair, tmp_path
 ):
     """The tcp transport, and a backend written in one test file (``counting_backend.py``)
-    named by module path, which no product module knows: every combine and every FFN reply
-    went through it."""
+    named by module path, which no product module knows, with a setting of its own
+    (``--afd-transport-config``): every combine and every FFN reply went through it."""
     root = str(Path(__file__).parents[2])
     counting = {
         "ratio": "1:1",
         "transport": "tests.e2e.counting_backend:CountingShm",
+        "transport_config": {"counts_dir": str(tmp_path)},
     }
-    env = {"AFD_COUNTING_DIR": str(tmp_path), "PYTHONPATH": root}
+    env = {"PYTHONPATH": root}
     tcp, custom = run_pair(
         _job(tiny_qwen3, {"ratio": "1:1", "transport": "tcp"}),
         _job(tiny_qwen3, counting) | {"env": env},

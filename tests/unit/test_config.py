@@ -42,6 +42,29 @@ def test_unknown_transport_lists_allowed():
         AFDConfig(ratio=(1, 1), transport="carrier-pigeon")
 
 
+def test_transport_settings_are_checked_against_the_backends_declaration():
+    """``--afd-transport-config``: each backend declares what it takes (``Backend.settings``)."""
+    cfg = AFDConfig.from_dict(
+        {"ratio": "1:1", "transport": "deepep", "transport_config": '{"allow_mnnvl": true}'}
+    )
+    assert cfg.transport_config == {"allow_mnnvl": True}
+    assert AFDConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(
+        AFDConfigError,
+        match=r"--afd-transport-config \(additional_config.afd.transport_config\): shm takes "
+        r"no setting allow_mnnvl; its settings: none",
+    ):
+        AFDConfig(ratio=(1, 1), transport_config={"allow_mnnvl": True})
+    with pytest.raises(AFDConfigError, match=r"no setting mnnvl; its settings: allow_mnnvl \(bool"):
+        AFDConfig(ratio=(1, 1), transport="deepep", transport_config={"mnnvl": True})
+    with pytest.raises(AFDConfigError, match="setting allow_mnnvl takes a bool, got 1"):
+        AFDConfig(ratio=(1, 1), transport="deepep", transport_config={"allow_mnnvl": 1})
+    with pytest.raises(AFDConfigError, match="--afd-transport-config.*not JSON"):
+        AFDConfig.from_dict({"ratio": "1:1", "transport_config": "{allow_mnnvl: true}"})
+    with pytest.raises(AFDConfigError, match="--afd-transport-config.*a JSON object"):
+        AFDConfig.from_dict({"ratio": "1:1", "transport_config": ["allow_mnnvl"]})
+
+
 def test_from_dict_roundtrip_and_coercion():
     cfg = AFDConfig.from_dict({"ratio": "3:1", "timeout_s": "2.5", "microbatches": "2"})
     assert cfg.ratio == (3, 1) and cfg.timeout_s == 2.5 and cfg.microbatches == 2
@@ -114,6 +137,10 @@ def test_bad_flag_values_exit_with_the_flag_named(capsys):
     assert "--afd-ratio" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _parser().parse_args(["--afd-ratio", "1:1", "--afd-transport", "smoke-signals"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--afd-ratio", "1:1", "--afd-transport-config", "[1]"])
+    assert "--afd-transport-config: expected a JSON object" in capsys.readouterr().err
 
 
 def test_options_without_ratio_and_duplicates_are_errors():

@@ -9,6 +9,7 @@ is inert there: it wraps a class that process never calls.
 - worker (the processes that run the model): ``layers.py`` (P5, P7, P8), ``cpu_runner.py``
   (M1-M7), ``gpu_runner.py`` (G1-G2, GPUs only), ``cpu_comm.py`` (S1-S2), ``cpu_amx.py``
   (S3, every process), ``dp_store.py`` (S4).
+- every process: ``environ.py`` (E1).
 - FFN rank (the FFN ranks' processes): ``ffn_rank.py`` (F1-F4). Not applied by ``apply()``:
   ``ffn/weights.py`` enters its context manager around building one rank's MoE layers, and
   every swap is undone when the build is done. It also applies ``cpu_comm.py`` there (S2:
@@ -228,6 +229,18 @@ S4 ``vllm.distributed.parallel_state.create_tcp_store`` (module global), wrapped
    Upstream: none filed; ``init_distributed_environment`` could pass such a socket itself.
    Remove when: vLLM binds its master stores to the host it is given.
 
+Every process
+
+E1 ``vllm.envs.environment_variables`` (module global dict), extended.
+   Why: vLLM warns about every ``VLLM_*`` variable missing from it ("Unknown vLLM environment
+   variable detected") and, with ``--fail-on-environ-validation``, refuses to start
+   (``Platform.validate_environ``): a server given ``VLLM_AFD_FFN_CPUS`` could not start so.
+   How: each ``vllm_afd.envs`` name is added (if absent) with a reader of its raw text; vLLM
+   reads every entry when it caches the table, so the typed, validating reader stays ours.
+   Upstream: none needed: the table is where vLLM declares variables; a plugin API to declare
+   them would be the supported way.
+   Remove when: vLLM offers plugins a way to declare their environment variables.
+
 FFN rank
 
 F1 ``vllm.model_executor.layers.fused_moe.layer.make_parallel_config`` (module global),
@@ -286,12 +299,14 @@ def apply() -> None:
         cpu_runner,
         dp_store,
         engine_args,
+        environ,
         gpu_runner,
         health,
         layers,
         metrics_registry,
     )
 
+    environ.apply()
     engine_args.apply()
     health.apply()
     metrics_registry.apply()

@@ -245,6 +245,7 @@ TARGETS = (
         kind="used",
     ),
     Target("S4", _PARALLEL_STATE, "", "create_tcp_store", ("host", "port", "listen_socket")),
+    Target("E1", "vllm.envs", "", "environment_variables", kind="global"),
     Target(
         "F4",
         f"{_MOE}.fused_moe_method_base",

@@ -73,6 +73,7 @@ def start_ffn_group(request: GroupRequest) -> FFNGroup:
         # addresses it actually got replace these once it is up.
         addresses=backend(afd.transport).requested_addresses(afd.ffn_host, num_ffn),
         failover_s=afd.failover_s,
+        config=afd.transport_config,
     )
     key = json.dumps([spec.to_json(), model_dir, device, afd.ray_address, afd.ffn_host])
     with _LOCK:

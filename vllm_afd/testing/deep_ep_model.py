@@ -111,6 +111,7 @@ class Buffer:
         num_qps_per_rank: int = 24,
         allow_nvlink_for_low_latency_mode: bool = True,
         allow_mnnvl: bool = False,
+        use_fabric: bool = False,
         explicitly_destroy: bool = False,
         enable_shrink: bool = False,
         comm=None,
@@ -125,6 +126,12 @@ class Buffer:
         self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
         self.num_rdma_bytes = num_rdma_bytes
         self.explicitly_destroy = explicitly_destroy
+        #: The connectivity switches, as given (tests read them; the model ignores them).
+        self.links = {
+            "allow_nvlink_for_low_latency_mode": allow_nvlink_for_low_latency_mode,
+            "allow_mnnvl": allow_mnnvl,
+            "use_fabric": use_fabric,
+        }
         self.nvshmem_qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
         self._idx = 0
         # The three gathers of the real constructor: device ids, IPC handles, root unique id.

@@ -45,6 +45,7 @@ import abc
 import dataclasses
 import functools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -104,6 +105,9 @@ class TransportSpec:
     #: The first of the group's attention ranks that this front-end's ranks are (a front-end
     #: that joined a group run by ``vllm-afd ffn-server`` shares it with others).
     attention_rank_offset: int = 0
+    #: The backend's own settings (``--afd-transport-config``, checked against
+    #: ``Backend.settings``); opaque to everything but the backend's endpoints.
+    config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def experts_per_ffn_rank(self) -> int:
@@ -330,6 +334,28 @@ class Backend:
     #: Which side applies the routing weights: ``"ffn"`` (the FFN side answers rows weighted
     #: and summed over its experts) or ``"attention"`` (the combine weights them).
     weights_applied_on: ClassVar[str] = "ffn"
+    #: The settings it takes in ``--afd-transport-config`` (its endpoints read them from
+    #: ``TransportSpec.config``): name -> type of the JSON value. Empty: none.
+    settings: ClassVar[Mapping[str, type]] = {}
+
+    @classmethod
+    def config_problem(cls, config: Mapping[str, Any]) -> str | None:
+        """Why ``config`` is not a set of this backend's ``settings`` (``None``: it is)."""
+        allowed = ", ".join(f"{k} ({t.__name__})" for k, t in sorted(cls.settings.items()))
+        unknown = sorted(set(config) - set(cls.settings))
+        if unknown:
+            return (
+                f"{cls.name} takes no setting {', '.join(unknown)}; its settings: "
+                f"{allowed or 'none'}"
+            )
+        for key, value in config.items():
+            typ = cls.settings[key]
+            # JSON's true is a Python int too; a float setting takes an integer
+            if isinstance(value, bool) != (typ is bool) or not isinstance(
+                value, (int, float) if typ is float else typ
+            ):
+                return f"{cls.name} setting {key} takes a {typ.__name__}, got {value!r}"
+        return None
 
     @classmethod
     def host_problem(cls) -> str | None:

@@ -244,6 +244,7 @@ class _Endpoint:
                 num_qps_per_rank=experts.experts_per_rank,
                 explicitly_destroy=True,
                 comm=self._member,
+                **spec.config,  # DeepEPBackend.settings, as the user gave them
             )
         return self._buffer
 
@@ -518,6 +519,10 @@ class DeepEPBackend(Backend):
     needs_secret = True
     supports_failover = False
     weights_applied_on = "attention"
+    #: DeepEP ``Buffer`` arguments a deployment may set (``--afd-transport-config``); the
+    #: rest are this backend's to choose (low-latency mode, its RDMA size, one QP per local
+    #: expert as the low-latency kernels require).
+    settings = {"allow_nvlink_for_low_latency_mode": bool, "allow_mnnvl": bool, "use_fabric": bool}
 
     @classmethod
     def device_problem(cls, attention_device: str, ffn_device: str) -> str | None:

@@ -7,6 +7,7 @@ import pytest
 EXPECTED = {
     "--afd-ratio",
     "--afd-transport",
+    "--afd-transport-config",
     "--afd-ffn-device",
     "--afd-timeout",
     "--afd-failover-timeout",
@@ -87,3 +88,15 @@ def test_register_is_idempotent():
     vllm_afd._REGISTERED = False  # as if a second process-level load happened
     vllm_afd.register()
     assert EngineArgs.create_engine_config is first
+
+
+def test_help_shows_each_afd_default_once(serve_parser):
+    serve = serve_parser._subparsers._group_actions[0].choices["serve"]
+    (group,) = (g for g in serve._action_groups if g.title == "AFD")
+    formatter = serve._get_formatter()
+    formatter.start_section(group.title)
+    formatter.add_arguments(group._group_actions)
+    formatter.end_section()
+    text = " ".join(formatter.format_help().split())
+    assert "(default: None)" not in text  # argparse's own, next to every flag
+    assert text.count("(default 60.0)") == 1 and text.count("(default shm)") == 1

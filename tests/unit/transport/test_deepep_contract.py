@@ -11,6 +11,7 @@ tolerance, schedules that disagree refused, buffers destroyed explicitly.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -83,9 +84,11 @@ def _parallel(*fns: Callable[[], object]) -> list[object]:
 class Group:
     """A attention endpoints on the test's threads, F FFN ranks serving on threads of their own."""
 
-    def __init__(self, hub, num_attention: int, num_ffn: int) -> None:
+    def __init__(self, hub, num_attention: int, num_ffn: int, config: dict | None = None) -> None:
         h = hub(num_attention + num_ffn)
-        self.spec = rt.spec(num_attention, num_ffn, h.address)
+        self.spec = dataclasses.replace(
+            rt.spec(num_attention, num_ffn, h.address), config=config or {}
+        )
         self.ffn = [deepep.DeepEPFFNTransport(self.spec, f) for f in range(num_ffn)]
         self.attention = [
             deepep.DeepEPAttentionTransport(self.spec, a) for a in range(num_attention)
@@ -129,8 +132,8 @@ class Group:
 def make_group(model, hub) -> Iterator[Callable[[int, int], Group]]:
     groups: list[Group] = []
 
-    def make(num_attention: int, num_ffn: int) -> Group:
-        groups.append(Group(hub, num_attention, num_ffn))
+    def make(num_attention: int, num_ffn: int, config: dict | None = None) -> Group:
+        groups.append(Group(hub, num_attention, num_ffn, config))
         return groups[-1]
 
     yield make
@@ -221,6 +224,18 @@ def test_dispatch_outside_an_announced_step_is_refused(model, hub):
             attention.dispatch(1, x, torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2))
     finally:
         attention._member.close()
+
+
+def test_the_deployments_buffer_settings_reach_every_buffer(make_group):
+    """``--afd-transport-config`` (``spec.config``) arrives in every rank's ``Buffer``."""
+    g = make_group(1, 1, {"allow_mnnvl": True, "allow_nvlink_for_low_latency_mode": False})
+    g.step(0, 1, (1,), 1)
+    for buffer in (g.attention[0]._buffer, g.ffn[0]._buffer):
+        assert buffer.links == {
+            "allow_nvlink_for_low_latency_mode": False,
+            "allow_mnnvl": True,
+            "use_fabric": False,
+        }
 
 
 def test_close_destroys_every_buffer_explicitly(make_group):
