@@ -291,11 +291,11 @@ def _draft_length(vllm_config) -> int:
 
 
 def raise_if_ffn_group_dead() -> None:
-    """For /health: raise vLLM's EngineDeadError if an FFN rank of the deployment cannot serve
-    (died, stopped, wedged or failed requests: ``placement.ffn_group_problems``)."""
+    """For /health (liveness): raise vLLM's EngineDeadError if an FFN rank of the deployment
+    cannot serve and failover is not healing it (``placement.ffn_group_problems``)."""
     from vllm_afd.placement import ffn_group_problems
 
-    problems = ffn_group_problems()
+    problems = [p.text for p in ffn_group_problems() if not p.healing]
     if problems:
         from vllm.v1.engine.exceptions import EngineDeadError
 

@@ -2,15 +2,18 @@
 
 The ratio alone gives two data-parallel attention ranks behind one API server and one FFN
 rank (shared-memory transport, chunked prefill and prefix caching on), started with default
-settings (no ``VLLM_AFD_*`` or ``RAY_AUTH_*`` variable) and vLLM's drain mode
-(``--shutdown-timeout``). The tests run in file order on it, each leaving it serving:
+settings (no ``VLLM_AFD_*`` or ``RAY_AUTH_*`` variable), vLLM's drain mode
+(``--shutdown-timeout``) and the AFD readiness route allowlisted (``VLLM_PLUGINS=afd``). The
+tests run in file order on it, each leaving it serving:
 
 1. the one flag gives two data-parallel attention ranks;
 2. concurrent requests of different lengths return colocated's greedy tokens;
 3. ``/metrics`` carries the AFD series, attention and FFN side agreeing;
 4. every listening socket is on loopback and Ray's are token-authenticated even there;
 5. the FFN rank is SIGKILLed, then SIGSTOPped (a hung rank), under streaming load: failover
-   replaces it and every stream ends with colocated's text (``test-all`` kills it twice more);
+   replaces it and every stream ends with colocated's text; readiness (``/afd/ready``) is 503
+   until the replacement serves, liveness (``/health``) stays 200 throughout (``test-all``
+   kills it twice more);
 6. last, SIGTERM with streams in flight: every stream completes, then nothing is left
    (processes, Ray's daemons, /dev/shm segments, metrics blocks).
 
@@ -67,6 +70,7 @@ def server(tiny_qwen3, run_once, tmp_path_factory):
             tiny_qwen3,
             tmp_path_factory.mktemp("server") / "server.log",
             extra=("--afd-ratio", "2:1", "--shutdown-timeout", "120"),
+            env={"VLLM_PLUGINS": "afd"},  # vLLM's allowlist: our general and endpoint plugin
         )
     srv.metrics_blocks_before = before
     try:
@@ -191,31 +195,45 @@ def _metric(server: Server, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-def _seconds_until_unhealthy(server: Server, limit_s: float) -> float:
-    start = time.monotonic()
+def _status(server: Server, path: str) -> int | str:
+    try:
+        return http_request(server.url + path, timeout=5)[0]
+    except OSError as exc:
+        return type(exc).__name__
+
+
+def _probe_through_the_failover(server: Server, limit_s: float) -> tuple[float, float, list]:
+    """Poll ``/afd/ready`` and ``/health`` every 50 ms from a loss until readiness is back:
+    the seconds until readiness failed and until it was back (``inf``: not within
+    ``limit_s``), and every ``/health`` answer seen meanwhile."""
+    start, lost, health = time.monotonic(), float("inf"), []
     while time.monotonic() - start < limit_s:
-        try:
-            if http_request(server.url + "/health", timeout=5)[0] != 200:
-                return time.monotonic() - start
-        except OSError:
-            pass
+        ready = _status(server, "/afd/ready")
+        health.append(_status(server, "/health"))
+        now = time.monotonic() - start
+        if ready != 200:
+            lost = min(lost, now)
+        elif lost < float("inf"):
+            return lost, now, health
         time.sleep(0.05)
-    return float("inf")
+    return lost, float("inf"), health
 
 
 def _lose_the_ffn_rank_under_streams(server: Server, colocated: dict, sig: signal.Signals) -> None:
-    """``sig`` to the FFN rank 1.5 s into 6 streams of 300 tokens: the loss shows in /health
-    within 2 s, a replacement serves within 60 s, and every stream ends with colocated's exact
-    text and tokens."""
+    """``sig`` to the FFN rank 1.5 s into 6 streams of 300 tokens: readiness shows the loss
+    within 2 s and is back once a replacement serves (within 60 s), liveness never fails, and
+    every stream ends with colocated's exact text and tokens."""
     pid = server.ffn_pid()
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         streams = [pool.submit(server.stream, p, STREAM_TOKENS) for p in PROMPTS]
         time.sleep(1.5)
         os.kill(pid, sig)
         lost_at = time.monotonic()
-        detected = _seconds_until_unhealthy(server, 10.0)
+        not_ready, ready_again, health = _probe_through_the_failover(server, 60.0)
         results = [s.result(timeout=300) for s in streams]
-    assert detected < 2.0, f"{sig.name}: /health saw the loss after {detected:.1f}s"
+    assert not_ready < 2.0, f"{sig.name}: /afd/ready saw the loss after {not_ready:.1f}s"
+    assert ready_again < 60.0, f"{sig.name}: /afd/ready not back within 60 s"
+    assert set(health) == {200}, f"{sig.name}: /health answered {sorted(set(map(str, health)))}"
     replaced = time.monotonic() + 60  # logged just after the attention ranks may go on
     while server.ffn_pid() == pid and time.monotonic() < replaced:
         time.sleep(0.2)

@@ -4,6 +4,7 @@ busy-since word and the failure count in each rank's stats block."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -22,10 +23,24 @@ from vllm_afd.transport.directory import FAILED, RECOVERING, UP, RankEntry
 HOST = socket.gethostname()
 
 
-def _spec(tmp_path, address: str = "unused") -> TransportSpec:
+def _spec(tmp_path, address: str = "unused", failover_s: float = 0.0) -> TransportSpec:
     return TransportSpec(
-        "shm", 1, 1, 8, 16, 2, 4, timeout_s=5.0, addresses=(address,), directory=str(tmp_path)
+        "shm",
+        1,
+        1,
+        8,
+        16,
+        2,
+        4,
+        timeout_s=5.0,
+        addresses=(address,),
+        directory=str(tmp_path),
+        failover_s=failover_s,
     )
+
+
+def _problems() -> list[str]:
+    return [p.text for p in ffn_group_problems()]
 
 
 def _publish(tmp_path, pid: int, address: str = "unused", state: str = UP, **kw) -> None:
@@ -49,28 +64,28 @@ def _set(block: FFNStatsBlock, word: int, value: float) -> None:
 
 def test_a_beating_idle_rank_is_healthy(rank_block):
     rank_block.beat()
-    assert ffn_group_problems() == []
+    assert _problems() == []
 
 
 def test_a_rank_without_heartbeat_is_stopped(rank_block):
     _set(rank_block, F_HEARTBEAT, time.monotonic() - HEARTBEAT_TIMEOUT_S - 0.5)
-    (problem,) = ffn_group_problems()
+    (problem,) = _problems()
     assert problem.startswith(f"FFN rank 0 (pid {os.getpid()}) stopped: no heartbeat for")
 
 
 def test_a_rank_busy_past_the_timeout_is_wedged(rank_block):
     rank_block.beat()
     rank_block.set_busy(time.monotonic() - 6.0)
-    (problem,) = ffn_group_problems()
+    (problem,) = _problems()
     assert "wedged: one layer batch running for 6." in problem and "timeout_s=5" in problem
     rank_block.set_busy(time.monotonic())
-    assert ffn_group_problems() == []
+    assert _problems() == []
 
 
 def test_a_rank_that_failed_a_request_stays_unhealthy(rank_block):
     rank_block.beat()
     rank_block.record_failure(3)
-    assert ffn_group_problems() == [f"FFN rank 0 (pid {os.getpid()}) failed 3 request(s)"]
+    assert _problems() == [f"FFN rank 0 (pid {os.getpid()}) failed 3 request(s)"]
     assert rank_block.d[rank_block._o_scalars + F_FAILURES] == 3
     assert rank_block.d[rank_block._o_scalars + F_BUSY_SINCE] == 0
 
@@ -78,13 +93,44 @@ def test_a_rank_that_failed_a_request_stays_unhealthy(rank_block):
 def test_dead_recovering_and_failed_ranks(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_AFD_RUNTIME", _spec(tmp_path).to_json())
     _publish(tmp_path, 999999999)
-    assert ffn_group_problems() == ["FFN rank 0 (pid 999999999) died"]
+    assert _problems() == ["FFN rank 0 (pid 999999999) died"]
     _publish(tmp_path, 999999999, state=RECOVERING, reason="FFN rank 0 (pid 9) died")
-    assert ffn_group_problems() == ["FFN rank 0 is being replaced: FFN rank 0 (pid 9) died"]
+    assert _problems() == ["FFN rank 0 is being replaced: FFN rank 0 (pid 9) died"]
     _publish(tmp_path, 0, state=FAILED, reason="FFN rank 0 failed 5 times in a row")
-    assert ffn_group_problems() == ["FFN rank 0 failed 5 times in a row"]
+    assert _problems() == ["FFN rank 0 failed 5 times in a row"]
     monkeypatch.delenv("VLLM_AFD_RUNTIME")
-    assert ffn_group_problems() == []
+    assert _problems() == []
+
+
+def test_liveness_fails_only_on_what_failover_cannot_heal(monkeypatch, tmp_path):
+    """``healing``: what ``/health`` (liveness) lets pass and ``/afd/ready`` does not."""
+
+    def healing() -> list[bool]:
+        return [p.healing for p in ffn_group_problems()]
+
+    monkeypatch.setenv("VLLM_AFD_RUNTIME", _spec(tmp_path, failover_s=60.0).to_json())
+    _publish(tmp_path, 999999999)
+    assert healing() == [True]  # lost: the supervisor replaces it within one interval
+    _publish(tmp_path, 999999999, state=RECOVERING, reason="FFN rank 0 (pid 9) died")
+    assert healing() == [True]
+    _publish(tmp_path, 0, state=FAILED, reason="FFN rank 0 failed 5 times in a row")
+    assert healing() == [False]
+    monkeypatch.setenv("VLLM_AFD_RUNTIME", _spec(tmp_path, failover_s=0.0).to_json())
+    _publish(tmp_path, 999999999)
+    assert healing() == [False]  # failover off: nothing will replace it
+    monkeypatch.setenv(
+        "VLLM_AFD_RUNTIME",
+        dataclasses.replace(_spec(tmp_path, failover_s=60.0), backend="deepep").to_json(),
+    )
+    assert healing() == [False]  # a backend failover cannot cover
+
+
+def test_a_rank_that_failed_requests_is_not_healing(rank_block, monkeypatch, tmp_path):
+    spec = _spec(tmp_path, f"afdhealthtest{os.getpid()}", failover_s=60.0)
+    monkeypatch.setenv("VLLM_AFD_RUNTIME", spec.to_json())
+    rank_block.beat()
+    rank_block.record_failure(1)
+    assert [p.healing for p in ffn_group_problems()] == [False]
 
 
 def test_restart_delays_back_off():
@@ -166,3 +212,52 @@ def test_the_supervisor_gives_up_after_failures_in_a_row(tmp_path, monkeypatch):
         assert group.fail_starts == 3 and not group.procs  # two starts tried, 0 s then 1 s
     finally:
         supervisor.stop()
+
+
+class _Engine:
+    """``app.state.engine_client`` as the readiness route uses it."""
+
+    def __init__(self, dead: bool = False) -> None:
+        self.dead = dead
+
+    async def check_health(self) -> None:
+        if self.dead:
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            raise EngineDeadError("engine core died")
+
+
+def test_the_readiness_route_answers_every_problem_and_a_dead_engine(monkeypatch, tmp_path):
+    """``GET /afd/ready`` as vLLM's endpoint-plugin API attaches it (``placement/routes.py``)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vllm_afd.placement.routes import DEAD_ENGINE, AFDEndpoints
+
+    app = FastAPI()
+    AFDEndpoints().attach_router(app)
+    app.state.engine_client = _Engine()
+    client = TestClient(app)
+    monkeypatch.setenv("VLLM_AFD_RUNTIME", _spec(tmp_path, failover_s=60.0).to_json())
+    _publish(tmp_path, os.getpid())
+    assert client.get("/afd/ready").json() == {"ready": True}
+    _publish(tmp_path, 999999999, state=RECOVERING, reason="FFN rank 0 (pid 9) died")
+    answer = client.get("/afd/ready")  # healing: liveness passes it, readiness does not
+    assert answer.status_code == 503
+    assert answer.json()["problems"] == ["FFN rank 0 is being replaced: FFN rank 0 (pid 9) died"]
+    _publish(tmp_path, os.getpid())
+    app.state.engine_client = _Engine(dead=True)
+    answer = client.get("/afd/ready")
+    assert answer.status_code == 503 and answer.json()["problems"] == [DEAD_ENGINE]
+
+
+def test_vllm_loads_the_readiness_route_when_allowlisted(monkeypatch):
+    from vllm.plugins import load_endpoint_plugins
+
+    from vllm_afd.placement.routes import AFDEndpoints
+
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert load_endpoint_plugins(("generate",)) == []  # opt-in, as every endpoint plugin
+    monkeypatch.setenv("VLLM_PLUGINS", "afd")
+    (plugin,) = load_endpoint_plugins(("generate",))
+    assert isinstance(plugin, AFDEndpoints)

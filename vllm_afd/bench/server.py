@@ -129,6 +129,13 @@ class ServeProcess:
         except OSError:
             return False
 
+    def ready(self, timeout: float = 5.0) -> bool:
+        """``/afd/ready`` answers 200 (the server runs with ``VLLM_PLUGINS=afd``)."""
+        try:
+            return http_request(self.url + "/afd/ready", timeout=timeout)[0] == 200
+        except OSError:
+            return False
+
     def wait_healthy(self, timeout: float = 300.0) -> None:
         """Wait for ``/health`` to answer 200; raise if the server exits or takes too long."""
         deadline = time.monotonic() + timeout

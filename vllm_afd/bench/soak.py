@@ -27,8 +27,9 @@ What it does:
    completions (temperature 0, ``ignore_eos``, ``--max-tokens`` tokens) for ``--minutes``;
 4. every ``--kill-every`` seconds SIGKILLs FFN rank ``--ffn-rank``'s current process (the pid of
    the latest ``AFD: FFN rank R up: pid N`` line of the server log; SIGKILL because it is the
-   failure nobody can clean up after: the OOM killer, a crashed driver), then polls ``/health``
-   every 0.1 s until it is not 200 (detection) and until it is 200 again;
+   failure nobody can clean up after: the OOM killer, a crashed driver), then polls readiness
+   (``/afd/ready``; the server runs with ``VLLM_PLUGINS=afd``) every 0.1 s until it is not 200
+   (detection) and until it is 200 again (liveness, ``/health``, stays 200 through a failover);
 5. after the last client finished, reads the failover series of ``/metrics`` and the
    ``replaced in X s`` lines of the server log.
 
@@ -120,8 +121,8 @@ class Kill:
 
     at: float
     pid: int
-    detect_s: float | None = None  # until /health was not 200
-    healthy_again_s: float | None = None  # until /health was 200 again
+    detect_s: float | None = None  # until /afd/ready was not 200
+    healthy_again_s: float | None = None  # until /afd/ready was 200 again
     replaced_s: float | None = None  # the server log's "replaced in X s"
     streak: int | None = None  # the server log's "failure N in a row"
     in_flight: int = 0
@@ -260,7 +261,7 @@ def format_report(
     lines += [
         "",
         f"{'failover':<9}{'at s':>7}{'pid':>9}{'in flight':>10}{'detect s':>9}"
-        f"{'replaced in s':>14}{'healthy s':>10}{'streak':>7}",
+        f"{'replaced in s':>14}{'ready s':>10}{'streak':>7}",
     ]
     for i, k in enumerate(kills, 1):
         lines.append(
@@ -309,11 +310,11 @@ def one_request(
     )
 
 
-def _seconds_until(server: ServeProcess, healthy: bool, limit_s: float) -> float | None:
-    """Seconds until /health is (``healthy``) 200 or not, polled every 0.1 s; None past limit."""
+def _seconds_until(server: ServeProcess, ready: bool, limit_s: float) -> float | None:
+    """Seconds until /afd/ready is (``ready``) 200 or not, polled every 0.1 s; None past limit."""
     start = time.monotonic()
     while time.monotonic() - start < limit_s:
-        if server.healthy(timeout=2.0) == healthy:
+        if server.ready(timeout=2.0) == ready:
             return time.monotonic() - start
         time.sleep(HEALTH_POLL_S)
     return None
@@ -360,13 +361,13 @@ def run_soak(server: ServeProcess, args: argparse.Namespace) -> dict[str, Any]:
             break
         os.kill(pid, signal.SIGKILL)
         kill = Kill(at=time.monotonic() - t0, pid=pid)
-        kill.detect_s = _seconds_until(server, healthy=False, limit_s=30.0)
-        kill.healthy_again_s = _seconds_until(server, healthy=True, limit_s=600.0)
+        kill.detect_s = _seconds_until(server, ready=False, limit_s=30.0)
+        kill.healthy_again_s = _seconds_until(server, ready=True, limit_s=600.0)
         if kill.detect_s is not None and kill.healthy_again_s is not None:
             kill.healthy_again_s += kill.detect_s
         print(
-            f"soak: kill {len(kills) + 1} at {kill.at:.1f}s (pid {pid}): unhealthy after "
-            f"{_fmt(kill.detect_s)}s, healthy again after {_fmt(kill.healthy_again_s)}s",
+            f"soak: kill {len(kills) + 1} at {kill.at:.1f}s (pid {pid}): not ready after "
+            f"{_fmt(kill.detect_s)}s, ready again after {_fmt(kill.healthy_again_s)}s",
             flush=True,
         )
         kills.append(kill)
@@ -435,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("model", "ratio", "clients", "minutes", "kill_every", "max_tokens")
     } | {"ffn_rank": args.ffn_rank, "margin": args.margin, "server_log": str(log)}
     settings["model_name"] = Path(args.model).name
-    server = ServeProcess(args.model, log, ("--afd-ratio", args.ratio))
+    server = ServeProcess(args.model, log, ("--afd-ratio", args.ratio), env={"VLLM_PLUGINS": "afd"})
     print(f"soak: server pid {server.proc.pid} on {server.url}, log {log}", flush=True)
     leftovers: list[int] = []
     try:

@@ -55,8 +55,11 @@ P3 ``EngineArgs.create_engine_config``, wrapped.
    this lifecycle.
    Remove when: vLLM grows a "deployment plugin" lifecycle hook.
 P4 ``AsyncLLM.check_health``, wrapped.
-   Why: ``/health`` must report unhealthy as soon as an FFN rank dies, even while idle.
-   How: raise ``EngineDeadError`` when the FFN group has dead ranks.
+   Why: ``/health`` (liveness) must report unhealthy as soon as an FFN rank is lost and
+   failover cannot heal it, even while idle.
+   How: raise ``EngineDeadError`` for the FFN group's problems that are not ``healing``
+   (``placement/health.py``); readiness, every problem, is ``/afd/ready`` (a supported
+   endpoint plugin, ``placement/routes.py``).
    Upstream: none filed; vLLM has no way for plugins to contribute health checks.
    Remove when: vLLM lets plugins contribute health checks.
 P6 ``prometheus_client.multiprocess.MultiProcessCollector.__init__``, wrapped (a library

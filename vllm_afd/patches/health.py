@@ -1,4 +1,5 @@
-"""Front-end, P4: ``/health`` fails as soon as an FFN rank dies (ledger in ``__init__``)."""
+"""Front-end, P4: ``/health`` fails as soon as an FFN rank is lost beyond what failover heals
+(ledger in ``__init__``)."""
 
 from __future__ import annotations
 

@@ -37,6 +37,7 @@ from vllm_afd.placement.credentials import (
 from vllm_afd.placement.failover import FAILOVER_MAX_DELAY_S, Supervisor, restart_delay
 from vllm_afd.placement.health import (
     HEARTBEAT_TIMEOUT_S,
+    Problem,
     ffn_group_problems,
     reap_dead_deployments,
     reap_dead_segments,
@@ -60,6 +61,7 @@ __all__ = [
     "START_TIMEOUT_S",
     "FFNGroup",
     "GroupRequest",
+    "Problem",
     "Supervisor",
     "check_ray_address",
     "current_group",

@@ -1,5 +1,12 @@
-"""Placement, health: what keeps the FFN ranks from serving (``/health``, the failover
-supervisor), and the clean-up of what dead processes left behind.
+"""Placement, health: what keeps the FFN ranks from serving (``/health``, ``/afd/ready``, the
+failover supervisor), and the clean-up of what dead processes left behind.
+
+Two questions, two probes. Readiness (``/afd/ready``): does every FFN rank serve now? Any
+problem says no, a rank being replaced too. Liveness (``/health``): can the deployment still
+serve without a restart? A problem failover is healing (``Problem.healing``: a rank being
+replaced, or one just lost that the supervisor will replace) says yes; one it cannot heal
+(failover off or given up, a rank that failed requests) says no, so that Kubernetes restarts a
+pod only when a restart is what it takes.
 """
 
 from __future__ import annotations
@@ -7,6 +14,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from dataclasses import dataclass
 
 from vllm_afd import envs
 from vllm_afd.host import (
@@ -77,8 +85,26 @@ def rank_problem(entry: RankEntry, timeout_s: float) -> tuple[str | None, float]
     return None, failures
 
 
-def ffn_group_problems() -> list[str]:
-    """What keeps the deployment's FFN ranks from serving, one line each (empty: healthy).
+@dataclass(frozen=True)
+class Problem:
+    """One thing that keeps an FFN rank from serving now."""
+
+    text: str
+    #: Failover is replacing the rank, or will within one supervisor interval.
+    healing: bool = False
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _fails_over(spec: TransportSpec) -> bool:
+    from vllm_afd.transport import backend
+
+    return spec.failover_s > 0 and backend(spec.backend).supports_failover
+
+
+def ffn_group_problems() -> list[Problem]:
+    """What keeps the deployment's FFN ranks from serving, one each (empty: healthy).
 
     Readable from any process of the deployment (``/health`` runs in the API server), from the
     FFN directory (``VLLM_AFD_RUNTIME``'s ``directory``). A rank is unhealthy while it is being
@@ -86,26 +112,28 @@ def ffn_group_problems() -> list[str]:
     when its heartbeat (a thread of the rank, every ``HEARTBEAT_INTERVAL_S``) is older than
     ``HEARTBEAT_TIMEOUT_S`` (stopped, e.g. SIGSTOP, or frozen), when one layer batch has been
     running longer than the transport timeout (wedged), or once a request failed there
-    (``FFNServeError``).
+    (``FFNServeError``). Only a rank being replaced, and a lost one of a deployment with
+    failover, is ``healing``.
     """
     runtime = envs.VLLM_AFD_RUNTIME
     spec = TransportSpec.from_json(runtime) if runtime else None
     if spec is None or not spec.directory:
         return []
+    fails_over = _fails_over(spec)
     problems = []
     for rank, entry in enumerate(directory.entries(spec.directory, spec.num_ffn_ranks)):
         if entry is None:
             continue
         if entry.state == directory.RECOVERING:
-            problems.append(f"FFN rank {rank} is being replaced: {entry.reason}")
+            problems.append(Problem(f"FFN rank {rank} is being replaced: {entry.reason}", True))
         elif entry.state == directory.FAILED:
-            problems.append(entry.reason)
+            problems.append(Problem(entry.reason))
         else:
             problem, failures = rank_problem(entry, spec.timeout_s)
             if problem:
-                problems.append(problem)
+                problems.append(Problem(problem, fails_over))
             if failures:
                 problems.append(
-                    f"FFN rank {rank} (pid {entry.pid}) failed {failures:.0f} request(s)"
+                    Problem(f"FFN rank {rank} (pid {entry.pid}) failed {failures:.0f} request(s)")
                 )
     return problems
