@@ -96,6 +96,7 @@ def setup_afd(vllm_config) -> None:
     from vllm_afd.placement import start_ffn_group
 
     group = start_ffn_group(_group_request(afd, info, ranks, model_dir, vllm_config))
+    _export_metric_labels(vllm_config, 0, ranks)
     logger.info(
         "AFD on: %d attention rank(s) : %d FFN rank(s), transport %s",
         ranks,
@@ -111,12 +112,23 @@ def _join(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config) -> None
     check_this_host(afd)
     log_kv_transfer_requirements(vllm_config)
     spec = join_ffn_group(_group_request(afd, info, ranks, model_dir, vllm_config))
+    _export_metric_labels(vllm_config, spec.attention_rank_offset, ranks)
     logger.info(
         "AFD on: %d attention rank(s) joined a group of %d FFN rank(s), transport %s",
         ranks,
         spec.num_ffn_ranks,
         spec.backend,
     )
+
+
+def _export_metric_labels(vllm_config, first_attention_rank: int, ranks: int) -> None:
+    """vLLM's labels for the AFD series this front-end's ``/metrics`` serves (its API server
+    processes inherit the variable)."""
+    from vllm_afd.metrics.collector import metric_labels
+    from vllm_afd.placement.credentials import set_env
+
+    labels = metric_labels(vllm_config, first_attention_rank, ranks)
+    set_env(envs.METRIC_LABELS, labels.to_json())
 
 
 def _group_request(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config):

@@ -129,7 +129,7 @@ def test_metrics_carry_the_afd_series(server):
         assert server.complete(prompt, 8)[0] == 200
     text = _settled_scrape(server)
     assert "vllm:" in text  # vLLM's own metrics are still there
-    assert value(text, "vllm_afd_ffn_rank_alive", ffn_rank=0) == 1.0
+    assert value(text, "vllm_afd_ffn_rank_alive", ffn_rank=0, model_name=server.model) == 1.0
     tokens = sum(
         value(text, "vllm_afd_ffn_tokens_total", ffn_rank=0, layer=layer) for layer in (0, 1)
     )
@@ -147,7 +147,16 @@ def test_metrics_carry_the_afd_series(server):
     assert all(s > 0 for s in sent), sent  # the idle rank's dummy steps go through AFD too
     assert sum(sent) == tokens
     for a in ranks:
-        assert value(text, "vllm_afd_exposed_ffn_seconds_count", attention_rank=a) > 0
+        # vLLM's labels too: the served model's name, the attention rank's engine (its DP rank)
+        exposed = value(
+            text,
+            "vllm_afd_exposed_ffn_seconds_count",
+            attention_rank=a,
+            model_name=server.model,
+            engine=a,
+        )
+        assert exposed > 0
+        value(text, "vllm:num_requests_running", model_name=server.model, engine=a)  # vLLM's
         assert value(text, "vllm_afd_transport_errors_total", attention_rank=a, kind="timeout") == 0
     bytes_sent = sum(
         value(text, "vllm_afd_transport_bytes_total", attention_rank=a, direction="sent")

@@ -6,11 +6,20 @@ scrape time and turns it into metric families; nothing is pushed or aggregated a
 ``register_collector`` adds it to a registry once; patch P6
 (``vllm_afd.patches.metrics_registry``) puts it in the registries vLLM's ``/metrics`` answers
 from.
+
+Every series carries vLLM's ``model_name`` label (the served model name) next to its own, and
+the attention-side ones vLLM's ``engine`` label too (the engine index of the attention rank:
+its data-parallel rank in this front-end; empty for another front-end's ranks of a shared FFN
+group), so that they join vLLM's series in a query. The front-end exports both
+(``VLLM_AFD_METRIC_LABELS``, ``metric_labels``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import weakref
+from dataclasses import dataclass
 
 from vllm_afd import envs
 from vllm_afd.metrics.blocks import (
@@ -49,6 +58,52 @@ def _histogram_buckets(snapshot: BlockSnapshot | None) -> list[tuple[str, float]
     return out
 
 
+@dataclass(frozen=True)
+class MetricLabels:
+    """What the AFD series carry of vLLM's labels (``VLLM_AFD_METRIC_LABELS``)."""
+
+    model_name: str = ""
+    #: This front-end's first attention rank in the group and its count of them.
+    first_attention_rank: int = 0
+    attention_ranks: int = 0
+    tensor_parallel_size: int = 1
+
+    def engine(self, attention_rank: int) -> str:
+        """vLLM's ``engine`` label of ``attention_rank`` ("" if another front-end's)."""
+        local = attention_rank - self.first_attention_rank
+        if not 0 <= local < self.attention_ranks:
+            return ""
+        return str(local // self.tensor_parallel_size)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def current(cls) -> MetricLabels:
+        text = envs.VLLM_AFD_METRIC_LABELS
+        try:
+            return cls(**json.loads(text)) if text else cls()
+        except (ValueError, TypeError):
+            return cls()
+
+
+def metric_labels(vllm_config, first_attention_rank: int, attention_ranks: int) -> MetricLabels:
+    """The labels of a front-end serving ``vllm_config`` (what ``deployment`` exports)."""
+    served = vllm_config.model_config.served_model_name
+    name = served[0] if isinstance(served, (list, tuple)) else served
+    return MetricLabels(
+        str(name or vllm_config.model_config.model),
+        first_attention_rank,
+        attention_ranks,
+        vllm_config.parallel_config.tensor_parallel_size,
+    )
+
+
+#: vLLM's labels in front of each family's own: FFN-side and attention-side series.
+_FFN = ["model_name"]
+_ATTENTION = ["model_name", "engine"]
+
+
 class AFDCollector:
     """Prometheus collector of the running deployment's stats blocks (read at scrape time).
 
@@ -73,6 +128,8 @@ class AFDCollector:
         except (ValueError, KeyError, TypeError):
             return []
         families = f = self._families()
+        labels = MetricLabels.current()
+        model = labels.model_name
         # Each FFN rank's current address (a replaced rank has a new one) and failovers.
         entries = ffn_directory.entries(where, num_ffn) if where else [None] * num_ffn
         current = [
@@ -84,36 +141,35 @@ class AFDCollector:
             for r, address in enumerate(current)
         ]
         for r, block in enumerate(ffn_blocks):
-            rank = str(r)
-            entry = entries[r]
-            f["failovers"].add_metric([rank], entry.failovers if entry else 0)
+            series, entry = [model, str(r)], entries[r]
+            f["failovers"].add_metric(series, entry.failovers if entry else 0)
             f["recovery"].add_metric(
-                [rank], entry.failovers if entry else 0, entry.recovery_s if entry else 0.0
+                series, entry.failovers if entry else 0, entry.recovery_s if entry else 0.0
             )
-            f["alive"].add_metric([rank], 1.0 if block is not None and block.alive() else 0.0)
+            f["alive"].add_metric(series, 1.0 if block is not None and block.alive() else 0.0)
             scalars = block.scalars if block else [0.0] * _SCALAR_WORDS
-            f["ffn_requests"].add_metric([rank], scalars[_F_REQUESTS])
-            f["ffn_bytes"].add_metric([rank, "in"], scalars[_F_BYTES_IN])
-            f["ffn_bytes"].add_metric([rank, "out"], scalars[_F_BYTES_OUT])
-            f["ffn_service"].add_metric([rank], _histogram_buckets(block), scalars[_F_SECONDS])
+            f["ffn_requests"].add_metric(series, scalars[_F_REQUESTS])
+            f["ffn_bytes"].add_metric([*series, "in"], scalars[_F_BYTES_IN])
+            f["ffn_bytes"].add_metric([*series, "out"], scalars[_F_BYTES_OUT])
+            f["ffn_service"].add_metric(series, _histogram_buckets(block), scalars[_F_SECONDS])
             for layer, (calls, seconds, tokens) in sorted((block.layers if block else {}).items()):
-                f["ffn_layer_service"].add_metric([rank, str(layer)], calls, seconds)
-                f["ffn_tokens"].add_metric([rank, str(layer)], tokens)
+                f["ffn_layer_service"].add_metric([*series, str(layer)], calls, seconds)
+                f["ffn_tokens"].add_metric([*series, str(layer)], tokens)
         for a in range(num_attention):
             block = read_block(attention_block_name(addresses, a))
-            rank = str(a)
+            series = [model, labels.engine(a), str(a)]
             scalars = block.scalars if block else [0.0] * _SCALAR_WORDS
             peers = block.peers if block else []
             for r in range(num_ffn):
-                f["dispatched"].add_metric([rank, str(r)], peers[r] if r < len(peers) else 0.0)
-            f["bytes"].add_metric([rank, "sent"], scalars[_A_BYTES_SENT])
-            f["bytes"].add_metric([rank, "received"], scalars[_A_BYTES_RECEIVED])
+                f["dispatched"].add_metric([*series, str(r)], peers[r] if r < len(peers) else 0.0)
+            f["bytes"].add_metric([*series, "sent"], scalars[_A_BYTES_SENT])
+            f["bytes"].add_metric([*series, "received"], scalars[_A_BYTES_RECEIVED])
             for i, kind in enumerate(ERROR_KINDS):
-                f["errors"].add_metric([rank, kind], scalars[_A_ERRORS + i])
-            f["redispatched"].add_metric([rank], scalars[_A_REDISPATCHED])
-            f["exposed"].add_metric([rank], _histogram_buckets(block), scalars[_A_SECONDS])
+                f["errors"].add_metric([*series, kind], scalars[_A_ERRORS + i])
+            f["redispatched"].add_metric(series, scalars[_A_REDISPATCHED])
+            f["exposed"].add_metric(series, _histogram_buckets(block), scalars[_A_SECONDS])
             for layer, (calls, seconds, _) in sorted((block.layers if block else {}).items()):
-                f["layer_exposed"].add_metric([rank, str(layer)], calls, seconds)
+                f["layer_exposed"].add_metric([*series, str(layer)], calls, seconds)
         return list(families.values())
 
     @staticmethod
@@ -129,78 +185,78 @@ class AFDCollector:
             "failovers": CounterMetricFamily(
                 "vllm_afd_ffn_failovers",
                 "Times the FFN rank was lost (died, stopped, wedged) and replaced.",
-                labels=["ffn_rank"],
+                labels=[*_FFN, "ffn_rank"],
             ),
             "recovery": SummaryMetricFamily(
                 "vllm_afd_ffn_recovery_seconds",
                 "Time from detecting the loss of the FFN rank to its replacement serving "
                 "(count = failovers).",
-                labels=["ffn_rank"],
+                labels=[*_FFN, "ffn_rank"],
             ),
             "redispatched": CounterMetricFamily(
                 "vllm_afd_redispatched_requests",
                 "Requests (one per layer, microbatch and FFN rank) the attention rank sent again "
                 "to a replaced FFN rank: the layers a failover interrupted.",
-                labels=["attention_rank"],
+                labels=[*_ATTENTION, "attention_rank"],
             ),
             "alive": GaugeMetricFamily(
                 "vllm_afd_ffn_rank_alive",
                 "1 if the FFN rank's process is running, else 0 (same-host check).",
-                labels=["ffn_rank"],
+                labels=[*_FFN, "ffn_rank"],
             ),
             "ffn_service": HistogramMetricFamily(
                 "vllm_afd_ffn_service_seconds",
                 "FFN service time of one layer batch (experts of all attention ranks' "
                 "requests for that layer, replies included).",
-                labels=["ffn_rank"],
+                labels=[*_FFN, "ffn_rank"],
             ),
             "ffn_layer_service": SummaryMetricFamily(
                 "vllm_afd_ffn_layer_service_seconds",
                 "FFN service time per MoE layer (count = layer batches served).",
-                labels=["ffn_rank", "layer"],
+                labels=[*_FFN, "ffn_rank", "layer"],
             ),
             "ffn_tokens": CounterMetricFamily(
                 "vllm_afd_ffn_tokens",
                 "Token rows the FFN rank computed, per MoE layer.",
-                labels=["ffn_rank", "layer"],
+                labels=[*_FFN, "ffn_rank", "layer"],
             ),
             "ffn_requests": CounterMetricFamily(
                 "vllm_afd_ffn_requests",
                 "Requests (one per attention rank, layer and dispatch) the FFN rank answered.",
-                labels=["ffn_rank"],
+                labels=[*_FFN, "ffn_rank"],
             ),
             "ffn_bytes": CounterMetricFamily(
                 "vllm_afd_ffn_bytes",
                 "Payload bytes the FFN rank received (hidden states, expert ids and weights) "
                 "and sent back (outputs).",
-                labels=["ffn_rank", "direction"],
+                labels=[*_FFN, "ffn_rank", "direction"],
             ),
             "dispatched": CounterMetricFamily(
                 "vllm_afd_dispatched_tokens",
                 "Token rows the attention rank dispatched to each FFN rank.",
-                labels=["attention_rank", "ffn_rank"],
+                labels=[*_ATTENTION, "attention_rank", "ffn_rank"],
             ),
             "bytes": CounterMetricFamily(
                 "vllm_afd_transport_bytes",
                 "Payload bytes the attention rank sent to and received from the FFN ranks.",
-                labels=["attention_rank", "direction"],
+                labels=[*_ATTENTION, "attention_rank", "direction"],
             ),
             "errors": CounterMetricFamily(
                 "vllm_afd_transport_errors",
                 "Failed combines on the attention rank, by kind "
                 "(timeout, ffn_dead, ffn_error, other).",
-                labels=["attention_rank", "kind"],
+                labels=[*_ATTENTION, "attention_rank", "kind"],
             ),
             "exposed": HistogramMetricFamily(
                 "vllm_afd_exposed_ffn_seconds",
                 "Time the attention rank waited in combine per round trip (FFN time not "
                 "hidden by overlap).",
-                labels=["attention_rank"],
+                labels=[*_ATTENTION, "attention_rank"],
             ),
             "layer_exposed": SummaryMetricFamily(
                 "vllm_afd_layer_exposed_ffn_seconds",
                 "Exposed FFN time per MoE layer (count = round trips).",
-                labels=["attention_rank", "layer"],
+                labels=[*_ATTENTION, "attention_rank", "layer"],
             ),
         }
 

@@ -18,6 +18,8 @@ from vllm_afd.metrics.blocks import (
 from vllm_afd.metrics.collector import AFDCollector
 
 JOIN_TIMEOUT_S = 20.0
+#: vLLM's labels on every AFD series (``metrics.collector``); ``value`` matches without them.
+VLLM_LABELS = ("model_name", "engine")
 
 
 def new_addresses(n: int) -> tuple[str, ...]:
@@ -47,17 +49,22 @@ def scrape(spec) -> str:
 
 
 def value(text: str, name: str, **labels) -> float:
-    """The value of the one sample ``name{labels}`` in exposition ``text``."""
+    """The value of the one sample ``name{labels}`` in exposition ``text`` (``labels``: those
+    the sample has, vLLM's ``model_name`` and ``engine`` aside unless given)."""
+    wanted = {k: str(v) for k, v in labels.items()}
+    found = []
     for line in text.splitlines():
         if line.startswith("#"):
             continue
         match = re.fullmatch(r"([^{ ]+)(?:\{(.*)\})? (\S+)", line)
         if not match or match.group(1) != name:
             continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-        if found == {k: str(v) for k, v in labels.items()}:
-            return float(match.group(3))
-    raise KeyError(f"{name}{labels} not in output")
+        has = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        if {k: v for k, v in has.items() if k in wanted or k not in VLLM_LABELS} == wanted:
+            found.append(float(match.group(3)))
+    if len(found) != 1:
+        raise KeyError(f"{name}{labels}: {len(found)} samples in output, expected one")
+    return found[0]
 
 
 def _writer_main(addresses, num_attention, ready, done) -> None:

@@ -66,6 +66,29 @@ def test_collector_output_and_alive_flips_when_ffn_process_dies(ctx):
         blocks.unlink_deployment_blocks(spec)
 
 
+def test_series_carry_vllms_model_name_and_engine_labels(monkeypatch):
+    """``model_name`` on every series; ``engine`` (vLLM's engine index: the data-parallel rank
+    in this front-end) on the attention side, empty for another front-end's ranks."""
+    addresses = new_addresses(1)
+    # this front-end: attention ranks 2..5 of the group, DP 2 x TP 2
+    labels = collector.MetricLabels("qwen", 2, 4, tensor_parallel_size=2)
+    monkeypatch.setenv(envs.METRIC_LABELS, labels.to_json())
+    text = scrape(spec_dict(addresses, num_attention=6))
+    sample = "vllm_afd_redispatched_requests_total"
+    engines = {
+        a: value(text, sample, attention_rank=a, model_name="qwen", engine=e)
+        for a, e in [(0, ""), (1, ""), (2, 0), (3, 0), (4, 1), (5, 1)]
+    }
+    assert engines == dict.fromkeys(range(6), 0.0)
+    assert value(text, "vllm_afd_ffn_rank_alive", ffn_rank=0, model_name="qwen") == 0.0
+    assert 'vllm_afd_ffn_rank_alive{ffn_rank="0",model_name="qwen"}' in text  # no engine there
+    monkeypatch.setenv(envs.METRIC_LABELS, "not json")  # unreadable: unlabelled, not broken
+    assert (
+        value(scrape(spec_dict(addresses, 1)), "vllm_afd_ffn_rank_alive", ffn_rank=0, model_name="")
+        == 0
+    )
+
+
 def test_collector_reports_nothing_without_runtime(monkeypatch):
     monkeypatch.delenv(envs.RUNTIME, raising=False)
     registry = CollectorRegistry()
@@ -84,8 +107,9 @@ def test_patch_puts_collector_in_every_metrics_registry(monkeypatch, tmp_path):
     patch_metrics_registries()  # idempotent
     addresses = new_addresses(1)
     monkeypatch.setenv(envs.RUNTIME, json.dumps(spec_dict(addresses, 1)))
+    monkeypatch.setenv(envs.METRIC_LABELS, collector.MetricLabels("tiny", 0, 1).to_json())
     block = blocks.FFNStatsBlock(addresses[0], 0, layers=[0])
-    alive = 'vllm_afd_ffn_rank_alive{ffn_rank="0"} 1.0'
+    alive = 'vllm_afd_ffn_rank_alive{ffn_rank="0",model_name="tiny"} 1.0'
     try:
         # Several API servers: vLLM's registry and the instrumentator's per-scrape one.
         monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
