@@ -23,6 +23,7 @@ With failover off, a lost FFN rank fails requests fast: test_ffn_failure.py.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import re
 import signal
@@ -229,13 +230,23 @@ def _probe_through_the_failover(server: Server, limit_s: float) -> tuple[float, 
 
 
 def _lose_the_ffn_rank_under_streams(server: Server, colocated: dict, sig: signal.Signals) -> None:
-    """``sig`` to the FFN rank 1.5 s into 6 streams of 300 tokens: readiness shows the loss
-    within 2 s and is back once a replacement serves (within 60 s), liveness never fails, and
-    every stream ends with colocated's exact text and tokens."""
+    """``sig`` to the FFN rank once each of 6 streams of 300 tokens has 10 tokens: readiness
+    shows the loss within 2 s and is back once a replacement serves (within 60 s), liveness
+    never fails, and every stream ends with colocated's exact text and tokens."""
     pid = server.ffn_pid()
+    chunks = [0] * len(PROMPTS)  # each written by its stream's thread only
+
+    def tick(i: int) -> None:
+        chunks[i] += 1
+
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        streams = [pool.submit(server.stream, p, STREAM_TOKENS) for p in PROMPTS]
-        time.sleep(1.5)
+        streams = [
+            pool.submit(server.stream, p, STREAM_TOKENS, on_chunk=functools.partial(tick, i))
+            for i, p in enumerate(PROMPTS)
+        ]
+        started = time.monotonic() + 60
+        while min(chunks) < 10 and time.monotonic() < started:
+            time.sleep(0.01)
         os.kill(pid, sig)
         lost_at = time.monotonic()
         not_ready, ready_again, health = _probe_through_the_failover(server, 60.0)
