@@ -175,7 +175,7 @@ class AFDConfig:
         ),
     )
     #: Bound on one FFN round trip before requests fail, in seconds.
-    timeout_s: float = field(
+    timeout: float = field(
         default=30.0,
         metadata=_flag(
             "--afd-timeout",
@@ -185,7 +185,7 @@ class AFDConfig:
         ),
     )
     #: How long attention ranks wait for a lost FFN rank's replacement; 0 turns failover off.
-    failover_s: float = field(
+    failover_timeout: float = field(
         default=60.0,
         metadata=_flag(
             "--afd-failover-timeout",
@@ -253,15 +253,14 @@ class AFDConfig:
             raise AFDConfigError(
                 f"{_where('ffn_device')}: {self.ffn_device!r}; allowed: {', '.join(devices)}"
             )
-        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+        if not (self.timeout > 0 and math.isfinite(self.timeout)):
             raise AFDConfigError(
-                f"{_where('timeout_s')}: must be a finite number of seconds > 0, "
-                f"got {self.timeout_s}"
+                f"{_where('timeout')}: must be a finite number of seconds > 0, got {self.timeout}"
             )
-        if not (self.failover_s >= 0 and math.isfinite(self.failover_s)):
+        if not (self.failover_timeout >= 0 and math.isfinite(self.failover_timeout)):
             raise AFDConfigError(
-                f"{_where('failover_s')}: must be a finite number of seconds >= 0 (0: no "
-                f"failover), got {self.failover_s}"
+                f"{_where('failover_timeout')}: must be a finite number of seconds >= 0 (0: no "
+                f"failover), got {self.failover_timeout}"
             )
         if not 1 <= self.microbatches <= MAX_MICROBATCHES:
             raise AFDConfigError(
@@ -282,6 +281,7 @@ class AFDConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> AFDConfig:
         """Build from ``additional_config["afd"]`` (all values may be strings)."""
+        raw = _renamed_keys(raw)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -298,7 +298,7 @@ class AFDConfig:
             raise AFDConfigError(f"{_where('ratio')}: required when AFD is configured")
         kwargs: dict[str, Any] = dict(raw)
         kwargs["ratio"] = None if raw.get("join") is not None else parse_ratio(raw["ratio"])
-        for key, typ in (("timeout_s", float), ("failover_s", float), ("microbatches", int)):
+        for key, typ in (("timeout", float), ("failover_timeout", float), ("microbatches", int)):
             if key in kwargs:
                 kwargs[key] = _coerce(key, kwargs[key], typ)
         if isinstance(kwargs.get("transport_config"), str):
@@ -333,6 +333,32 @@ class AFDConfig:
                 f"multiple of {attn // math.gcd(attn, ffn)}, e.g. --data-parallel-size {attn}"
             )
         return attention_ranks * ffn // attn
+
+
+#: Keys renamed to their flag's name: old key -> new key (the old ones are still taken).
+RENAMED_KEYS = {"timeout_s": "timeout", "failover_s": "failover_timeout"}
+
+
+def _renamed_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with the old keys of ``RENAMED_KEYS`` under their new names (with a warning)."""
+    out = dict(raw)
+    for old, new in RENAMED_KEYS.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise AFDConfigError(
+                f"additional_config.afd.{old} and {_where(new)}: give one ({old} is the old "
+                f"name of {new})"
+            )
+        logger.warning(
+            "additional_config.afd.%s is now %s, the name of its flag %s; the old key is "
+            "still taken",
+            old,
+            new,
+            _KEY_FLAGS[new],
+        )
+        out[new] = out.pop(old)
+    return out
 
 
 #: Flag name -> additional_config key (derived from the fields' metadata).

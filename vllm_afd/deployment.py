@@ -219,7 +219,7 @@ def check_settings(afd: AFDConfig, info, ranks: int) -> None:
     num_ffn = afd.num_ffn_ranks(ranks)
     info.check_ffn_ranks(num_ffn)
     check_this_host(afd)
-    envs.check_all(num_ffn, timeout_s=afd.timeout_s, local=afd.ray_is_local)
+    envs.check_all(num_ffn, timeout_s=afd.timeout, local=afd.ray_is_local)
     from vllm_afd.transport import backend
 
     if backend(afd.transport).needs_secret and envs.VLLM_AFD_AUTH_FILE:

@@ -101,7 +101,7 @@ def _cases(qwen3: str, dense: str) -> list[Case]:
         (
             "infinite timeout",
             (qwen3, "--afd-ratio", "1:1", "--afd-timeout", "inf"),
-            "--afd-timeout (additional_config.afd.timeout_s): must be a finite number",
+            "--afd-timeout (additional_config.afd.timeout): must be a finite number",
         ),
         (
             "empty afd section",

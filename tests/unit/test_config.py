@@ -1,6 +1,7 @@
 """AFD configuration: ratio parsing, validation messages, flag merging (no vLLM engine)."""
 
 import argparse
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -65,14 +66,32 @@ def test_transport_settings_are_checked_against_the_backends_declaration():
         AFDConfig.from_dict({"ratio": "1:1", "transport_config": ["allow_mnnvl"]})
 
 
+def test_config_keys_are_the_flag_names_and_old_keys_are_taken_with_a_warning(caplog):
+    from vllm_afd.config import FLAG_KEYS
+
+    assert all(
+        key == flag.removeprefix("--afd-").replace("-", "_") for flag, key in FLAG_KEYS.items()
+    )
+    with caplog.at_level(logging.WARNING, logger="vllm.afd"):
+        cfg = AFDConfig.from_dict({"ratio": "1:1", "timeout_s": "2", "failover_s": 0})
+    assert (cfg.timeout, cfg.failover_timeout) == (2.0, 0.0)
+    assert (
+        "additional_config.afd.timeout_s is now timeout, the name of its flag --afd-timeout"
+        in caplog.text
+    )
+    assert "failover_s is now failover_timeout" in caplog.text
+    with pytest.raises(AFDConfigError, match=r"afd.timeout_s and --afd-timeout .* give one"):
+        AFDConfig.from_dict({"ratio": "1:1", "timeout_s": 2, "timeout": 3})
+
+
 def test_from_dict_roundtrip_and_coercion():
-    cfg = AFDConfig.from_dict({"ratio": "3:1", "timeout_s": "2.5", "microbatches": "2"})
-    assert cfg.ratio == (3, 1) and cfg.timeout_s == 2.5 and cfg.microbatches == 2
+    cfg = AFDConfig.from_dict({"ratio": "3:1", "timeout": "2.5", "microbatches": "2"})
+    assert cfg.ratio == (3, 1) and cfg.timeout == 2.5 and cfg.microbatches == 2
     assert AFDConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(AFDConfigError, match="unknown key"):
         AFDConfig.from_dict({"ratio": "1:1", "ration": "2"})
     with pytest.raises(AFDConfigError, match="--afd-timeout"):
-        AFDConfig.from_dict({"ratio": "1:1", "timeout_s": "soon"})
+        AFDConfig.from_dict({"ratio": "1:1", "timeout": "soon"})
     with pytest.raises(AFDConfigError, match="required"):
         AFDConfig.from_dict({"transport": "shm"})
 
@@ -183,7 +202,7 @@ def test_pipeline_parallelism_and_eplb_are_refused_with_afd_only():
 @pytest.mark.parametrize("timeout", ["inf", "-inf", "nan", "0", "-1"])
 def test_timeout_must_be_finite_and_positive(timeout):
     with pytest.raises(AFDConfigError, match=r"--afd-timeout .*finite number of seconds > 0"):
-        AFDConfig.from_dict({"ratio": "1:1", "timeout_s": timeout})
+        AFDConfig.from_dict({"ratio": "1:1", "timeout": timeout})
 
 
 @pytest.mark.parametrize("section", [{}, "1:1", ["1:1"]])
@@ -224,9 +243,9 @@ def test_ffn_host_accepts_local_addresses_and_remote_ffn_hosts():
 @pytest.mark.parametrize("seconds", ["inf", "nan", "-1", "soon"])
 def test_failover_timeout_must_be_finite_and_not_negative(seconds):
     with pytest.raises(AFDConfigError, match=r"--afd-failover-timeout"):
-        AFDConfig.from_dict({"ratio": "1:1", "failover_s": seconds})
+        AFDConfig.from_dict({"ratio": "1:1", "failover_timeout": seconds})
 
 
 def test_failover_is_on_by_default_and_zero_turns_it_off():
-    assert AFDConfig.from_dict({"ratio": "1:1"}).failover_s == 60.0
-    assert AFDConfig.from_dict({"ratio": "1:1", "failover_s": "0"}).failover_s == 0.0
+    assert AFDConfig.from_dict({"ratio": "1:1"}).failover_timeout == 60.0
+    assert AFDConfig.from_dict({"ratio": "1:1", "failover_timeout": "0"}).failover_timeout == 0.0

@@ -67,12 +67,12 @@ def start_ffn_group(request: GroupRequest) -> FFNGroup:
         max_tokens=max_tokens,
         dtype=dtype,
         num_slots=max(2, afd.microbatches),
-        timeout_s=afd.timeout_s,
+        timeout_s=afd.timeout,
         moe_layers=model.moe_layers,
         # What the FFN side is asked to listen on (tcp: interface, any free port); the
         # addresses it actually got replace these once it is up.
         addresses=backend(afd.transport).requested_addresses(afd.ffn_host, num_ffn),
-        failover_s=afd.failover_s,
+        failover_s=afd.failover_timeout,
         config=afd.transport_config,
     )
     key = json.dumps([spec.to_json(), model_dir, device, afd.ray_address, afd.ffn_host])
@@ -96,7 +96,7 @@ def start_ffn_group(request: GroupRequest) -> FFNGroup:
             raise
         _GROUP.hub = hub
         _GROUP_KEY = key
-        if afd.failover_s > 0 and backend(spec.backend).supports_failover:
+        if afd.failover_timeout > 0 and backend(spec.backend).supports_failover:
             _GROUP.supervisor = Supervisor(_GROUP)
         # The hand-off to every process started from here on (engine cores, workers).
         os.environ[envs.RUNTIME] = _GROUP.spec.to_json()

@@ -132,7 +132,7 @@ def test_serve_recipe_folds_into_the_afd_config(serve_parser, path):
 def test_command_line_overrides_the_serve_recipe(serve_parser, path):
     args, engine_args = _serve(serve_parser, "m", "--config", str(path), "--afd-timeout", "5")
     assert args.model == "m"
-    assert engine_args.additional_config["afd"] == {**EXPECTED[path.stem][0], "timeout_s": 5.0}
+    assert engine_args.additional_config["afd"] == {**EXPECTED[path.stem][0], "timeout": 5.0}
 
 
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.stem)

@@ -72,7 +72,7 @@ def test_flags_fold_into_additional_config(serve_parser, tmp_path):
     afd = engine_args("--afd-ratio", "7:1", "--afd-timeout", "5", "--afd-join", "g.json")
     assert afd.additional_config["afd"] == {
         "ratio": "7:1",
-        "timeout_s": 5.0,
+        "timeout": 5.0,
         "join": "g.json",
     }
     assert "afd" not in (engine_args().additional_config or {})
