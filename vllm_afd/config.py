@@ -89,9 +89,15 @@ def parse_ratio(text: str) -> tuple[int, int] | None:
     return attn, ffn
 
 
+#: ``--afd-transport`` that lets the front-end choose (``transport.auto_backend``).
+AUTO_TRANSPORT = "auto"
+
+
 def _transport_arg(text: str) -> str:
     from vllm_afd.transport import backend
 
+    if text == AUTO_TRANSPORT:
+        return text
     try:
         backend(text)
     except (ValueError, TypeError) as exc:
@@ -139,15 +145,16 @@ class AFDConfig:
             type=_ratio_arg,
         )
     )
-    #: Transport backend: a registered name (``vllm_afd.transport.available_transports()``)
-    #: or an out-of-tree backend's ``package.module:BackendClass``.
+    #: Transport backend: ``auto`` (the front-end picks one for the devices), a registered name
+    #: (``vllm_afd.transport.available_transports()``) or an out-of-tree backend's
+    #: ``package.module:BackendClass``.
     transport: str = field(
-        default="shm",
+        default=AUTO_TRANSPORT,
         metadata=_flag(
             "--afd-transport",
-            "Dispatch/combine backend between attention and FFN ranks: shm (one host, "
-            "shared memory), tcp (across hosts), deepep (GPUs, NVLink/RDMA), or an "
-            "out-of-tree backend as package.module:BackendClass.",
+            "Dispatch/combine backend between attention and FFN ranks: auto (shm on one CPU "
+            "host, deepep on GPUs), shm (one host, shared memory), tcp (across hosts), deepep "
+            "(GPUs, NVLink/RDMA), or an out-of-tree backend as package.module:BackendClass.",
             type=_transport_arg,
         ),
     )
@@ -245,7 +252,12 @@ class AFDConfig:
                 f"{_where('transport_config')}: expected a JSON object, got "
                 f"{self.transport_config!r}"
             )
-        problem = backend(self.transport).config_problem(self.transport_config)
+        if self.transport == AUTO_TRANSPORT:
+            problem = "settings need a named backend (--afd-transport), not auto"
+            if not self.transport_config:
+                problem = None
+        else:
+            problem = backend(self.transport).config_problem(self.transport_config)
         if problem:
             raise AFDConfigError(f"{_where('transport_config')}: {problem}")
         devices = get_args(FFNDevice)
@@ -390,7 +402,7 @@ def _choices(f: dataclasses.Field) -> tuple[str, ...] | None:
     if f.name == "transport":
         from vllm_afd.transport import available_transports
 
-        return available_transports()
+        return (AUTO_TRANSPORT, *available_transports())
     return f.metadata.get("choices")
 
 
@@ -631,9 +643,10 @@ def check_this_host(afd: AFDConfig) -> None:
     from vllm_afd.host import is_loopback
     from vllm_afd.transport import backend
 
-    transport = backend(afd.transport)
-    problem = transport.host_problem()
-    if problem is not None:
+    # auto here: a front-end joining a group (which checks that it runs the group's backend)
+    transport = None if afd.transport == AUTO_TRANSPORT else backend(afd.transport)
+    problem = transport and transport.host_problem()
+    if problem:
         raise AFDConfigError(f"{_where('transport')}: {problem}")
     host = afd.ffn_host
     try:
@@ -649,7 +662,11 @@ def check_this_host(afd: AFDConfig) -> None:
             "FFN ranks of the local Ray instance listen; use 127.0.0.1 (default), 0.0.0.0 or "
             "one of this machine's addresses"
         )
-    if transport.plaintext_on_ffn_host and not all(is_loopback(i[4][0]) for i in infos):
+    if (
+        transport
+        and transport.plaintext_on_ffn_host
+        and not all(is_loopback(i[4][0]) for i in infos)
+    ):
         logger.warning(
             "AFD: the %s transport listens on %s: peers are authenticated (HMAC with the "
             "deployment's secret) but hidden states cross the network unencrypted; keep it on "

@@ -11,11 +11,13 @@ attention ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 from vllm_afd import envs
 from vllm_afd.config import (
+    AUTO_TRANSPORT,
     AFDConfig,
     AFDConfigError,
     check_supported,
@@ -45,14 +47,34 @@ def checkpoint_dir(model: str) -> str:
 
 
 def prepare_engine_args(engine_args, usage_context) -> None:
-    """One flag is enough: ``serve MODEL --afd-ratio 7:1`` gets 7 data-parallel attention ranks.
+    """Defaults that fit AFD, set before vLLM builds its config from ``engine_args``:
 
-    Only when the user asked for no parallelism at all (data and tensor parallel size 1) and
-    only for servers: vLLM's offline ``LLM`` class runs a single engine, where tensor
-    parallelism is the way to get several attention ranks.
+    - ``--afd-transport auto`` becomes the backend for these devices (``_resolve_transport``);
+    - a backend with a per-round token cap (deepep: 256) caps ``--max-num-batched-tokens``
+      when the user gave none (a value above it is refused later, naming the flag);
+    - one flag is enough: ``serve MODEL --afd-ratio 7:1`` gets 7 data-parallel attention
+      ranks, when the user asked for no parallelism at all (data and tensor parallel size 1),
+      for servers only: vLLM's offline ``LLM`` class runs a single engine, where tensor
+      parallelism is the way to get several attention ranks.
     """
+    from vllm_afd.transport import backend
+
     afd = AFDConfig.of(engine_args)
-    if afd is None or engine_args.data_parallel_size != 1 or engine_args.tensor_parallel_size != 1:
+    if afd is None:
+        return
+    if afd.transport == AUTO_TRANSPORT and afd.join is None:  # a joining one takes its group's
+        afd = _resolve_transport(afd)
+        engine_args.additional_config = {**engine_args.additional_config, "afd": afd.to_dict()}
+    cap = None if afd.join is not None else backend(afd.transport).max_tokens_per_round
+    if cap is not None and engine_args.max_num_batched_tokens is None:
+        engine_args.max_num_batched_tokens = cap
+        logger.info(
+            "AFD: --max-num-batched-tokens %d, the most the %s transport takes per attention "
+            "rank and round (longer prompts are prefilled in chunks)",
+            cap,
+            afd.transport,
+        )
+    if engine_args.data_parallel_size != 1 or engine_args.tensor_parallel_size != 1:
         return
     from vllm.usage.usage_lib import UsageContext
 
@@ -103,6 +125,24 @@ def setup_afd(vllm_config) -> None:
         group.spec.num_ffn_ranks,
         group.spec.backend,
     )
+
+
+def _resolve_transport(afd: AFDConfig) -> AFDConfig:
+    """``--afd-transport auto``: the backend for these devices on this machine
+    (``transport.auto_backend``), written back so every process gets the same."""
+    from vllm_afd.transport import auto_backend
+
+    attention, ffn = _attention_device(), _ffn_device(afd)
+    try:
+        name = auto_backend(attention, ffn)
+    except ValueError as exc:
+        raise AFDConfigError(
+            f"--afd-transport (additional_config.afd.transport) auto: {exc}"
+        ) from None
+    logger.info(
+        "AFD: --afd-transport auto -> %s (%s attention ranks, %s FFN ranks)", name, attention, ffn
+    )
+    return dataclasses.replace(afd, transport=name)
 
 
 def _join(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config) -> None:
@@ -277,8 +317,6 @@ def log_kv_transfer_requirements(vllm_config) -> None:
 
 def _resolve_auto(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config) -> AFDConfig:
     """``--afd-ratio auto``: the planner picks the FFN rank count; the prediction is logged."""
-    import dataclasses
-
     from vllm.platforms import current_platform
 
     from vllm_afd.planner.auto_ratio import recommend_for_deployment

@@ -55,7 +55,7 @@ def test_transport_settings_are_checked_against_the_backends_declaration():
         match=r"--afd-transport-config \(additional_config.afd.transport_config\): shm takes "
         r"no setting allow_mnnvl; its settings: none",
     ):
-        AFDConfig(ratio=(1, 1), transport_config={"allow_mnnvl": True})
+        AFDConfig(ratio=(1, 1), transport="shm", transport_config={"allow_mnnvl": True})
     with pytest.raises(AFDConfigError, match=r"no setting mnnvl; its settings: allow_mnnvl \(bool"):
         AFDConfig(ratio=(1, 1), transport="deepep", transport_config={"mnnvl": True})
     with pytest.raises(AFDConfigError, match="setting allow_mnnvl takes a bool, got 1"):

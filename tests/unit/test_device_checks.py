@@ -82,3 +82,58 @@ def test_deepep_is_refused_unless_both_ends_are_gpus():
         _check(_afd(transport="deepep", ffn_device="cpu"))
     with pytest.raises(AFDConfigError, match="attention ranks on cpu and FFN ranks on cpu"):
         check_devices(_afd(transport="deepep", ffn_device="auto"), QWEN3_30B, 7, "cpu", 256, None)
+
+
+def test_auto_transport_picks_by_device_and_host(monkeypatch):
+    """``--afd-transport auto`` (the default): shm on an x86-64 CPU host, tcp on other CPUs,
+    deepep on GPUs; the front-end writes the choice back for every process."""
+    from vllm_afd import deployment
+    from vllm_afd.config import AFDConfig
+    from vllm_afd.transport import auto_backend
+    from vllm_afd.transport.shm import ShmBackend
+
+    assert AFDConfig(ratio=(1, 1)).transport == "auto"
+    assert auto_backend("cuda", "cuda") == "deepep"
+    monkeypatch.setattr(deployment, "_attention_device", lambda: "cuda")
+    assert deployment._resolve_transport(AFDConfig(ratio=(1, 1))).transport == "deepep"
+    monkeypatch.setattr(ShmBackend, "host_problem", classmethod(lambda cls: "shm: not x86-64"))
+    assert auto_backend("cpu", "cpu") == "tcp"
+    with pytest.raises(ValueError, match=r"no transport backend connects cuda .* to cpu FFN"):
+        auto_backend("cuda", "cpu")
+
+
+def test_auto_transport_takes_no_backend_settings():
+    from vllm_afd.config import AFDConfig, AFDConfigError
+
+    with pytest.raises(AFDConfigError, match="--afd-transport-config.*need a named backend"):
+        AFDConfig(ratio=(1, 1), transport_config={"allow_mnnvl": True})
+
+
+def test_engine_args_get_the_resolved_transport_and_its_token_cap(monkeypatch):
+    """Before vLLM builds its config (patch P3): auto resolved and written back, and deepep's
+    256 tokens per round as ``--max-num-batched-tokens`` when the user gave none."""
+    from types import SimpleNamespace
+
+    from vllm.usage.usage_lib import UsageContext
+
+    from vllm_afd import deployment
+
+    def args(max_tokens=None, **afd):
+        return SimpleNamespace(
+            additional_config={"afd": {"ratio": "1:1", **afd}},
+            max_num_batched_tokens=max_tokens,
+            data_parallel_size=1,
+            tensor_parallel_size=1,
+        )
+
+    cpu = args()
+    deployment.prepare_engine_args(cpu, UsageContext.LLM_CLASS)
+    assert cpu.additional_config["afd"]["transport"] == "shm"
+    assert cpu.max_num_batched_tokens is None  # vLLM's own default
+    monkeypatch.setattr(deployment, "_attention_device", lambda: "cuda")
+    gpu, given = args(), args(max_tokens=512)
+    for engine_args in (gpu, given):
+        deployment.prepare_engine_args(engine_args, UsageContext.LLM_CLASS)
+        assert engine_args.additional_config["afd"]["transport"] == "deepep"
+    assert gpu.max_num_batched_tokens == 256
+    assert given.max_num_batched_tokens == 512  # the user's: refused by check_devices, named

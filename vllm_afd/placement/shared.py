@@ -14,7 +14,7 @@ import os
 import socket
 
 from vllm_afd import envs
-from vllm_afd.config import AFDConfigError
+from vllm_afd.config import AUTO_TRANSPORT, AFDConfigError
 from vllm_afd.host import (
     process_start_time,
     write_private_file,
@@ -117,7 +117,9 @@ def join_ffn_group(request: GroupRequest) -> TransportSpec:
         "vllm_afd version": _version(),
         "model (sha256 of config.json)": model_identity(model_dir),
         "dtype": str(dtype).removeprefix("torch."),
-        "transport (--afd-transport)": afd.transport,
+        "transport (--afd-transport)": (
+            spec.backend if afd.transport == AUTO_TRANSPORT else afd.transport
+        ),
         "experts, top_k, hidden size, MoE layers": (
             model.num_experts,
             model.top_k,

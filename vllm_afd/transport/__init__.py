@@ -61,6 +61,32 @@ def register_transport(name: str, target: str) -> None:
     _BACKENDS[name] = target
 
 
+#: ``--afd-transport auto``: the first of these whose endpoints this machine and these devices
+#: can run (``auto_backend``): shared memory on one CPU host, tcp on other CPUs, DeepEP on GPUs.
+AUTO_ORDER = ("shm", "tcp", "deepep")
+
+
+def auto_backend(attention_device: str, ffn_device: str) -> str:
+    """The backend ``--afd-transport auto`` means for these devices (``"cpu"``, ``"cuda"``)
+    on this machine: the first of ``AUTO_ORDER`` without a ``device_problem`` or
+    ``host_problem``.
+
+    Raises:
+        ValueError: naming each backend's reason, if none can.
+    """
+    reasons = []
+    for name in AUTO_ORDER:
+        cls = backend(name)
+        problem = cls.device_problem(attention_device, ffn_device) or cls.host_problem()
+        if problem is None:
+            return name
+        reasons.append(problem)
+    raise ValueError(
+        f"no transport backend connects {attention_device} attention ranks to {ffn_device} FFN "
+        f"ranks on this machine: {'; '.join(reasons)}"
+    )
+
+
 def available_transports() -> tuple[str, ...]:
     """Names of the registered backends, sorted (their modules are not imported)."""
     return tuple(sorted(_BACKENDS))
@@ -138,7 +164,9 @@ __all__ = [
     "FFNTransport",
     "ProtocolError",
     "TransportError",
+    "AUTO_ORDER",
     "TransportSpec",
+    "auto_backend",
     "available_transports",
     "backend",
     "create_attention_transport",

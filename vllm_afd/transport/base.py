@@ -334,6 +334,9 @@ class Backend:
     #: Which side applies the routing weights: ``"ffn"`` (the FFN side answers rows weighted
     #: and summed over its experts) or ``"attention"`` (the combine weights them).
     weights_applied_on: ClassVar[str] = "ffn"
+    #: Most tokens one attention rank may send in one round (``--max-num-batched-tokens`` is
+    #: capped to it when not given); ``None``: no cap.
+    max_tokens_per_round: ClassVar[int | None] = None
     #: The settings it takes in ``--afd-transport-config`` (its endpoints read them from
     #: ``TransportSpec.config``): name -> type of the JSON value. Empty: none.
     settings: ClassVar[Mapping[str, type]] = {}

@@ -519,6 +519,7 @@ class DeepEPBackend(Backend):
     needs_secret = True
     supports_failover = False
     weights_applied_on = "attention"
+    max_tokens_per_round = LL_MAX_TOKENS
     #: DeepEP ``Buffer`` arguments a deployment may set (``--afd-transport-config``); the
     #: rest are this backend's to choose (low-latency mode, its RDMA size, one QP per local
     #: expert as the low-latency kernels require).
