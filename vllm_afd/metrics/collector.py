@@ -147,6 +147,8 @@ class AFDCollector:
                 series, entry.failovers if entry else 0, entry.recovery_s if entry else 0.0
             )
             f["alive"].add_metric(series, 1.0 if block is not None and block.alive() else 0.0)
+            given_up = entry is not None and entry.state == ffn_directory.FAILED
+            f["given_up"].add_metric(series, 1.0 if given_up else 0.0)
             scalars = block.scalars if block else [0.0] * _SCALAR_WORDS
             f["ffn_requests"].add_metric(series, scalars[_F_REQUESTS])
             f["ffn_bytes"].add_metric([*series, "in"], scalars[_F_BYTES_IN])
@@ -202,6 +204,12 @@ class AFDCollector:
             "alive": GaugeMetricFamily(
                 "vllm_afd_ffn_rank_alive",
                 "1 if the FFN rank's process is running, else 0 (same-host check).",
+                labels=[*_FFN, "ffn_rank"],
+            ),
+            "given_up": GaugeMetricFamily(
+                "vllm_afd_ffn_rank_given_up",
+                "1 once failover gave up on the FFN rank (it failed too often in a row): its "
+                "requests fail until the server is restarted; else 0.",
                 labels=[*_FFN, "ffn_rank"],
             ),
             "ffn_service": HistogramMetricFamily(

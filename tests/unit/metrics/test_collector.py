@@ -128,3 +128,18 @@ def test_patch_puts_collector_in_every_metrics_registry(monkeypatch, tmp_path):
             if isinstance(registered, collector.AFDCollector):
                 prometheus_client.REGISTRY.unregister(registered)
         collector._REGISTERED.discard(prometheus_client.REGISTRY)
+
+
+def test_a_rank_failover_gave_up_on_is_flagged(tmp_path):
+    """``vllm_afd_ffn_rank_given_up`` (the alert of deploy/prometheus): from the FFN directory."""
+    import socket
+
+    from vllm_afd.transport import directory
+
+    addresses = new_addresses(2)
+    spec = {**spec_dict(addresses, num_attention=1), "directory": str(tmp_path)}
+    entry = directory.RankEntry(1, 1, directory.FAILED, addresses[1], socket.gethostname(), 0)
+    directory.publish(str(tmp_path), entry)
+    text = scrape(spec)
+    assert value(text, "vllm_afd_ffn_rank_given_up", ffn_rank=0) == 0.0
+    assert value(text, "vllm_afd_ffn_rank_given_up", ffn_rank=1) == 1.0
