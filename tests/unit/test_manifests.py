@@ -1,0 +1,92 @@
+"""The deployment manifests (deploy/) load, and their vLLM command lines pass the product's
+start-up checks for the node they are written for (8 GPUs, Qwen3-30B-A3B), with no cluster:
+vLLM's own parser with the plugin, ``deployment.prepare_engine_args`` (what ``vllm serve``
+makes of the flags on GPUs) and ``deployment.check_devices``; and the probes, secrets and
+grace period an operator relies on (docs/operations.md)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from vllm_afd.config import AFDConfig, MoEModelInfo
+
+ROOT = Path(__file__).parents[2]
+QWEN3_30B = MoEModelInfo("Qwen3MoeForCausalLM", 48, 128, 8, 2048, 768, tuple(range(48)))
+
+
+@pytest.fixture(scope="module")
+def serve_parser():
+    import vllm_afd
+
+    vllm_afd.register()
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm")
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    return parser
+
+
+def _checked(parser, argv: list[str], monkeypatch) -> tuple[argparse.Namespace, AFDConfig]:
+    """``vllm serve ARGV`` on an 8-GPU node: parsed, prepared as the front-end prepares it,
+    and through the device checks (``AFDConfigError`` if any fails)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from vllm_afd import deployment
+
+    args = parser.parse_args(["serve", *argv])
+    with tempfile.TemporaryDirectory() as local:  # vLLM resolves no model
+        engine_args = AsyncEngineArgs.from_cli_args(
+            argparse.Namespace(**{**vars(args), "model": local})
+        )
+    monkeypatch.setattr(deployment, "_attention_device", lambda: "cuda")
+    deployment.prepare_engine_args(engine_args, UsageContext.OPENAI_API_SERVER)
+    afd = AFDConfig.of(engine_args)
+    ranks = engine_args.data_parallel_size * engine_args.tensor_parallel_size
+    deployment.check_devices(
+        afd, QWEN3_30B, ranks, "cuda", engine_args.max_num_batched_tokens, torch.bfloat16, 8
+    )
+    assert ranks + afd.num_ffn_ranks(ranks) == 8
+    return args, afd
+
+
+def test_the_leaderworkerset_serves_with_probes_a_secret_and_a_drain(serve_parser, monkeypatch):
+    path = ROOT / "deploy" / "kubernetes" / "lws-qwen3-30b-a3b-7to1.yaml"
+    manifest = yaml.safe_load(path.read_text())
+    assert manifest["kind"] == "LeaderWorkerSet"
+    pod = manifest["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["vllm", "serve"]
+    args, afd = _checked(serve_parser, container["args"], monkeypatch)
+    assert afd.transport == "deepep" and afd.ratio == (7, 1)
+    assert args.api_server_count == 1  # draining with DP needs one API server
+    assert pod["terminationGracePeriodSeconds"] > args.shutdown_timeout
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    env = {e["name"]: e for e in container["env"]}
+    assert "afd" in env["VLLM_PLUGINS"]["value"].split(",")  # /afd/ready is served
+    assert "secretKeyRef" in env["VLLM_API_KEY"]["valueFrom"]  # off loopback: authenticated
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/afd/ready"
+    port = container["ports"][0]["containerPort"]
+    assert args.port == port == container["readinessProbe"]["httpGet"]["port"]
+
+
+def test_the_dynamo_worker_takes_afd_through_additional_config(serve_parser, monkeypatch):
+    path = ROOT / "deploy" / "dynamo" / "qwen3-30b-a3b-afd-worker.sh"
+    command = re.search(r"exec (python -m dynamo\.vllm .*?)\n(?!\s)", path.read_text(), re.S)
+    argv = shlex.split(command.group(1).replace("\\\n", " "))
+    assert argv[:3] == ["python", "-m", "dynamo.vllm"]
+    vllm_args = argv[3:]
+    model = vllm_args.pop(vllm_args.index("--model") + 1)
+    vllm_args.remove("--model")
+    args, afd = _checked(serve_parser, [model, *vllm_args], monkeypatch)
+    assert args.data_parallel_size == 7 and afd.ratio == (7, 1)
