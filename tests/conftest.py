@@ -61,6 +61,20 @@ def smollm2_moe() -> str:
 
 
 @pytest.fixture(scope="session")
+def serve_parser():
+    """vLLM's serve parser with the plugin registered, as ``vllm-afd serve`` builds it."""
+    import vllm_afd
+
+    vllm_afd.register()
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm")
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    return parser
+
+
+@pytest.fixture(scope="session")
 def run_once():
     """``run_once(job)``: ``run_generation(job)`` once per session for each distinct job (the
     colocated references several tests compare with); safe to call from threads."""

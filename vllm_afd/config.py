@@ -105,7 +105,9 @@ def _transport_arg(text: str) -> str:
     return text
 
 
-def _json_object_arg(text: str) -> dict[str, Any]:
+def json_object_arg(text: str) -> dict[str, Any]:
+    """An argparse ``type``: a JSON object (``--afd-transport-config``, the bench's
+    ``--speculative-config``)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -169,7 +171,7 @@ class AFDConfig:
             "'{\"allow_mnnvl\": true}' for deepep; an unknown key is refused with the "
             "backend's list.",
             "JSON",
-            type=_json_object_arg,
+            type=json_object_arg,
         ),
     )
     #: Device of the FFN executors: ``auto`` follows the attention ranks' platform.
@@ -315,7 +317,7 @@ class AFDConfig:
                 kwargs[key] = _coerce(key, kwargs[key], typ)
         if isinstance(kwargs.get("transport_config"), str):
             try:
-                kwargs["transport_config"] = _json_object_arg(kwargs["transport_config"])
+                kwargs["transport_config"] = json_object_arg(kwargs["transport_config"])
             except argparse.ArgumentTypeError as exc:
                 raise AFDConfigError(f"{_where('transport_config')}: {exc}") from None
         return cls(**kwargs)

@@ -12,7 +12,6 @@ import shlex
 import tempfile
 from pathlib import Path
 
-import pytest
 import torch
 import yaml
 
@@ -20,19 +19,6 @@ from vllm_afd.config import AFDConfig, MoEModelInfo
 
 ROOT = Path(__file__).parents[2]
 QWEN3_30B = MoEModelInfo("Qwen3MoeForCausalLM", 48, 128, 8, 2048, 768, tuple(range(48)))
-
-
-@pytest.fixture(scope="module")
-def serve_parser():
-    import vllm_afd
-
-    vllm_afd.register()
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser(prog="vllm")
-    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
-    return parser
 
 
 def _checked(parser, argv: list[str], monkeypatch) -> tuple[argparse.Namespace, AFDConfig]:

@@ -74,6 +74,7 @@ from vllm_afd.bench.metrics import (
 )
 from vllm_afd.bench.recipes import BenchRecipe, get_recipe, recipe_names
 from vllm_afd.bench.window import period_stats, window_intervals
+from vllm_afd.config import json_object_arg
 
 
 def _ratio(text: str) -> tuple[int, int]:
@@ -114,12 +115,7 @@ def _ep_sizes(text: str) -> list[int]:
 
 def _speculative_config(text: str) -> dict[str, Any]:
     """vLLM's ``--speculative-config`` JSON; the bench needs its draft length d."""
-    try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
-    if not isinstance(spec, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    spec = json_object_arg(text)
     d = spec.get("num_speculative_tokens")
     if not isinstance(d, int) or isinstance(d, bool) or d < 1:
         raise argparse.ArgumentTypeError(

@@ -45,20 +45,6 @@ EXPECTED = {
 }
 
 
-@pytest.fixture(scope="module")
-def serve_parser():
-    """vLLM's serve parser with the plugin registered, as ``vllm-afd serve`` builds it."""
-    import vllm_afd
-
-    vllm_afd.register()
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser(prog="vllm")
-    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
-    return parser
-
-
 def _serve(parser, *argv: str):
     """Parsed args and engine args of ``vllm serve ARGV`` (positional model wins, as in
     ``ServeSubcommand.cmd``). ``args.model`` is the recipe's (or the positional) model; the
