@@ -254,12 +254,12 @@ class AFDConfig:
                 f"{_where('transport_config')}: expected a JSON object, got "
                 f"{self.transport_config!r}"
             )
-        if self.transport == AUTO_TRANSPORT:
-            problem = "settings need a named backend (--afd-transport), not auto"
-            if not self.transport_config:
-                problem = None
-        else:
+        if self.transport != AUTO_TRANSPORT:
             problem = backend(self.transport).config_problem(self.transport_config)
+        elif self.transport_config:
+            problem = "settings need a named backend (--afd-transport), not auto"
+        else:
+            problem = None
         if problem:
             raise AFDConfigError(f"{_where('transport_config')}: {problem}")
         devices = get_args(FFNDevice)
