@@ -50,8 +50,8 @@ P3 ``EngineArgs.create_engine_config``, wrapped.
    worker process exists, and its address handed to them.
    How: before: ``deployment.prepare_engine_args`` (``--afd-transport auto`` resolved for the
    devices, deepep's token cap as ``--max-num-batched-tokens`` when none is given, and a
-   server given only ``--afd-ratio A:F`` gets A data-parallel attention ranks); after the stock config is built,
-   ``deployment.setup_afd(vllm_config)``.
+   server given only ``--afd-ratio A:F`` gets A data-parallel attention ranks); after the
+   stock config is built, ``deployment.setup_afd(vllm_config)``.
    Upstream: none for a generic hook; AFD inside vLLM (RFC vllm-project/vllm#22799) would own
    this lifecycle.
    Remove when: vLLM grows a "deployment plugin" lifecycle hook.
