@@ -12,8 +12,10 @@ attention ranks.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from vllm_afd import envs
 from vllm_afd.config import (
@@ -118,7 +120,7 @@ def setup_afd(vllm_config) -> None:
     from vllm_afd.placement import start_ffn_group
 
     group = start_ffn_group(_group_request(afd, info, ranks, model_dir, vllm_config))
-    _export_metric_labels(vllm_config, 0, ranks)
+    _export_front_end(vllm_config, info, ranks, model_dir, first_attention_rank=0)
     logger.info(
         "AFD on: %d attention rank(s) : %d FFN rank(s), transport %s",
         ranks,
@@ -152,7 +154,7 @@ def _join(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config) -> None
     check_this_host(afd)
     log_kv_transfer_requirements(vllm_config)
     spec = join_ffn_group(_group_request(afd, info, ranks, model_dir, vllm_config))
-    _export_metric_labels(vllm_config, spec.attention_rank_offset, ranks)
+    _export_front_end(vllm_config, info, ranks, model_dir, spec.attention_rank_offset)
     logger.info(
         "AFD on: %d attention rank(s) joined a group of %d FFN rank(s), transport %s",
         ranks,
@@ -161,14 +163,32 @@ def _join(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config) -> None
     )
 
 
-def _export_metric_labels(vllm_config, first_attention_rank: int, ranks: int) -> None:
-    """vLLM's labels for the AFD series this front-end's ``/metrics`` serves (its API server
-    processes inherit the variable)."""
-    from vllm_afd.metrics.collector import metric_labels
+def _export_front_end(
+    vllm_config, info, ranks: int, model_dir: str, first_attention_rank: int
+) -> None:
+    """``VLLM_AFD_FRONT_END`` for this front-end's API server processes (they inherit it)."""
     from vllm_afd.placement.credentials import set_env
 
+    set_env(
+        envs.FRONT_END,
+        json.dumps(front_end_facts(vllm_config, info, ranks, model_dir, first_attention_rank)),
+    )
+
+
+def front_end_facts(
+    vllm_config, info, ranks: int, model_dir: str, first_attention_rank: int
+) -> dict[str, Any]:
+    """vLLM's labels for the AFD series (``metrics.collector.metric_labels``) and the planner's
+    recommendation for this deployment (``recommend``; ``{"error": ...}`` when it has none)."""
+    from vllm_afd.metrics.collector import metric_labels
+
+    try:
+        attn, ffn, line = recommend(vllm_config, info, ranks, model_dir)
+        recommendation = {"ratio": f"{attn}:{ffn}", "prediction": line}
+    except (AFDConfigError, ValueError, OSError) as exc:
+        recommendation = {"error": str(exc)}
     labels = metric_labels(vllm_config, first_attention_rank, ranks)
-    set_env(envs.METRIC_LABELS, labels.to_json())
+    return {**dataclasses.asdict(labels), "recommendation": recommendation}
 
 
 def _group_request(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config):
@@ -317,11 +337,20 @@ def log_kv_transfer_requirements(vllm_config) -> None:
 
 def _resolve_auto(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config) -> AFDConfig:
     """``--afd-ratio auto``: the planner picks the FFN rank count; the prediction is logged."""
+    attn, ffn, line = recommend(vllm_config, info, ranks, model_dir)
+    logger.info("--afd-ratio auto -> %d:%d (%s)", attn, ffn, line)
+    return dataclasses.replace(afd, ratio=(attn, ffn))
+
+
+def recommend(vllm_config, info, ranks: int, model_dir: str) -> tuple[int, int, str]:
+    """The planner's ``(A, F, one-line prediction)`` for this deployment's attention ranks at
+    its batch cap and context (``planner.auto_ratio``; ``AFDConfigError`` without planner
+    hardware on the CPU build): what ``--afd-ratio auto`` uses and ``/afd/status`` shows."""
     from vllm.platforms import current_platform
 
     from vllm_afd.planner.auto_ratio import recommend_for_deployment
 
-    attn, ffn, line = recommend_for_deployment(
+    return recommend_for_deployment(
         info,
         ranks,
         model_dir,
@@ -330,8 +359,6 @@ def _resolve_auto(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config)
         platform_is_cpu=current_platform.is_cpu(),
         draft_length=_draft_length(vllm_config),
     )
-    logger.info("--afd-ratio auto -> %d:%d (%s)", attn, ffn, line)
-    return dataclasses.replace(afd, ratio=(attn, ffn))
 
 
 def _draft_length(vllm_config) -> int:

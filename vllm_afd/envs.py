@@ -39,10 +39,11 @@ Variables the product sets (the front-end's hand-off to every process it starts 
 ``VLLM_AFD_RUNTIME``
     The running FFN group's ``TransportSpec`` as JSON (``TransportSpec.to_json``); its
     ``directory`` says where each FFN rank is now (``transport/directory.py``).
-``VLLM_AFD_METRIC_LABELS``
-    What the AFD series carry of vLLM's own labels, as JSON (``metrics.collector``): the
-    served model name, and how this front-end's attention ranks map to vLLM's engine indexes
-    (its first attention rank in the group, its rank count, tensor-parallel size).
+``VLLM_AFD_FRONT_END``
+    What the front-end tells its API server processes, as JSON: vLLM's labels for the AFD
+    series (``metrics.collector.MetricLabels``: the served model name, and how this
+    front-end's attention ranks map to vLLM's engine indexes) and the planner's
+    recommendation (``/afd/status``, ``deployment.front_end_facts``).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ PLAN_PROFILE = "VLLM_AFD_PLAN_PROFILE"
 BENCH_CPUS = "VLLM_AFD_BENCH_CPUS"
 FAULT_FILE = "VLLM_AFD_FAULT_FILE"
 AUTH_FILE = "VLLM_AFD_AUTH_FILE"
-METRIC_LABELS = "VLLM_AFD_METRIC_LABELS"
+FRONT_END = "VLLM_AFD_FRONT_END"
 DEFAULT_POLL_MS = 20.0
 MAX_FFN_THREADS = 4096
 
@@ -149,7 +150,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     BENCH_CPUS: _bench_cpus,
     FAULT_FILE: lambda: _text(FAULT_FILE),
     AUTH_FILE: lambda: _text(AUTH_FILE),
-    METRIC_LABELS: lambda: _text(METRIC_LABELS),
+    FRONT_END: lambda: _text(FRONT_END),
 }
 
 

@@ -95,6 +95,13 @@ def test_one_flag_gives_two_data_parallel_attention_ranks(server):
     log = server.log.read_text()
     assert "2 data-parallel attention ranks" in log
     assert "AFD on: 2 attention rank(s) : 1 FFN rank(s)" in log
+    assert "--afd-transport auto -> shm" in log  # the default, for a CPU host
+    # /afd/status (VLLM_PLUGINS=afd): the live group, and why the planner has no ratio here
+    status, body = http_request(server.url + "/afd/status")
+    assert status == 200, body
+    assert (body["ratio"], body["num_ffn_ranks"], body["transport"]) == ("2:1", 1, "shm")
+    assert body["ffn_ranks"][0]["state"] == "up" and body["problems"] == []
+    assert "VLLM_AFD_PLAN_HARDWARE" in body["recommendation"]["error"]  # CPU: none given
 
 
 def test_concurrent_requests_match_colocated(server, colocated):

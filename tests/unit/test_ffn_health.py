@@ -261,3 +261,33 @@ def test_vllm_loads_the_readiness_route_when_allowlisted(monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "afd")
     (plugin,) = load_endpoint_plugins(("generate",))
     assert isinstance(plugin, AFDEndpoints)
+
+
+def test_the_status_route_shows_the_live_group_and_the_planners_ratio(monkeypatch, tmp_path):
+    import json
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from vllm_afd import envs
+    from vllm_afd.placement.routes import AFDEndpoints
+
+    app = FastAPI()
+    AFDEndpoints().attach_router(app)
+    client = TestClient(app)
+    monkeypatch.delenv("VLLM_AFD_RUNTIME", raising=False)
+    assert client.get("/afd/status").json() == {"afd": False}
+    spec = dataclasses.replace(_spec(tmp_path, failover_s=60.0), num_attention_ranks=2)
+    monkeypatch.setenv("VLLM_AFD_RUNTIME", spec.to_json())
+    monkeypatch.setenv(envs.FRONT_END, json.dumps({"recommendation": {"ratio": "2:1"}}))
+    _publish(tmp_path, 999999999, state=RECOVERING, reason="FFN rank 0 (pid 9) died", failovers=2)
+    status = client.get("/afd/status").json()
+    assert (status["num_attention_ranks"], status["num_ffn_ranks"], status["ratio"]) == (
+        2,
+        1,
+        "2:1",
+    )
+    assert status["transport"] == "shm" and status["recommendation"] == {"ratio": "2:1"}
+    (rank,) = status["ffn_ranks"]
+    assert (rank["state"], rank["failovers"], rank["pid"]) == ("recovering", 2, 999999999)
+    assert status["problems"] == ["FFN rank 0 is being replaced: FFN rank 0 (pid 9) died"]

@@ -11,7 +11,7 @@ Every series carries vLLM's ``model_name`` label (the served model name) next to
 the attention-side ones vLLM's ``engine`` label too (the engine index of the attention rank:
 its data-parallel rank in this front-end; empty for another front-end's ranks of a shared FFN
 group), so that they join vLLM's series in a query. The front-end exports both
-(``VLLM_AFD_METRIC_LABELS``, ``metric_labels``).
+(``VLLM_AFD_FRONT_END``, ``metric_labels``).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _histogram_buckets(snapshot: BlockSnapshot | None) -> list[tuple[str, float]
 
 @dataclass(frozen=True)
 class MetricLabels:
-    """What the AFD series carry of vLLM's labels (``VLLM_AFD_METRIC_LABELS``)."""
+    """What the AFD series carry of vLLM's labels (in ``VLLM_AFD_FRONT_END``)."""
 
     model_name: str = ""
     #: This front-end's first attention rank in the group and its count of them.
@@ -75,14 +75,14 @@ class MetricLabels:
             return ""
         return str(local // self.tensor_parallel_size)
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
     @classmethod
     def current(cls) -> MetricLabels:
-        text = envs.VLLM_AFD_METRIC_LABELS
+        """This process's, from ``VLLM_AFD_FRONT_END`` (none: unlabelled)."""
         try:
-            return cls(**json.loads(text)) if text else cls()
+            facts = json.loads(envs.VLLM_AFD_FRONT_END or "{}")
+            return cls(
+                **{f.name: facts[f.name] for f in dataclasses.fields(cls) if f.name in facts}
+            )
         except (ValueError, TypeError):
             return cls()
 

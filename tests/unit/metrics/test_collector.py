@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -72,7 +73,7 @@ def test_series_carry_vllms_model_name_and_engine_labels(monkeypatch):
     addresses = new_addresses(1)
     # this front-end: attention ranks 2..5 of the group, DP 2 x TP 2
     labels = collector.MetricLabels("qwen", 2, 4, tensor_parallel_size=2)
-    monkeypatch.setenv(envs.METRIC_LABELS, labels.to_json())
+    monkeypatch.setenv(envs.FRONT_END, json.dumps(dataclasses.asdict(labels)))
     text = scrape(spec_dict(addresses, num_attention=6))
     sample = "vllm_afd_redispatched_requests_total"
     engines = {
@@ -82,7 +83,7 @@ def test_series_carry_vllms_model_name_and_engine_labels(monkeypatch):
     assert engines == dict.fromkeys(range(6), 0.0)
     assert value(text, "vllm_afd_ffn_rank_alive", ffn_rank=0, model_name="qwen") == 0.0
     assert 'vllm_afd_ffn_rank_alive{ffn_rank="0",model_name="qwen"}' in text  # no engine there
-    monkeypatch.setenv(envs.METRIC_LABELS, "not json")  # unreadable: unlabelled, not broken
+    monkeypatch.setenv(envs.FRONT_END, "not json")  # unreadable: unlabelled, not broken
     assert (
         value(scrape(spec_dict(addresses, 1)), "vllm_afd_ffn_rank_alive", ffn_rank=0, model_name="")
         == 0
@@ -107,7 +108,7 @@ def test_patch_puts_collector_in_every_metrics_registry(monkeypatch, tmp_path):
     patch_metrics_registries()  # idempotent
     addresses = new_addresses(1)
     monkeypatch.setenv(envs.RUNTIME, json.dumps(spec_dict(addresses, 1)))
-    monkeypatch.setenv(envs.METRIC_LABELS, collector.MetricLabels("tiny", 0, 1).to_json())
+    monkeypatch.setenv(envs.FRONT_END, json.dumps({"model_name": "tiny", "attention_ranks": 1}))
     block = blocks.FFNStatsBlock(addresses[0], 0, layers=[0])
     alive = 'vllm_afd_ffn_rank_alive{ffn_rank="0",model_name="tiny"} 1.0'
     try:
