@@ -134,7 +134,10 @@ def test_weakly_ordered_cpus_refuse_shm(monkeypatch):
     monkeypatch.setattr(host, "STORE_ORDER_TSO", False)
     monkeypatch.setattr(host.platform, "machine", lambda: "aarch64")
     with pytest.raises(AFDConfigError, match=r"--afd-transport .*aarch64.*--afd-transport tcp"):
-        check_this_host(AFDConfig(ratio=(1, 1)))
+        check_this_host(AFDConfig(ratio=(1, 1), transport="shm"))
     check_this_host(AFDConfig(ratio=(1, 1), transport="tcp"))
+    from vllm_afd.transport import auto_backend
+
+    assert auto_backend("cpu", "cpu") == "tcp"  # the default, auto, takes tcp there
     with pytest.raises(RuntimeError, match="use --afd-transport tcp"):
         create_ffn_transport(make_spec("shm", 1, 1), 0)
