@@ -189,6 +189,16 @@ def pid_alive(pid: int) -> bool:
     return process_start_time(pid) is not None
 
 
+def process_stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP, a debugger: state ``T`` or ``t`` in ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 :].split()[0] in (b"T", b"t")
+
+
 def bind_process(cpus: Iterable[int]) -> None:
     """Bind every thread of this process, and the threads they start later, to ``cpus``."""
     cpus = set(cpus)

@@ -67,10 +67,38 @@ def test_a_beating_idle_rank_is_healthy(rank_block):
     assert _problems() == []
 
 
-def test_a_rank_without_heartbeat_is_stopped(rank_block):
+def test_a_running_rank_without_heartbeat_is_stopped_only_once_frozen(rank_block):
+    """A running process whose heartbeat is late was starved of the CPU (a loaded host); only
+    past ``FROZEN_TIMEOUT_S`` is it called stopped."""
     _set(rank_block, F_HEARTBEAT, time.monotonic() - HEARTBEAT_TIMEOUT_S - 0.5)
+    assert _problems() == []
+    _set(rank_block, F_HEARTBEAT, time.monotonic() - placement.FROZEN_TIMEOUT_S - 0.5)
     (problem,) = _problems()
     assert problem.startswith(f"FFN rank 0 (pid {os.getpid()}) stopped: no heartbeat for")
+
+
+def test_a_sigstopped_rank_is_stopped_after_one_second(monkeypatch, tmp_path):
+    """A process in state T (SIGSTOP) is called stopped once its heartbeat is 1 s old."""
+    import signal
+
+    address = f"afdhealthstop{os.getpid()}"
+    monkeypatch.setenv("VLLM_AFD_RUNTIME", _spec(tmp_path, address).to_json())
+    child = _sleeper()
+    block = FFNStatsBlock(address, 0, [0, 1])
+    try:
+        _publish(tmp_path, child.pid, address)
+        _set(block, F_HEARTBEAT, time.monotonic() - HEARTBEAT_TIMEOUT_S - 0.5)
+        assert _problems() == []  # running: only late
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not placement.health.process_stopped(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (problem,) = _problems()
+        assert problem.startswith(f"FFN rank 0 (pid {child.pid}) stopped: no heartbeat for 1.")
+    finally:
+        block.close()
+        child.kill()
+        child.wait()
 
 
 def test_a_rank_busy_past_the_timeout_is_wedged(rank_block):

@@ -36,6 +36,7 @@ from vllm_afd.placement.credentials import (
 )
 from vllm_afd.placement.failover import FAILOVER_MAX_DELAY_S, Supervisor, restart_delay
 from vllm_afd.placement.health import (
+    FROZEN_TIMEOUT_S,
     HEARTBEAT_TIMEOUT_S,
     Problem,
     ffn_group_problems,
@@ -53,6 +54,7 @@ from vllm_afd.placement.shared import (
 __all__ = [
     "FAILOVER_MAX_DELAY_S",
     "GROUP_FILE_FORMAT",
+    "FROZEN_TIMEOUT_S",
     "HEARTBEAT_TIMEOUT_S",
     "RAY_AUTH_MODE",
     "RAY_AUTH_TOKEN",

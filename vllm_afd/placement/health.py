@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from vllm_afd import envs
 from vllm_afd.host import (
     pid_alive,
+    process_stopped,
     reap_private_dirs,
 )
 from vllm_afd.transport import TransportSpec, directory
@@ -26,8 +27,13 @@ from vllm_afd.transport.directory import RankEntry
 
 logger = logging.getLogger("vllm.afd")
 #: How old an FFN rank's heartbeat (``ffn.rank.HEARTBEAT_INTERVAL_S``) may be before
-#: ``ffn_group_problems`` calls the rank stopped.
+#: ``ffn_group_problems`` calls the rank stopped, when its process is stopped (SIGSTOP); and
+#: when it is not (frozen: a deadlock, a call that never returns). The second is longer: on a
+#: loaded host a running rank's heartbeat thread can go more than a second without the CPU
+#: (seen on 2 cores with three servers starting), and replacing a rank that was only slow
+#: costs a failover, or a server that had not finished starting.
 HEARTBEAT_TIMEOUT_S = 1.0
+FROZEN_TIMEOUT_S = 10.0
 
 
 def reap_dead_segments() -> list[str]:
@@ -74,8 +80,9 @@ def rank_problem(entry: RankEntry, timeout_s: float) -> tuple[str | None, float]
         return None, 0.0
     now = time.monotonic()
     beat, busy, failures = (block.scalars[i] for i in (F_HEARTBEAT, F_BUSY_SINCE, F_FAILURES))
-    if beat and now - beat > HEARTBEAT_TIMEOUT_S:
-        return f"{who} stopped: no heartbeat for {now - beat:.1f}s", failures
+    age = now - beat if beat else 0.0
+    if age > FROZEN_TIMEOUT_S or (age > HEARTBEAT_TIMEOUT_S and process_stopped(entry.pid)):
+        return f"{who} stopped: no heartbeat for {age:.1f}s", failures
     if busy and now - busy > timeout_s:
         return (
             f"{who} wedged: one layer batch running for {now - busy:.1f}s "
