@@ -237,7 +237,8 @@ def _probe_through_the_failover(server: Server, limit_s: float) -> tuple[float, 
 
 
 def _lose_the_ffn_rank_under_streams(server: Server, colocated: dict, sig: signal.Signals) -> None:
-    """``sig`` to the FFN rank once each of 6 streams of 300 tokens has 10 tokens: readiness
+    """``sig`` to the FFN rank once each of 6 streams of 300 tokens has begun (its first
+    chunk; chunks are not tokens: vLLM merges the outputs of a stream whose reader lags): readiness
     shows the loss within 2 s and is back once a replacement serves (within 60 s), liveness
     never fails, and every stream ends with colocated's exact text and tokens."""
     pid = server.ffn_pid()
@@ -252,7 +253,7 @@ def _lose_the_ffn_rank_under_streams(server: Server, colocated: dict, sig: signa
             for i, p in enumerate(PROMPTS)
         ]
         started = time.monotonic() + 60
-        while min(chunks) < 10 and time.monotonic() < started:
+        while not all(chunks) and time.monotonic() < started:
             time.sleep(0.01)
         os.kill(pid, sig)
         lost_at = time.monotonic()
@@ -267,7 +268,12 @@ def _lose_the_ffn_rank_under_streams(server: Server, colocated: dict, sig: signa
     assert server.ffn_pid() != pid, f"{sig.name}: no replacement logged in 60 s"
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
     in_flight = [r for r in results if r.times and r.times[0] < lost_at < r.times[-1]]
-    assert in_flight, f"{sig.name}: no stream was in flight at the loss"
+    assert in_flight, (
+        sig.name,
+        "no stream in flight at the loss",
+        chunks,
+        [r.status for r in results],
+    )
     for i, result in enumerate(results):
         assert result.status == 200, (sig.name, i, result.text[-500:])
         assert result.token_ids == colocated["token_ids"][i], (sig.name, i)
