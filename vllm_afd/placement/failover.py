@@ -43,7 +43,8 @@ class Supervisor:
 
     Every ``HEARTBEAT_INTERVAL_S`` it checks each ``up`` rank of the FFN directory as
     ``/health`` does (``rank_problem``: pid, heartbeat, busy-since; ranks on this host), so a
-    loss is seen within ``HEARTBEAT_TIMEOUT_S`` plus one interval. Then it marks the rank
+    loss is seen within one interval (died), ``HEARTBEAT_TIMEOUT_S`` plus one (stopped) or
+    ``FROZEN_TIMEOUT_S`` plus one (frozen; ``health.py``). Then it marks the rank
     ``recovering``, kills what is left of it (a stopped or wedged process would never answer),
     removes its shared-memory segments, starts a replacement in the same placement bundle
     (``FFNGroup.start_rank``: same experts, loaded again) and publishes it ``up`` with the next

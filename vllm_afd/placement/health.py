@@ -117,7 +117,8 @@ def ffn_group_problems() -> list[Problem]:
     FFN directory (``VLLM_AFD_RUNTIME``'s ``directory``). A rank is unhealthy while it is being
     replaced, once the supervisor gave up on it, and, on this host, when its process is gone,
     when its heartbeat (a thread of the rank, every ``HEARTBEAT_INTERVAL_S``) is older than
-    ``HEARTBEAT_TIMEOUT_S`` (stopped, e.g. SIGSTOP, or frozen), when one layer batch has been
+    ``HEARTBEAT_TIMEOUT_S`` with the process stopped (SIGSTOP) or ``FROZEN_TIMEOUT_S`` with it
+    running (frozen), when one layer batch has been
     running longer than the transport timeout (wedged), or once a request failed there
     (``FFNServeError``). Only a rank being replaced, and a lost one of a deployment with
     failover, is ``healing``.
