@@ -166,6 +166,16 @@ def create_segment(name: str, size: int) -> int:
     return fd
 
 
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` after ``pid (comm)`` (state first); ``None`` if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
 def process_start_time(pid: int) -> int | None:
     """Start time (clock ticks since boot) of a live, non-zombie process; ``None`` if gone."""
     try:
@@ -174,13 +184,8 @@ def process_start_time(pid: int) -> int | None:
         return None
     except PermissionError:
         pass  # exists, owned by someone else
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) "
-    if fields[0] in (b"Z", b"X"):
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in (b"Z", b"X"):
         return None
     return int(fields[19])
 
@@ -191,12 +196,8 @@ def pid_alive(pid: int) -> bool:
 
 def process_stopped(pid: int) -> bool:
     """The process is stopped (SIGSTOP, a debugger: state ``T`` or ``t`` in ``/proc``)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(b")") + 2 :].split()[0] in (b"T", b"t")
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] in (b"T", b"t")
 
 
 def bind_process(cpus: Iterable[int]) -> None:

@@ -100,9 +100,6 @@ class Problem:
     #: Failover is replacing the rank, or will within one supervisor interval.
     healing: bool = False
 
-    def __str__(self) -> str:
-        return self.text
-
 
 def _fails_over(spec: TransportSpec) -> bool:
     from vllm_afd.transport import backend
@@ -118,8 +115,8 @@ def ffn_group_problems() -> list[Problem]:
     replaced, once the supervisor gave up on it, and, on this host, when its process is gone,
     when its heartbeat (a thread of the rank, every ``HEARTBEAT_INTERVAL_S``) is older than
     ``HEARTBEAT_TIMEOUT_S`` with the process stopped (SIGSTOP) or ``FROZEN_TIMEOUT_S`` with it
-    running (frozen), when one layer batch has been
-    running longer than the transport timeout (wedged), or once a request failed there
+    running (frozen), when one layer batch has been running longer than the transport timeout
+    (wedged), or once a request failed there
     (``FFNServeError``). Only a rank being replaced, and a lost one of a deployment with
     failover, is ``healing``.
     """
