@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 #: Microbatch token counts a schedule has room for on the wire (at least the largest
 #: ``--afd-microbatches``, ``config.MAX_MICROBATCHES``; a test keeps them in step).
@@ -45,9 +46,10 @@ class Mode(enum.IntEnum):
     CAPTURE = 1
 
 
-@dataclass(frozen=True, slots=True)
-class Tag:
-    """Which step, MoE layer (the model's layer number) and microbatch a message belongs to."""
+class Tag(NamedTuple):
+    """Which step, MoE layer (the model's layer number) and microbatch a message belongs to.
+
+    A named tuple: built on every dispatch, and compared with the tuple an answer carries."""
 
     step: int
     layer: int

@@ -6,9 +6,9 @@ number on every FFN rank it sends to, so microbatches never share buffers::
 
     header            int64 words: magic, version, creator pid, state, pid-namespace inode, the
                       CPU the FFN rank last ran on, the layout parameters (checked by attachers),
-                      per attention rank the CPU it last dispatched from, then per attention
-                      rank its last announced step schedule (``control.StepSchedule.words``,
-                      step word written last; page-aligned)
+                      per attention rank the CPU it last dispatched from, then, from the next
+                      cache line, per attention rank its last announced step schedule
+                      (``control.StepSchedule.words``, step word written last; page-aligned)
     slot (a, s)       page-aligned, for attention rank a, slot s:
       line 0          request header  (written by attention): seq, layer, num_tokens, step,
                       microbatch
@@ -128,7 +128,7 @@ DEFAULT_PREFIX = "vllm_afd_"
 LIVENESS_INTERVAL_S = 0.05
 
 _MAGIC = 0x3130_4D48_5344_4641  # b"AFDSHM01" little-endian
-_VERSION = 2
+_VERSION = 3
 _LINE = 64
 _PAGE = 4096
 _STATE_OPEN, _STATE_CLOSED = 1, 2
@@ -203,8 +203,11 @@ class _Layout:
         )
 
     def schedule_word(self, attention_rank: int) -> int:
-        """First header word of attention rank ``attention_rank``'s step schedule."""
-        return _G_ATTN_CPU + self.num_attention_ranks + attention_rank * self.schedule_words
+        """First header word of attention rank ``attention_rank``'s step schedule. The
+        schedules start on a cache line of their own: the CPU words before them change on
+        every dispatch, the schedules once per step."""
+        first = _align(_G_ATTN_CPU + self.num_attention_ranks, _LINE // 8)
+        return first + attention_rank * self.schedule_words
 
     @property
     def x_bytes(self) -> int:
@@ -515,19 +518,26 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
                             f"timeout_s={self.spec.timeout_s}"
                         )
                     next_check = now + LIVENESS_INTERVAL_S
+        rows = words[buffers.resp_ntok]
+        if words[buffers.resp_err] or not 0 <= rows <= self.spec.max_tokens:
+            self._raise_error(ffn_rank, slot, buffers)
+        answer = (words[buffers.resp_step], words[buffers.resp_layer], words[buffers.resp_mb])
+        if answer != tag:
+            raise ProtocolError(answer_mismatch(ffn_rank, tag, Tag(*answer)))
+        return buffers.views[rows][3]
+
+    def _raise_error(self, ffn_rank: int, slot: int, buffers: _Slot) -> None:
+        """Raise what an answer with an error or an out-of-range header means: the FFN rank's
+        ``FFNServeError``, or ``ProtocolError`` for a corrupted header."""
+        words = self._words[ffn_rank]
         error, rows = words[buffers.resp_err], words[buffers.resp_ntok]
         if not (0 <= error <= len(buffers.error_text) and 0 <= rows <= self.spec.max_tokens):
             raise ProtocolError(
                 f"FFN rank {ffn_rank}: corrupted response header in slot {slot}: {rows} rows, "
                 f"{error} error bytes (max_tokens={self.spec.max_tokens})"
             )
-        if error:
-            text = bytes(buffers.error_text[:error]).decode(errors="replace")
-            raise FFNServeError(f"FFN rank {ffn_rank}: {text}")
-        answer = (words[buffers.resp_step], words[buffers.resp_layer], words[buffers.resp_mb])
-        if answer != (tag.step, tag.layer, tag.microbatch):
-            raise ProtocolError(answer_mismatch(ffn_rank, tag, Tag(*answer)))
-        return buffers.views[rows][3]
+        text = bytes(buffers.error_text[:error]).decode(errors="replace")
+        raise FFNServeError(f"FFN rank {ffn_rank}: {text}")
 
     def _check_alive(self, ffn_rank: int) -> None:
         """Raise ``FFNRankLost`` if FFN rank ``ffn_rank`` closed its endpoint or died."""
@@ -569,8 +579,10 @@ class ShmFFNTransport(FFNTransport):
             for s in range(spec.num_slots)
         ]
         self._seen = [0] * len(self._slots)
-        #: Per attention rank: the step schedule last read from its schedule words.
+        #: Per attention rank: the step schedule last read from its schedule words (``None``:
+        #: none yet), and where those words start (word 0, the step, is 0 until one is).
         self._schedules: list[StepSchedule | None] = [None] * spec.num_attention_ranks
+        self._schedule_bases = [layout.schedule_word(a) for a in range(spec.num_attention_ranks)]
         self._backoff = Backoff(wait or WaitPolicy())
         self._idle = False
         self._cpu = -1
@@ -635,7 +647,7 @@ class ShmFFNTransport(FFNTransport):
         return all(words[_G_ATTN_CPU + a] != cpu for a in range(self.spec.num_attention_ranks))
 
     def _poll(self) -> list[FFNRequest]:
-        words = self._words
+        words, schedules, bases = self._words, self._schedules, self._schedule_bases
         requests = []
         max_tokens = self.spec.max_tokens
         for i, (attention_rank, slot) in enumerate(self._slots):
@@ -649,6 +661,9 @@ class ShmFFNTransport(FFNTransport):
                 continue
             x, ids, weights, out = slot.views[num_tokens]
             step = words[slot.req_step]
+            schedule = schedules[attention_rank]
+            if (schedule is None or schedule.step != step) and words[bases[attention_rank]]:
+                schedule = self._read_schedule(attention_rank)
             requests.append(
                 FFNRequest(
                     attention_rank,
@@ -660,7 +675,7 @@ class ShmFFNTransport(FFNTransport):
                     out,
                     step,
                     words[slot.req_mb],
-                    self._schedule(attention_rank, step),
+                    schedule,
                 )
             )
         if len(requests) > 1:
@@ -684,16 +699,11 @@ class ShmFFNTransport(FFNTransport):
         words[slot.resp_mb] = words[slot.req_mb]
         words[slot.resp_seq] = seq  # publish last (x86-64 TSO)
 
-    def _schedule(self, attention_rank: int, step: int) -> StepSchedule | None:
-        """The last schedule ``attention_rank`` announced (read again when a request names
-        another step than the one held); ``None`` if it never announced one."""
-        held = self._schedules[attention_rank]
-        if held is not None and held.step == step:
-            return held
-        base = self._layout.schedule_word(attention_rank)
+    def _read_schedule(self, attention_rank: int) -> StepSchedule:
+        """The last schedule ``attention_rank`` announced, read from its schedule words (when a
+        request names another step than the one held, and the rank announced one)."""
+        base = self._schedule_bases[attention_rank]
         encoded = self._words[base : base + self._layout.schedule_words].tolist()
-        if encoded[0] == 0:
-            return None
         held = self._schedules[attention_rank] = StepSchedule.from_words(encoded)
         return held
 

@@ -513,7 +513,7 @@ class TcpAttentionTransport(PointToPointAttentionTransport):
         error = peer.failed[slot]
         if error is not None:
             raise FFNServeError(f"FFN rank {ffn_rank}: {error}")
-        if peer.answer_tags[slot] != (tag.step, tag.layer, tag.microbatch):
+        if peer.answer_tags[slot] != tag:
             raise ProtocolError(answer_mismatch(ffn_rank, tag, Tag(*peer.answer_tags[slot])))
         return peer.out[slot].rows[peer.answer_rows[slot]]
 
