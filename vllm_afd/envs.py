@@ -32,7 +32,8 @@ Variables a user sets:
     Comma-separated CPUs a ``vllm-afd bench`` rank process binds itself to (set by the bench).
 ``VLLM_AFD_FAULT_FILE``
     Fault injection, for tests and drills only: while a file exists at this path, every FFN
-    rank raises in its serve loop instead of serving a layer batch. Unset: no fault.
+    rank raises in its serve loop instead of serving a layer batch; a file that reads
+    ``once`` is removed by the rank it hits (one failed layer batch). Unset: no fault.
 
 Variables the product sets (the front-end's hand-off to every process it starts afterwards):
 

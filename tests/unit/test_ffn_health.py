@@ -153,11 +153,14 @@ def test_liveness_fails_only_on_what_failover_cannot_heal(monkeypatch, tmp_path)
     assert healing() == [False]  # a backend failover cannot cover
 
 
-def test_a_rank_that_failed_requests_is_not_healing(rank_block, monkeypatch, tmp_path):
+def test_a_rank_that_failed_requests_heals_only_with_failover(rank_block, monkeypatch, tmp_path):
+    """The supervisor replaces a rank that failed a request (``failover.Supervisor``)."""
     spec = _spec(tmp_path, f"afdhealthtest{os.getpid()}", failover_s=60.0)
     monkeypatch.setenv("VLLM_AFD_RUNTIME", spec.to_json())
     rank_block.beat()
     rank_block.record_failure(1)
+    assert [p.healing for p in ffn_group_problems()] == [True]
+    monkeypatch.setenv("VLLM_AFD_RUNTIME", dataclasses.replace(spec, failover_s=0.0).to_json())
     assert [p.healing for p in ffn_group_problems()] == [False]
 
 

@@ -200,6 +200,19 @@ def _check_split_on_attention_ranks(model_dir: str, layers: dict) -> None:
         )
 
 
+def _inject_fault(path: str) -> None:
+    """Raise the injected fault of ``VLLM_AFD_FAULT_FILE`` (``path`` exists). A file that
+    reads ``once`` is removed first: the fault hits one layer batch of one FFN rank."""
+    try:
+        with open(path) as file:
+            once = file.read().strip() == "once"
+        if once:
+            os.unlink(path)
+    except FileNotFoundError:
+        return  # another rank took the one fault, or the test removed the file
+    raise RuntimeError(f"injected fault ({envs.FAULT_FILE}={path} exists)")
+
+
 def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The requests' rows stacked (no copy for a single request)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
@@ -311,7 +324,7 @@ class FFNExecutor:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's experts over every request's rows: ``(x, out)``, rows in request order."""
         if self._fault_file is not None and os.path.exists(self._fault_file):
-            raise RuntimeError(f"injected fault ({envs.FAULT_FILE}={self._fault_file} exists)")
+            _inject_fault(self._fault_file)
         x = _rows([r.x for r in group])
         if not x.shape[0]:
             return x, x.new_empty(x.shape)

@@ -1,7 +1,7 @@
 """Placement, failover: ``Supervisor``, a thread of the front-end, replaces an FFN rank that
-died, stopped or wedged (``health.rank_problem``), and publishes the replacement in the FFN
-directory (``transport/directory.py``), where the attention ranks find it
-(``transport/p2p.py``).
+died, stopped, wedged or failed serving a request (``health.rank_problem``), and publishes the
+replacement in the FFN directory (``transport/directory.py``), where the attention ranks find
+it (``transport/p2p.py``).
 """
 
 from __future__ import annotations
@@ -39,12 +39,15 @@ def restart_delay(streak: int) -> float:
 
 
 class Supervisor:
-    """Failover: a thread of the front-end that replaces FFN ranks that died, stopped or wedged.
+    """Failover: a thread of the front-end that replaces FFN ranks that died, stopped, wedged
+    or failed serving a request.
 
     Every ``HEARTBEAT_INTERVAL_S`` it checks each ``up`` rank of the FFN directory as
     ``/health`` does (``rank_problem``: pid, heartbeat, busy-since; ranks on this host), so a
     loss is seen within one interval (died), ``HEARTBEAT_TIMEOUT_S`` plus one (stopped) or
-    ``FROZEN_TIMEOUT_S`` plus one (frozen; ``health.py``). Then it marks the rank
+    ``FROZEN_TIMEOUT_S`` plus one (frozen; ``health.py``), and a rank that failed serving a
+    request (an exception in its serve loop: the failure count of its stats block) within one
+    interval. Then it marks the rank
     ``recovering``, kills what is left of it (a stopped or wedged process would never answer),
     removes its shared-memory segments, starts a replacement in the same placement bundle
     (``FFNGroup.start_rank``: same experts, loaded again) and publishes it ``up`` with the next
@@ -79,7 +82,9 @@ class Supervisor:
             for entry in directory.entries(spec.directory, spec.num_ffn_ranks):
                 if entry is None or entry.state != directory.UP:
                     continue
-                problem, _ = rank_problem(entry, spec.timeout_s)
+                problem, failures = rank_problem(entry, spec.timeout_s)
+                if problem is None and failures:  # its state after an exception is not trusted
+                    problem = f"FFN rank {entry.rank} (pid {entry.pid}) failed serving a request"
                 if problem is not None and not self._stop.is_set():
                     try:
                         self._fail_over(entry, problem)

@@ -117,8 +117,8 @@ def ffn_group_problems() -> list[Problem]:
     ``HEARTBEAT_TIMEOUT_S`` with the process stopped (SIGSTOP) or ``FROZEN_TIMEOUT_S`` with it
     running (frozen), when one layer batch has been running longer than the transport timeout
     (wedged), or once a request failed there
-    (``FFNServeError``). Only a rank being replaced, and a lost one of a deployment with
-    failover, is ``healing``.
+    (``FFNServeError``). Only a rank being replaced, and a lost or failing one of a deployment
+    with failover, is ``healing``.
     """
     runtime = envs.VLLM_AFD_RUNTIME
     spec = TransportSpec.from_json(runtime) if runtime else None
@@ -137,8 +137,11 @@ def ffn_group_problems() -> list[Problem]:
             problem, failures = rank_problem(entry, spec.timeout_s)
             if problem:
                 problems.append(Problem(problem, fails_over))
-            if failures:
+            if failures:  # failover replaces the rank (``failover.Supervisor``)
                 problems.append(
-                    Problem(f"FFN rank {rank} (pid {entry.pid}) failed {failures:.0f} request(s)")
+                    Problem(
+                        f"FFN rank {rank} (pid {entry.pid}) failed {failures:.0f} request(s)",
+                        fails_over,
+                    )
                 )
     return problems

@@ -1,6 +1,7 @@
 """What the tests and the transport micro-benchmark run on an FFN rank instead of the product's
 executor: a reference serve loop (``serve_ffn``), its process entry (``ffn_worker_main``), and
-forwards that compute nothing or misbehave on purpose (``EchoForward``, ``DelayedForward``).
+forwards that compute nothing or misbehave on purpose (``EchoForward``, ``DelayedForward``,
+``FailingForward``).
 
 A forward is any picklable ``forward(x, topk_ids, topk_weights, out) -> out`` (see
 ``transport.reference.FFNForward``; ``LocalMoE`` is the one that computes experts). ``out`` is the
@@ -54,13 +55,24 @@ class DelayedForward:
         return self.inner(x, topk_ids, topk_weights, out)
 
 
+@dataclass
+class FailingForward:
+    """Fault injection: every call raises (an FFN rank whose serve loop fails a request)."""
+
+    message: str = "bad batch"
+
+    def __call__(self, x, topk_ids, topk_weights, out=None) -> torch.Tensor:
+        raise RuntimeError(self.message)
+
+
 def serve_ffn(
     transport: FFNTransport,
     forward: FFNForward,
     should_stop: Callable[[], bool],
     poll_s: float = 0.05,
 ) -> int:
-    """Reference FFN loop: answer every request until ``should_stop()`` (checked when idle).
+    """Reference FFN loop: answer every request until ``should_stop()`` (checked when idle);
+    a request whose forward raises is failed with the error's text (``reply_error``).
 
     Returns:
         The number of requests answered.
@@ -71,7 +83,13 @@ def serve_ffn(
         if not requests and should_stop():
             return served
         for request in requests:
-            out = forward(request.x, request.topk_ids, request.topk_weights, request.reply_buffer)
+            try:
+                out = forward(
+                    request.x, request.topk_ids, request.topk_weights, request.reply_buffer
+                )
+            except Exception as exc:  # as the product's executor does: fail this request
+                transport.reply_error(request, f"{type(exc).__name__}: {exc}")
+                continue
             transport.reply(request, out)
         served += len(requests)
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 import abc
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ from vllm_afd.transport.base import (
     Backend,
     DispatchHandle,
     FFNRankLost,
+    FFNServeError,
     ProtocolError,
     TransportError,
     TransportSpec,
@@ -74,6 +76,9 @@ from vllm_afd.transport.control import StepSchedule, Tag
 
 #: Cached row counts per ``ViewCache`` before the cache is dropped and rebuilt (bounds memory).
 _MAX_CACHED_VIEWS = 1024
+#: Failover: FFN ranks that fail one request before it fails on the attention side (the rank
+#: it was sent to, then its replacement).
+SERVE_ERROR_ATTEMPTS = 2
 logger = logging.getLogger("vllm.afd")
 
 V = TypeVar("V")
@@ -392,10 +397,8 @@ class PointToPointAttentionTransport(AttentionTransport):
                     partials[ffn_rank] = self._wait(
                         ffn_rank, state.slot, seqs[ffn_rank], state.tag, deadline, seqs
                     )
-                except FFNRankLost as lost:
-                    self._recover(lost)
-                    deadline = time.perf_counter() + self.spec.timeout_s
-                    partials[ffn_rank] = self._answer(ffn_rank, state, rows, deadline)
+                except (FFNRankLost, FFNServeError) as failure:
+                    partials[ffn_rank] = self._answer(ffn_rank, state, rows, deadline, failure)
             return combine_partials(handle, partials)
         finally:
             self._free.append(state.slot)
@@ -410,20 +413,53 @@ class PointToPointAttentionTransport(AttentionTransport):
         state.sent[ffn_rank] = self.replacements
 
     def _answer(
-        self, ffn_rank: int, state: P2PState, rows: torch.Tensor, deadline: float
+        self,
+        ffn_rank: int,
+        state: P2PState,
+        rows: torch.Tensor,
+        deadline: float,
+        failure: FFNRankLost | FFNServeError | None = None,
     ) -> torch.Tensor:
-        """FFN rank ``ffn_rank``'s answer to ``state``'s request; a request the rank's
-        replacement never got is sent to it first (see the module docstring: failover)."""
+        """FFN rank ``ffn_rank``'s answer to ``state``'s request, after ``failure`` if the
+        first wait for it failed; a request the rank's replacement never got is sent to it
+        first (see the module docstring: failover, and ``_serve_error_as_loss``)."""
+        serve_errors = 0
         while True:
+            if failure is not None:
+                if isinstance(failure, FFNServeError):
+                    serve_errors += 1
+                    failure = self._serve_error_as_loss(ffn_rank, failure, serve_errors)
+                self._recover(failure)
+                deadline = time.perf_counter() + self.spec.timeout_s
             try:
                 if state.sent[ffn_rank] < self._replaced_at[ffn_rank]:
                     self._send_request(ffn_rank, state, rows, deadline)
                     self.redispatched += 1
                 seq = state.seqs[ffn_rank]
                 return self._wait(ffn_rank, state.slot, seq, state.tag, deadline, state.seqs)
-            except FFNRankLost as lost:
-                self._recover(lost)
-                deadline = time.perf_counter() + self.spec.timeout_s
+            except (FFNRankLost, FFNServeError) as exc:
+                failure = exc
+
+    def _serve_error_as_loss(
+        self, ffn_rank: int, error: FFNServeError, attempt: int
+    ) -> FFNRankLost:
+        """A request that FFN rank ``ffn_rank`` failed (``error``, its ``attempt``-th failure
+        of it) as the loss of the rank, which failover recovers from: the supervisor replaces
+        a rank that failed a request (its state after an exception is not trusted: a CUDA
+        error poisons the context), and the request goes once more, to the replacement.
+
+        Raises:
+            FFNServeError: ``error`` itself when the request already failed on a replacement
+                (``SERVE_ERROR_ATTEMPTS``), without failover, or when the rank is on another
+                host (the supervisor watches this host's ranks only).
+        """
+        spec = self.spec
+        if attempt >= SERVE_ERROR_ATTEMPTS or not spec.directory or spec.failover_s <= 0:
+            raise error
+        entry = directory.lookup(spec.directory, ffn_rank)
+        if entry is None or entry.host != socket.gethostname():
+            raise error
+        return FFNRankLost(ffn_rank, f"{error} (the supervisor replaces a rank that failed)")
 
     def _recover(self, lost: FFNRankLost) -> None:
         """Replace the link to the lost FFN rank by one to its replacement, or re-raise.

@@ -1,13 +1,15 @@
 """Failover on the attention side (``p2p``): a lost FFN rank's requests go to its replacement.
 
 FFN ranks run in child processes (``FFNCluster``); the test plays the front-end's supervisor: it
-kills a rank while requests wait on it, starts a replacement and publishes it in the FFN
-directory. Every combine then returns exactly the reference result, the requests the lost rank
+kills a rank while requests wait on it (or once it failed one: an exception in its serve loop),
+starts a replacement and publishes it in the FFN directory.
+Every combine then returns exactly the reference result, the requests the lost rank
 had not answered are counted as sent again, and the next step runs on the replacement.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -15,8 +17,8 @@ import pytest
 import torch
 from transport_testlib import make_spec, routing
 
-from vllm_afd.testing.ffn import DelayedForward
-from vllm_afd.transport import FFNRankLost, TransportError
+from vllm_afd.testing.ffn import DelayedForward, FailingForward
+from vllm_afd.transport import FFNRankLost, FFNServeError, TransportError
 from vllm_afd.transport import directory as ffn_directory
 from vllm_afd.transport.control import Mode, StepSchedule
 from vllm_afd.transport.directory import FAILED, RECOVERING, UP, RankEntry
@@ -27,8 +29,10 @@ BACKENDS = ["shm", "tcp"]
 SCALES = ScaleExperts(torch.arange(1.0, 9.0) / 4)
 
 
-def _entry(rank: int, incarnation: int, state: str, address: str = "", pid: int = 0, **kw):
-    return RankEntry(rank, incarnation, state, address, "host", pid, **kw)
+def _entry(
+    rank: int, incarnation: int, state: str, address: str = "", pid: int = 0, host="host", **kw
+):
+    return RankEntry(rank, incarnation, state, address, host, pid, **kw)
 
 
 def _forward(spec, rank: int) -> LocalMoE:
@@ -108,3 +112,70 @@ def test_without_a_directory_a_lost_rank_is_an_error(backend, start_ffn, tmp_pat
     threading.Timer(0.3, cluster.kill, args=(0,)).start()
     with pytest.raises(FFNRankLost, match="FFN rank 0"):
         att.combine(handle)
+
+
+def _failing_cluster(start_ffn, backend: str, tmp_path, host: str):
+    """FFN rank 1 fails every request (its serve loop raises), on ``host``."""
+    spec = make_spec(backend, 1, 2, directory=str(tmp_path), failover_s=20.0)
+    cluster = start_ffn(spec, [_forward(spec, 0), FailingForward("bad batch")])
+    for rank, address in enumerate(cluster.spec.addresses):
+        ffn_directory.publish(str(tmp_path), _entry(rank, 1, UP, address, host=host))
+    return spec, cluster
+
+
+def _replace_rank_1(cluster, spec, tmp_path, forward) -> threading.Thread:
+    """What the supervisor does once rank 1 failed a request (its stats block says so)."""
+
+    def supervise() -> None:
+        time.sleep(0.3)
+        cluster.kill(1)
+        address, pid = cluster.replace(1, forward)
+        host = socket.gethostname()
+        ffn_directory.publish(str(tmp_path), _entry(1, 2, UP, address, pid, host, failovers=1))
+
+    thread = threading.Thread(target=supervise)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_request_an_ffn_rank_failed_goes_to_its_replacement(backend, start_ffn, tmp_path):
+    """An exception in an FFN rank's serve loop is a failover: the request goes once more, to
+    the replacement, and the combine returns the reference result."""
+    spec, cluster = _failing_cluster(start_ffn, backend, tmp_path, socket.gethostname())
+    att = cluster.connect(0)
+    x = routing(8, spec, seed=4)
+    handle = att.dispatch(0, *x)
+    assert set(handle.token_index) == {0, 1}
+    supervisor = _replace_rank_1(cluster, spec, tmp_path, _forward(spec, 1))
+    out = att.combine(handle)
+    supervisor.join()
+    assert torch.equal(out, reference_moe_combine(*x, SCALES, 8, 2))
+    assert (att.replacements, att.redispatched) == (1, 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_request_that_fails_on_the_replacement_too_fails_with_the_ffn_error(
+    backend, start_ffn, tmp_path
+):
+    spec, cluster = _failing_cluster(start_ffn, backend, tmp_path, socket.gethostname())
+    att = cluster.connect(0)
+    handle = att.dispatch(0, *routing(8, spec, seed=5))
+    supervisor = _replace_rank_1(cluster, spec, tmp_path, FailingForward("bad batch again"))
+    with pytest.raises(FFNServeError, match="FFN rank 1: RuntimeError: bad batch again"):
+        att.combine(handle)
+    supervisor.join()
+    assert (att.replacements, att.redispatched) == (1, 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_failed_request_of_a_rank_on_another_host_fails_at_once(backend, start_ffn, tmp_path):
+    """The supervisor watches its own host's ranks only: nothing would replace this one."""
+    spec, cluster = _failing_cluster(start_ffn, backend, tmp_path, "another-host")
+    att = cluster.connect(0)
+    handle = att.dispatch(0, *routing(8, spec, seed=6))
+    start = time.monotonic()
+    with pytest.raises(FFNServeError, match="FFN rank 1: RuntimeError: bad batch"):
+        att.combine(handle)
+    assert time.monotonic() - start < 2.0
+    assert att.replacements == 0
