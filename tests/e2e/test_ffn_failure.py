@@ -10,6 +10,11 @@ reaches the attention rank (server log), and `/health` turns 503 (the engine sto
 exception in a forward is fatal to vLLM's engine), and stopping the server leaves no process
 behind. Without failover a lost FFN rank fails the combine at once (``FFNRankLost``:
 tests/unit/transport/test_failover.py, test_processes.py).
+
+A second server, with failover on (the default), shows that an error in the serve loop is a
+failover: the fault file reading ``once`` makes the FFN rank raise on one layer batch while six
+streams are in flight; the supervisor replaces the rank, the attention rank sends the batch once
+more, to the replacement, and every stream ends with colocated's text and tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import signal
 import time
 
 import pytest
+from failoverlib import colocated_job, fail_once, lose_the_ffn_rank_under_streams
 from serverlib import Server, http_request, session_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
@@ -90,3 +96,36 @@ def test_an_ffn_serve_error_fails_the_request_at_once_and_health(server):
     while (left := session_processes(server.proc.pid)) and time.monotonic() < deadline:
         time.sleep(1)
     assert not left, [(p.pid, " ".join(p.cmdline())) for p in left]
+
+
+@pytest.fixture(scope="module")
+def failover_server(tiny_qwen3, run_once, tmp_path_factory):
+    """A 1:1 server with failover on and the fault file configured (absent at first), and as
+    ``colocated`` the colocated runs of failoverlib's prompts."""
+    tmp = tmp_path_factory.mktemp("ffn_error_failover")
+    srv = Server(
+        tiny_qwen3,
+        tmp / "server.log",
+        extra=("--afd-ratio", "1:1", "--fail-on-environ-validation"),
+        env={"VLLM_AFD_FAULT_FILE": str(tmp / "fault"), "VLLM_PLUGINS": "afd"},
+    )
+    srv.fault = tmp / "fault"
+    try:
+        srv.colocated = run_once(colocated_job(tiny_qwen3))
+        srv.wait_healthy()
+        yield srv
+    finally:
+        try:
+            srv.terminate()
+        finally:
+            srv.kill_leftovers()
+
+
+def test_an_ffn_serve_error_under_streams_is_a_failover_that_loses_nothing(failover_server):
+    server = failover_server
+    lose_the_ffn_rank_under_streams(server, server.colocated, fail_once(server.fault))
+    assert not server.fault.exists(), "the fault did not fire"
+    log = server.log.read_text()
+    assert "failed serving a request" in log, log[-3000:]
+    assert "FFN rank 0 replaced in" in log
+    assert server.complete("hello world", 4)[0] == 200

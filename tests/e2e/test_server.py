@@ -23,7 +23,6 @@ With failover off, a lost FFN rank fails requests fast: test_ffn_failure.py.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import os
 import re
 import signal
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from failoverlib import PROMPTS, STREAM_TOKENS, colocated_job, kill, lose_the_ffn_rank_under_streams
 from listenerlib import grpc_answer, http_status, listeners, process_name
 from serverlib import Server, http_request, session_processes
 
@@ -42,16 +42,7 @@ from vllm_afd.metrics import blocks
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "hello world",
-    "The attention ranks keep the KV cache while the FFN ranks " * 4,
-    "The attention ranks keep the KV cache while the FFN ranks hold experts",
-    "def g(n):\n    return [i * i for i in range(n)]\n" * 6,
-    "Failover keeps every request",
-    "one two three four five six",
-]
 MAX_TOKENS = [24, 16, 20, 12]  # the concurrent requests: the first four prompts
-STREAM_TOKENS = 300  # failover and drain: streams long enough to be in flight at the event
 
 
 def _metrics_blocks() -> set[str]:
@@ -75,8 +66,7 @@ def server(tiny_qwen3, run_once, tmp_path_factory):
         )
     srv.metrics_blocks_before = before
     try:
-        job = {"model": tiny_qwen3, "prompts": PROMPTS, "max_tokens": STREAM_TOKENS}
-        srv.colocated = run_once(job)
+        srv.colocated = run_once(colocated_job(tiny_qwen3))
         srv.wait_healthy()
         yield srv
     finally:
@@ -212,74 +202,6 @@ def _metric(server: Server, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-def _status(server: Server, path: str) -> int | str:
-    try:
-        return http_request(server.url + path, timeout=5)[0]
-    except OSError as exc:
-        return type(exc).__name__
-
-
-def _probe_through_the_failover(server: Server, limit_s: float) -> tuple[float, float, list]:
-    """Poll ``/afd/ready`` and ``/health`` every 50 ms from a loss until readiness is back:
-    the seconds until readiness failed and until it was back (``inf``: not within
-    ``limit_s``), and every ``/health`` answer seen meanwhile."""
-    start, lost, health = time.monotonic(), float("inf"), []
-    while time.monotonic() - start < limit_s:
-        ready = _status(server, "/afd/ready")
-        health.append(_status(server, "/health"))
-        now = time.monotonic() - start
-        if ready != 200:
-            lost = min(lost, now)
-        elif lost < float("inf"):
-            return lost, now, health
-        time.sleep(0.05)
-    return lost, float("inf"), health
-
-
-def _lose_the_ffn_rank_under_streams(server: Server, colocated: dict, sig: signal.Signals) -> None:
-    """``sig`` to the FFN rank once each of 6 streams of 300 tokens has begun (its first
-    chunk; chunks are not tokens: vLLM merges the outputs of a stream whose reader lags): readiness
-    shows the loss within 2 s and is back once a replacement serves (within 60 s), liveness
-    never fails, and every stream ends with colocated's exact text and tokens."""
-    pid = server.ffn_pid()
-    chunks = [0] * len(PROMPTS)  # each written by its stream's thread only
-
-    def tick(i: int) -> None:
-        chunks[i] += 1
-
-    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        streams = [
-            pool.submit(server.stream, p, STREAM_TOKENS, on_chunk=functools.partial(tick, i))
-            for i, p in enumerate(PROMPTS)
-        ]
-        started = time.monotonic() + 60
-        while not all(chunks) and time.monotonic() < started:
-            time.sleep(0.01)
-        os.kill(pid, sig)
-        lost_at = time.monotonic()
-        not_ready, ready_again, health = _probe_through_the_failover(server, 60.0)
-        results = [s.result(timeout=300) for s in streams]
-    assert not_ready < 2.0, f"{sig.name}: /afd/ready saw the loss after {not_ready:.1f}s"
-    assert ready_again < 60.0, f"{sig.name}: /afd/ready not back within 60 s"
-    assert set(health) == {200}, f"{sig.name}: /health answered {sorted(set(map(str, health)))}"
-    replaced = time.monotonic() + 60  # logged just after the attention ranks may go on
-    while server.ffn_pid() == pid and time.monotonic() < replaced:
-        time.sleep(0.2)
-    assert server.ffn_pid() != pid, f"{sig.name}: no replacement logged in 60 s"
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
-    in_flight = [r for r in results if r.times and r.times[0] < lost_at < r.times[-1]]
-    assert in_flight, (
-        sig.name,
-        "no stream in flight at the loss",
-        chunks,
-        [r.status for r in results],
-    )
-    for i, result in enumerate(results):
-        assert result.status == 200, (sig.name, i, result.text[-500:])
-        assert result.token_ids == colocated["token_ids"][i], (sig.name, i)
-        assert result.text == colocated["texts"][i], (sig.name, i)
-
-
 def _replacements(server: Server) -> list[float]:
     return [
         float(s) for s in re.findall(r"FFN rank 0 replaced in ([\d.]+)s", server.log.read_text())
@@ -289,7 +211,7 @@ def _replacements(server: Server) -> list[float]:
 def test_ffn_rank_killed_then_stopped_under_streaming_load_loses_nothing(server, colocated):
     before = len(_replacements(server))
     for sig in (signal.SIGKILL, signal.SIGSTOP):
-        _lose_the_ffn_rank_under_streams(server, colocated, sig)
+        lose_the_ffn_rank_under_streams(server, colocated, kill(sig))
     took = _replacements(server)[before:]
     assert len(took) == 2 and max(took) < 60.0, took
     assert "stopped: no heartbeat for" in server.log.read_text()
@@ -304,7 +226,7 @@ def test_ffn_rank_killed_twice_more_in_a_row_loses_nothing(server, colocated):
     streak (a delayed restart), and still nothing is lost."""
     before = len(_replacements(server))
     for _ in range(2):
-        _lose_the_ffn_rank_under_streams(server, colocated, signal.SIGKILL)
+        lose_the_ffn_rank_under_streams(server, colocated, kill(signal.SIGKILL))
     took = _replacements(server)[before:]
     assert len(took) == 2 and max(took) < 60.0, took
     assert _metric(server, "vllm_afd_ffn_failovers_total") == len(_replacements(server))
