@@ -23,6 +23,7 @@ Dynamo (the CPU platform compiles the model by default) treats it as opaque.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -36,10 +37,16 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_afd import envs
 from vllm_afd.config import AFDConfig
+from vllm_afd.errors import FFNServeError
 from vllm_afd.metrics import recorder
 from vllm_afd.metrics.blocks import AttentionStatsBlock
 from vllm_afd.microbatch import current_microbatch, overlap_point, vllm_dbo
-from vllm_afd.transport import AttentionTransport, TransportSpec, create_attention_transport
+from vllm_afd.transport import (
+    AttentionTransport,
+    TransportSpec,
+    backend,
+    create_attention_transport,
+)
 from vllm_afd.transport.control import Mode, StepSchedule
 
 
@@ -193,6 +200,7 @@ class AFDRemoteExpertsMethod(FusedMoEMethodBase):
 # --------------------------------------------------------------------------------------------
 
 _LOCK = threading.Lock()
+logger = logging.getLogger("vllm.afd")
 
 
 class _Steps:
@@ -327,7 +335,12 @@ def remote_experts_impl(
         raise RuntimeError("AFD: no FFN group connected in this process (connect() not called)")
     session.steps.current(x.shape[0])
     if session.tp_size == 1:
-        return _round_trip(session, layer, x, topk_ids, topk_weights)
+        if _FAILED is not None and _FAILED.now():
+            return _healthy_round_trip(session, layer, x, topk_ids, topk_weights, _FAILED)
+        try:
+            return _round_trip(session, layer, x, topk_ids, topk_weights)
+        except FFNServeError as error:
+            return _isolate(session, layer, x, topk_ids, topk_weights, error, None)
     rows = torch.arange(session.tp_rank, x.shape[0], session.tp_size, device=x.device)
     out = torch.zeros_like(x)
     out[rows] = _round_trip(
@@ -358,6 +371,145 @@ def _round_trip(
         session.stats.record_combine(handle, time.perf_counter() - start)
         session.stats.set_redispatched(endpoint.redispatched)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# A request an FFN error follows fails alone (the rest of its batch is served).
+# --------------------------------------------------------------------------------------------
+
+#: This process's model runner, set before each step (patch W1): where a failed batch's
+#: requests and their rows are read (``_requests_of``).
+_RUNNER: object | None = None
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """Requests of one forward that an FFN error followed (``_isolate``): for the rest of
+    that forward their rows go to no FFN rank and get no routed-expert output."""
+
+    context: weakref.ref  # the forward's ForwardContext
+    requests: frozenset[str]
+    healthy: torch.Tensor  # the rows still sent, ascending (int64)
+
+    def now(self) -> bool:
+        return self.context() is _forward_context()
+
+
+_FAILED: _Failed | None = None
+#: request id -> the FFN's error text, for requests failed since the runner took them (W1).
+_FAILED_REQUESTS: dict[str, str] = {}
+
+
+def take_failed_requests() -> dict[str, str]:
+    """Runner hook (W1): the requests failed since the last call, with the FFN's error."""
+    global _FAILED
+    failed = dict(_FAILED_REQUESTS)
+    _FAILED_REQUESTS.clear()
+    _FAILED = None
+    return failed
+
+
+def _forward_context() -> object | None:
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return get_forward_context() if is_forward_context_available() else None
+
+
+def _requests_of(num_rows: int) -> list[tuple[str, slice]] | None:
+    """This forward's requests and their rows of a layer's ``num_rows`` (rows past the last
+    request are padding), or ``None`` where a failed batch cannot be split by request: no
+    runner or forward context, a microbatch of a step, or rows that are not the batch's."""
+    runner = _RUNNER
+    if runner is None or _forward_context() is None or current_microbatch() is not None:
+        return None
+    num_reqs = runner.input_batch.num_reqs
+    starts = runner.query_start_loc.cpu[: num_reqs + 1].tolist()
+    if not num_reqs or starts[-1] > num_rows:
+        return None
+    ids = runner.input_batch.req_ids[:num_reqs]
+    return [(r, slice(a, b)) for r, a, b in zip(ids, starts[:-1], starts[1:], strict=True) if b > a]
+
+
+def _isolate(
+    session: _Session,
+    layer: int,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    error: FFNServeError,
+    failed: _Failed | None,
+) -> torch.Tensor:
+    """An FFN rank failed this layer's batch (``error``, after its failover retry): send each
+    request's rows again alone, in a step of this layer only, without retries. Requests that
+    fail alone fail (the runner reports them: vLLM finishes them with an error, W2); the rest
+    get their outputs, and the forward goes on with their rows only (``_healthy_round_trip``,
+    the remaining layers announced as one more step). Re-raises ``error`` where the batch
+    cannot be split (``_requests_of``) or on a collective backend."""
+    global _FAILED
+    endpoint = session.endpoint
+    requests = _requests_of(x.shape[0])
+    if requests is None or not backend(endpoint.spec.backend).isolates_requests:
+        raise error
+    before = failed.requests if failed is not None else frozenset()
+    out = torch.zeros_like(x)
+    errors: dict[str, str] = {}
+    endpoint.retry_serve_errors = False
+    try:
+        for request, rows in requests:
+            if request in before:
+                continue
+            _announce(session, rows.stop - rows.start, (layer,))
+            try:
+                part = _round_trip(session, layer, x[rows], topk_ids[rows], topk_weights[rows])
+            except FFNServeError as exc:
+                errors[request] = str(exc)
+            else:
+                out[rows] = part
+    finally:
+        endpoint.retry_serve_errors = True
+    if not errors:
+        return out  # each request passed alone: the error followed none of them
+    gone = before | errors.keys()
+    healthy = [torch.arange(r.start, r.stop) for request, r in requests if request not in gone]
+    rows = torch.cat(healthy) if healthy else torch.empty(0, dtype=torch.long)
+    _FAILED = _Failed(weakref.ref(_forward_context()), gone, rows.to(x.device))
+    _FAILED_REQUESTS.update(errors)
+    for request, text in errors.items():
+        logger.error(
+            "AFD: request %s fails alone (the rest of its batch goes on): %s", request, text
+        )
+    later = tuple(n for n in session.steps.layers if n > layer)
+    if later:
+        _announce(session, rows.numel(), later)
+    return out
+
+
+def _healthy_round_trip(
+    session: _Session,
+    layer: int,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    failed: _Failed,
+) -> torch.Tensor:
+    """The round trip of the rows of requests not failed in this forward (zeros elsewhere);
+    one more failure isolates again among them."""
+    out = torch.zeros_like(x)
+    rows = failed.healthy
+    if not rows.numel():
+        return out
+    try:
+        out[rows] = _round_trip(session, layer, x[rows], topk_ids[rows], topk_weights[rows])
+    except FFNServeError as error:
+        return _isolate(session, layer, x, topk_ids, topk_weights, error, failed)
+    return out
+
+
+def _announce(session: _Session, num_tokens: int, layers: tuple[int, ...]) -> None:
+    """One more step of this forward: ``num_tokens`` tokens through ``layers``."""
+    if session.steps.layers:
+        endpoint = session.endpoint
+        endpoint.begin_step(StepSchedule(endpoint.step + 1, (num_tokens,), layers, _mode()))
 
 
 @torch.library.custom_op("vllm_afd::remote_experts", mutates_args=())

@@ -5,26 +5,38 @@ One server at 1:1 with ``--afd-failover-timeout 0`` and the fault-injection file
 (``VLLM_AFD_FAULT_FILE``, absent at first), under ``--fail-on-environ-validation``. A
 SIGSTOPped FFN rank turns `/health` to 503 within 2 s through its heartbeat (its pid is alive,
 so a pid check alone would not see it) and back to 200 on SIGCONT. Then the fault file makes
-the FFN rank's serve loop raise: the in-flight request fails within 2 s, the FFN's error text
-reaches the attention rank (server log), and `/health` turns 503 (the engine stops: an
-exception in a forward is fatal to vLLM's engine), and stopping the server leaves no process
-behind. Without failover a lost FFN rank fails the combine at once (``FFNRankLost``:
-tests/unit/transport/test_failover.py, test_processes.py).
+the FFN rank's serve loop raise: the in-flight request fails within 2 s, alone (the attention
+rank sends it again by itself and it fails there too), with the FFN's error text in the server
+log; `/health` turns 503 (a rank that failed requests heals only with failover) while the engine
+serves on, and stopping the server leaves no process behind. Without failover a lost FFN rank
+fails the combine at once (``FFNRankLost``: tests/unit/transport/test_failover.py,
+test_processes.py).
 
 A second server, with failover on (the default), shows that an error in the serve loop is a
 failover: the fault file reading ``once`` makes the FFN rank raise on one layer batch while six
 streams are in flight; the supervisor replaces the rank, the attention rank sends the batch once
-more, to the replacement, and every stream ends with colocated's text and tokens.
+more, to the replacement, and every stream ends with colocated's text and tokens. Then the
+fault file reading ``rows>=20`` poisons one long request: it fails alone while the streams end
+with colocated's text, `/health` is back to 200 and the server serves on.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import re
 import signal
+import threading
 import time
 
 import pytest
-from failoverlib import colocated_job, fail_once, lose_the_ffn_rank_under_streams
+from failoverlib import (
+    PROMPTS,
+    STREAM_TOKENS,
+    colocated_job,
+    fail_once,
+    lose_the_ffn_rank_under_streams,
+)
 from serverlib import Server, http_request, session_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
@@ -81,16 +93,23 @@ def test_a_stopped_ffn_rank_shows_in_health_within_2s(server):
     assert server.complete("hello world", 4)[0] == 200
 
 
-def test_an_ffn_serve_error_fails_the_request_at_once_and_health(server):
+def test_an_ffn_serve_error_fails_the_request_at_once_and_the_engine_serves_on(server):
     server.fault.touch()
     start = time.monotonic()
-    status, body = server.complete("hello world", 8, timeout=60.0)
-    took = time.monotonic() - start
+    try:
+        status, body = server.complete("hello world", 8, timeout=60.0)
+        took = time.monotonic() - start
+    finally:
+        server.fault.unlink()
     assert status >= 500, body
     assert took < 2.0, f"the failing request took {took:.1f}s"
     log = server.log.read_text()
-    assert "FFNServeError: FFN rank 0: layer 0: RuntimeError: injected fault" in log
+    failed = "failed: an FFN rank fails its tokens: FFN rank 0: layer 0: RuntimeError: injected"
+    assert failed in log, log[-3000:]
+    # the rank that failed requests is unhealthy until restarted (no failover to heal it) ...
     assert _seconds_until(server, lambda h: h != 200, 10.0) < 10.0
+    # ... but the engine core lives: the next request, without the fault, completes
+    assert server.complete("hello world", 4)[0] == 200
     server.terminate()
     deadline = time.monotonic() + 30
     while (left := session_processes(server.proc.pid)) and time.monotonic() < deadline:
@@ -128,4 +147,40 @@ def test_an_ffn_serve_error_under_streams_is_a_failover_that_loses_nothing(failo
     log = server.log.read_text()
     assert "failed serving a request" in log, log[-3000:]
     assert "FFN rank 0 replaced in" in log
+    assert server.complete("hello world", 4)[0] == 200
+
+
+#: A prompt whose prefill chunks reach the fault's row count (``rows>=20``) on their own; the
+#: streams' decode steps (6 rows) do not.
+POISON = "An FFN rank fails every batch this request is in, wherever it goes. " * 8
+
+
+def test_a_request_an_ffn_error_follows_fails_alone_and_the_server_serves_on(failover_server):
+    """The fault file reading ``rows>=20`` armed once six streams decode, then a request with a
+    long prompt: it fails (after its batch went once more, to a replacement, and then each of
+    the batch's requests alone), with the FFN's error text in the log; every stream ends with
+    colocated's text and tokens, `/health` is back to 200, and the server serves on."""
+    server = failover_server
+    started = [threading.Event() for _ in PROMPTS]
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        streams = [
+            pool.submit(server.stream, p, STREAM_TOKENS, on_chunk=started[i].set)
+            for i, p in enumerate(PROMPTS)
+        ]
+        for event in started:
+            assert event.wait(60), "a stream produced no token"
+        server.fault.write_text("rows>=20")
+        try:
+            status, body = server.complete(POISON, 8, timeout=120.0)
+        finally:
+            server.fault.unlink()
+        results = [s.result(timeout=300) for s in streams]
+    assert status != 200, body
+    for i, result in enumerate(results):
+        assert result.status == 200, (i, result.error)
+        assert result.token_ids == server.colocated["token_ids"][i], i
+        assert result.text == server.colocated["texts"][i], i
+    log = server.log.read_text()
+    assert re.search(r"request \S+ failed: an FFN rank fails its tokens: .*injected fault", log)
+    assert _seconds_until(server, lambda h: h == 200, 60.0) < 60.0
     assert server.complete("hello world", 4)[0] == 200

@@ -200,17 +200,24 @@ def _check_split_on_attention_ranks(model_dir: str, layers: dict) -> None:
         )
 
 
-def _inject_fault(path: str) -> None:
-    """Raise the injected fault of ``VLLM_AFD_FAULT_FILE`` (``path`` exists). A file that
-    reads ``once`` is removed first: the fault hits one layer batch of one FFN rank."""
+def _inject_fault(path: str, group: list[FFNRequest]) -> None:
+    """Raise the injected fault of ``VLLM_AFD_FAULT_FILE`` (``path`` exists) on ``group``.
+    A file that reads ``once`` is removed first: the fault hits one layer batch of one FFN rank.
+    One that reads ``rows>=N`` hits only a batch with a request of at least ``N`` rows (a
+    request, from one attention rank, that always fails wherever it goes). Any other content:
+    every batch."""
     try:
         with open(path) as file:
-            once = file.read().strip() == "once"
-        if once:
+            fault = file.read().strip()
+        if fault == "once":
             os.unlink(path)
     except FileNotFoundError:
         return  # another rank took the one fault, or the test removed the file
-    raise RuntimeError(f"injected fault ({envs.FAULT_FILE}={path} exists)")
+    if fault.startswith("rows>="):
+        rows = int(fault.removeprefix("rows>="))
+        if all(r.x.shape[0] < rows for r in group):
+            return
+    raise RuntimeError(f"injected fault ({envs.FAULT_FILE}={path} reads {fault!r})")
 
 
 def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -293,8 +300,10 @@ class FFNExecutor:
             self.stats.shared.record_failure(count)
 
     def _serve_layer(self, layer: int, group: list[FFNRequest]) -> None:
-        """Serve one layer's requests together; if that raises, fail each request not answered
-        yet on its attention rank with the error text (``reply_error``) and go on serving."""
+        """Serve one layer's requests together. If that raises, each request not answered yet
+        is served again alone, so that the error reaches only the attention ranks whose
+        requests raise by themselves: each of those is failed on its attention rank with the
+        error text (``reply_error``), and the loop goes on serving."""
         shared = self.stats.shared
         if shared is not None:
             shared.set_busy(time.monotonic())
@@ -310,11 +319,16 @@ class FFNExecutor:
                 answered += 1
             self._account(layer, group, x, time.perf_counter() - start)
         except Exception as exc:
+            rest = group[answered:]
+            if len(rest) > 1:
+                for request in rest:
+                    self._serve_layer(layer, [request])
+                return
             message = f"layer {layer}: {type(exc).__name__}: {exc}"
             logger.exception("AFD FFN rank %d failed serving %s", self.rank, message)
-            self._record_failures(len(group) - answered)
-            for request in group[answered:]:
-                self.transport.reply_error(request, message)
+            if rest:  # never an error after an answer
+                self._record_failures(1)
+                self.transport.reply_error(rest[0], message)
         finally:
             if shared is not None:
                 shared.set_busy(0.0)
@@ -324,7 +338,7 @@ class FFNExecutor:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's experts over every request's rows: ``(x, out)``, rows in request order."""
         if self._fault_file is not None and os.path.exists(self._fault_file):
-            _inject_fault(self._fault_file)
+            _inject_fault(self._fault_file, group)
         x = _rows([r.x for r in group])
         if not x.shape[0]:
             return x, x.new_empty(x.shape)

@@ -8,7 +8,8 @@ is inert there: it wraps a class that process never calls.
   ``engine_args.py`` (P1-P3), ``health.py`` (P4), ``metrics_registry.py`` (P6).
 - worker (the processes that run the model): ``layers.py`` (P5, P7, P8), ``cpu_runner.py``
   (M1-M7), ``gpu_runner.py`` (G1-G2, GPUs only), ``cpu_comm.py`` (S1-S2), ``cpu_amx.py``
-  (S3, every process), ``dp_store.py`` (S4).
+  (S3, every process), ``dp_store.py`` (S4), ``request_errors.py`` (W1).
+- engine core (the process that runs vLLM's scheduler): ``request_errors.py`` (W2).
 - every process: ``environ.py`` (E1).
 - FFN rank (the FFN ranks' processes): ``ffn_rank.py`` (F1-F4). Not applied by ``apply()``:
   ``ffn/weights.py`` enters its context manager around building one rank's MoE layers, and
@@ -233,6 +234,29 @@ S4 ``vllm.distributed.parallel_state.create_tcp_store`` (module global), wrapped
    Upstream: none filed; ``init_distributed_environment`` could pass such a socket itself.
    Remove when: vLLM binds its master stores to the host it is given.
 
+W1 ``GPUModelRunner.execute_model`` and ``GPUModelRunner.sample_tokens`` (the V1 runner;
+   the CPU runner inherits both), wrapped.
+   Why: a request an FFN rank fails even alone must fail by itself, not kill the engine
+   core (an exception in a forward is fatal to it). The attention-side hook needs the batch's
+   request ids and rows to find it (``remote_experts._isolate``), and the scheduler must learn
+   which requests failed.
+   How: before the step, the runner becomes the hook's ``_RUNNER`` (it reads
+   ``input_batch.req_ids`` and ``query_start_loc`` when a batch fails); the step's
+   ``ModelRunnerOutput`` (or an async one's ``get_output``) gets an ``afd_failed_requests``
+   attribute, request id -> the FFN's error text, when the step failed any.
+   Upstream: none; vLLM has no per-request error a model's layer can raise.
+   Remove when: vLLM lets a forward fail some of its requests.
+W2 ``Scheduler.update_from_output``, wrapped; ``KVCacheManager.get_block_ids`` and
+   ``evict_blocks`` called; the scheduler's ``grammar_compile_error_reqs`` set written.
+   Why: as W1; vLLM finishes a request with ``FINISHED_ERROR`` (the client gets an error,
+   the engine serves on) only for its own causes (grammar compile errors, encoder-cache
+   misses, KV-load failures).
+   How: before the update, each failed request's token of the step is dropped, its blocks
+   leave the prefix cache (their KV was computed without routed experts), and it joins
+   ``grammar_compile_error_reqs``, the set the update finishes with ``FINISHED_ERROR``.
+   Upstream: none filed; a public "fail these requests" call on the scheduler would do.
+   Remove when: as W1.
+
 Every process
 
 E1 ``vllm.envs.environment_variables`` (module global dict), extended.
@@ -308,6 +332,7 @@ def apply() -> None:
         health,
         layers,
         metrics_registry,
+        request_errors,
     )
 
     environ.apply()
@@ -320,3 +345,4 @@ def apply() -> None:
     cpu_comm.apply()
     cpu_amx.apply()
     dp_store.apply()
+    request_errors.apply()

@@ -55,6 +55,10 @@ class Target:
 
 
 _CPU_RUNNER = "vllm.v1.worker.cpu_model_runner"
+_GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
+_SCHEDULER = "vllm.v1.core.sched.scheduler"
+_KV_MANAGER = "vllm.v1.core.kv_cache_manager"
+_W2_UPDATE = ("scheduler_output", "model_runner_output")
 _ROUTED = "vllm.model_executor.layers.fused_moe.routed_experts"
 _UBATCH = "vllm.v1.worker.ubatch_utils"
 _CONTEXT = "vllm.forward_context"
@@ -245,6 +249,11 @@ TARGETS = (
         kind="used",
     ),
     Target("S4", _PARALLEL_STATE, "", "create_tcp_store", ("host", "port", "listen_socket")),
+    Target("W1", _GPU_RUNNER, "GPUModelRunner", "execute_model", ("scheduler_output",)),
+    Target("W1", _GPU_RUNNER, "GPUModelRunner", "sample_tokens", ("grammar_output",)),
+    Target("W2", _SCHEDULER, "Scheduler", "update_from_output", _W2_UPDATE, ordered=True),
+    Target("W2", _KV_MANAGER, "KVCacheManager", "get_block_ids", ("request_id",), "used"),
+    Target("W2", _KV_MANAGER, "KVCacheManager", "evict_blocks", ("block_ids",), "used"),
     Target("E1", "vllm.envs", "", "environment_variables", kind="global"),
     Target(
         "F4",

@@ -215,6 +215,10 @@ class AttentionTransport(abc.ABC):
         self.schedule: StepSchedule | None = None
         #: Requests sent again to a lost FFN rank's replacement (failover), so far.
         self.redispatched = 0
+        #: With failover, a request an FFN rank failed goes once more, to its replacement;
+        #: ``False`` fails it at once (the attention side is finding the request an error
+        #: follows: ``remote_experts._isolate``).
+        self.retry_serve_errors = True
 
     def begin_step(self, schedule: StepSchedule) -> None:
         """Announce a forward step to every FFN rank, before its first ``dispatch``
@@ -331,6 +335,10 @@ class Backend:
     plaintext_on_ffn_host: ClassVar[bool] = False
     #: Failover (``--afd-failover-timeout``) can replace its lost FFN ranks.
     supports_failover: ClassVar[bool] = True
+    #: One attention rank may send a layer's rows again on its own, request by request, in
+    #: steps of its own, to fail only the request an FFN error follows
+    #: (``remote_experts._isolate``); a collective backend cannot.
+    isolates_requests: ClassVar[bool] = True
     #: Which side applies the routing weights: ``"ffn"`` (the FFN side answers rows weighted
     #: and summed over its experts) or ``"attention"`` (the combine weights them).
     weights_applied_on: ClassVar[str] = "ffn"

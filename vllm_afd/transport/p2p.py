@@ -450,11 +450,14 @@ class PointToPointAttentionTransport(AttentionTransport):
 
         Raises:
             FFNServeError: ``error`` itself when the request already failed on a replacement
-                (``SERVE_ERROR_ATTEMPTS``), without failover, or when the rank is on another
-                host (the supervisor watches this host's ranks only).
+                (``SERVE_ERROR_ATTEMPTS``), without failover, when the rank is on another
+                host (the supervisor watches this host's ranks only), or while
+                ``retry_serve_errors`` is off.
         """
         spec = self.spec
-        if attempt >= SERVE_ERROR_ATTEMPTS or not spec.directory or spec.failover_s <= 0:
+        if attempt >= SERVE_ERROR_ATTEMPTS or not self.retry_serve_errors:
+            raise error
+        if not spec.directory or spec.failover_s <= 0:
             raise error
         entry = directory.lookup(spec.directory, ffn_rank)
         if entry is None or entry.host != socket.gethostname():

@@ -190,11 +190,12 @@ def test_a_model_whose_moe_layers_the_plugin_cannot_replace_is_refused(family_mo
         FFNExecutor(spec, 0, family_model(GPT_OSS), "cpu")
 
 
-def test_a_reply_that_fails_partway_fails_only_the_requests_not_answered():
+def test_a_batch_that_fails_partway_is_served_again_request_by_request():
     """A layer batch whose reply loop raises at its second request: the first request keeps
-    its answer, the second and third get the error (never an error after an answer)."""
-    from types import SimpleNamespace
+    its answer, the others are served again one by one, so only the second gets the error
+    (never an error after an answer, nor for a request that does not raise alone)."""
 
+    from vllm_afd.ffn.executor import FFNStats
     from vllm_afd.transport import FFNRequest
 
     class Transport:
@@ -210,16 +211,18 @@ def test_a_reply_that_fails_partway_fails_only_the_requests_not_answered():
             self.failed.append((request.src_rank, message))
 
     executor = object.__new__(FFNExecutor)
-    executor.rank, executor._fault_file = 0, None
-    executor.stats = SimpleNamespace(shared=None)
+    executor.rank, executor._fault_file, executor._routing_bytes = 0, None, 16
+    executor.stats = FFNStats()
     executor.kernel = lambda layer, x, ids, weights: 2 * x
     executor.transport = transport = Transport()
     ids, weights = torch.zeros(1, 2, dtype=torch.int32), torch.full((1, 2), 0.5)
     group = [FFNRequest(src, 0, torch.full((1, 4), src + 1.0), ids, weights) for src in range(3)]
     executor._serve_layer(0, group)
-    assert [(src, out.tolist()) for src, out in transport.answered] == [(0, [[2.0] * 4])]
-    assert [src for src, _ in transport.failed] == [1, 2]
-    assert all("OSError: attention rank 1 is gone" in m for _, m in transport.failed)
+    answered = [(src, out.tolist()) for src, out in transport.answered]
+    assert answered == [(0, [[2.0] * 4]), (2, [[6.0] * 4])]
+    assert [src for src, _ in transport.failed] == [1]
+    assert "OSError: attention rank 1 is gone" in transport.failed[0][1]
+    assert executor.stats.requests_by_source == {2: 1}  # the batch that raised is not counted
 
 
 def test_requests_are_counted_per_attention_rank():

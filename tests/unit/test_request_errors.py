@@ -1,0 +1,157 @@
+"""A request an FFN error follows fails alone: the attention-side hook sends a failed batch's
+requests again one by one (``remote_experts._isolate``), and the scheduler finishes the ones
+that fail alone with vLLM's request error (patch W2, ``fail_requests``).
+
+The hook runs against a real shm FFN rank (an executor thread on the tiny Qwen3-MoE) whose
+serve loop raises for any request of at least 5 rows (``VLLM_AFD_FAULT_FILE`` reading
+``rows>=5``), with the model runner's batch layout given as vLLM's runner holds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_afd import envs, remote_experts
+from vllm_afd.errors import FFNServeError
+from vllm_afd.patches.request_errors import fail_requests
+
+#: The batch: request id -> its rows (b's 6 rows trip the fault; a's and c's 2 do not).
+BATCH = {"a": 2, "b": 6, "c": 2}
+
+
+class _OneRank:
+    world_size, rank_in_group = 1, 0
+
+
+class _Context:
+    """Stands for the forward's ``ForwardContext`` (identity only)."""
+
+
+def _runner(batch: dict[str, int]) -> SimpleNamespace:
+    starts = torch.tensor([0, *torch.tensor(list(batch.values())).cumsum(0).tolist()])
+    return SimpleNamespace(
+        input_batch=SimpleNamespace(num_reqs=len(batch), req_ids=list(batch)),
+        query_start_loc=SimpleNamespace(cpu=starts.to(torch.int32)),
+    )
+
+
+@pytest.fixture
+def hook(tiny_qwen3, tmp_path, monkeypatch):
+    """The hook connected to one FFN rank with the fault armed; yields (fault file, inputs)."""
+    from transformers import AutoConfig
+    from vllm.distributed import parallel_state
+
+    from vllm_afd.config import moe_model_info
+    from vllm_afd.ffn.executor import FFNExecutor
+    from vllm_afd.transport import TransportSpec
+
+    fault = tmp_path / "fault"
+    fault.write_text("rows>=5")
+    monkeypatch.setenv(envs.FAULT_FILE, str(fault))
+    info = moe_model_info(AutoConfig.from_pretrained(tiny_qwen3))
+    spec = TransportSpec(
+        backend="shm",
+        num_attention_ranks=1,
+        num_ffn_ranks=1,
+        num_experts=info.num_experts,
+        hidden_size=info.hidden_size,
+        top_k=info.top_k,
+        max_tokens=16,
+        moe_layers=info.moe_layers,
+    )
+    executor = FFNExecutor(spec, 0, tiny_qwen3, "cpu")
+    executor.start()
+    runtime = dataclasses.replace(spec, addresses=(executor.info()["address"],))
+    monkeypatch.setenv(envs.RUNTIME, runtime.to_json())
+    for name in ("get_tp_group", "get_dp_group"):
+        monkeypatch.setattr(parallel_state, name, _OneRank)
+    monkeypatch.setattr(remote_experts, "_SESSION", None)
+    context = _Context()
+    monkeypatch.setattr(remote_experts, "_forward_context", lambda: context)
+    monkeypatch.setattr(remote_experts, "_RUNNER", _runner(BATCH))
+    remote_experts.connect()
+    gen = torch.Generator().manual_seed(0)
+    n = sum(BATCH.values())
+    x = torch.randn(n, spec.hidden_size, generator=gen)
+    ids = torch.stack([torch.randperm(spec.num_experts, generator=gen)[:2] for _ in range(n)])
+    weights = torch.softmax(torch.randn(n, 2, generator=gen), dim=-1)
+    try:
+        yield fault, (x, weights, ids.to(torch.int32)), info.moe_layers
+    finally:
+        remote_experts.take_failed_requests()
+        remote_experts._SESSION.endpoint.close()
+        executor.stop()
+
+
+def _reference(inputs, layer: int) -> torch.Tensor:
+    """The layer's output for every row, one request at a time, with the fault disarmed."""
+    x, weights, ids = inputs
+    out, start = torch.zeros_like(x), 0
+    for n in BATCH.values():
+        rows = slice(start, start + n)
+        out[rows] = remote_experts.remote_experts_impl(x[rows], weights[rows], ids[rows], layer)
+        start += n
+    return out
+
+
+def test_the_request_an_error_follows_fails_alone_and_the_rest_are_served(hook):
+    fault, inputs, layers = hook
+    first, second = layers[0], layers[1]
+    out_first = remote_experts.remote_experts_impl(*inputs, first)
+    out_second = remote_experts.remote_experts_impl(*inputs, second)  # b's rows not sent again
+    failed = remote_experts.take_failed_requests()
+    assert list(failed) == ["b"], failed
+    assert "injected fault" in failed["b"] and f"layer {first}" in failed["b"]
+    b = slice(2, 8)
+    assert not out_first[b].any() and not out_second[b].any()
+    fault.unlink()
+    for layer, out in ((first, out_first), (second, out_second)):
+        expected = _reference(inputs, layer)
+        for rows in (slice(0, 2), slice(8, 10)):
+            torch.testing.assert_close(out[rows], expected[rows], rtol=1e-5, atol=1e-6)
+            assert out[rows].abs().sum() > 0
+
+
+def test_a_batch_whose_requests_each_pass_alone_is_served_whole(hook):
+    fault, inputs, layers = hook
+    fault.write_text("once")
+    out = remote_experts.remote_experts_impl(*inputs, layers[0])
+    assert not fault.exists(), "the fault did not fire"
+    assert remote_experts.take_failed_requests() == {}
+    torch.testing.assert_close(out, _reference(inputs, layers[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_without_the_batch_layout_the_ffn_error_fails_the_forward(hook, monkeypatch):
+    _, inputs, layers = hook
+    monkeypatch.setattr(remote_experts, "_RUNNER", None)
+    with pytest.raises(FFNServeError, match="injected fault"):
+        remote_experts.remote_experts_impl(*inputs, layers[0])
+    assert remote_experts.take_failed_requests() == {}
+
+
+class _KVCacheManager:
+    def __init__(self) -> None:
+        self.evicted: set[int] = set()
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return ([1, 2], [7]) if request_id == "b" else ([3],)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.evicted |= block_ids
+
+
+def test_the_scheduler_finishes_a_failed_request_with_an_error_and_evicts_its_blocks():
+    scheduler = SimpleNamespace(
+        requests={"a": object(), "b": object()},
+        kv_cache_manager=_KVCacheManager(),
+        grammar_compile_error_reqs=set(),
+    )
+    output = SimpleNamespace(req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[[11], [12]])
+    fail_requests(scheduler, output, {"b": "FFN rank 0: layer 1: boom", "gone": "aborted"})
+    assert scheduler.grammar_compile_error_reqs == {"b"}
+    assert output.sampled_token_ids == [[11], []]
+    assert scheduler.kv_cache_manager.evicted == {1, 2, 7}

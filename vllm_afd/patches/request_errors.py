@@ -1,0 +1,90 @@
+"""Worker W1 and engine core W2 (ledger in ``__init__``): a request an FFN error follows fails
+alone, with vLLM's own request-error path.
+
+The attention-side hook finds, within a forward, the requests whose rows an FFN rank fails
+even alone (``remote_experts._isolate``), serves the rest and records those. W1 gives the hook
+the model runner (the batch's request ids and rows) and carries the failed requests to the
+scheduler on the step's ``ModelRunnerOutput`` (an attribute, which survives the pickling of a
+multi-process executor). W2, in the scheduler, drops the step's token of each failed request,
+evicts its blocks from the prefix cache (their KV was computed without routed experts), and
+hands it to the set vLLM finishes with ``FINISHED_ERROR`` in ``update_from_output``: the
+client gets vLLM's error answer, the other requests go on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from vllm_afd.patches.base import check_unwrapped, wrap
+
+logger = logging.getLogger("vllm.afd")
+
+#: The ``ModelRunnerOutput`` attribute W1 sets: request id -> the FFN's error text.
+FAILED_ATTRIBUTE = "afd_failed_requests"
+
+
+def _with_failures(output):
+    """``output`` carrying the requests failed since the last output (a step's output, or an
+    async one's ``get_output``); ``None`` and intermediate tensors carry none yet."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+    from vllm_afd import remote_experts
+
+    if not remote_experts._FAILED_REQUESTS:
+        return output
+    if isinstance(output, ModelRunnerOutput):
+        setattr(output, FAILED_ATTRIBUTE, remote_experts.take_failed_requests())
+    elif isinstance(output, AsyncModelRunnerOutput):
+        failed, get_output = remote_experts.take_failed_requests(), output.get_output
+
+        def get_output_with_failures():
+            result = get_output()
+            setattr(result, FAILED_ATTRIBUTE, failed)
+            return result
+
+        output.get_output = get_output_with_failures
+    return output
+
+
+def _runner_step(original: Callable) -> Callable:
+    def wrapper(self, *args, **kwargs):
+        from vllm_afd import remote_experts
+
+        remote_experts._RUNNER = self
+        return _with_failures(original(self, *args, **kwargs))
+
+    return wrapper
+
+
+def _scheduler_update(original: Callable) -> Callable:
+    def wrapper(self, scheduler_output, model_runner_output):
+        failed = getattr(model_runner_output, FAILED_ATTRIBUTE, None)
+        if failed:
+            fail_requests(self, model_runner_output, failed)
+        return original(self, scheduler_output, model_runner_output)
+
+    return wrapper
+
+
+def fail_requests(scheduler, output, failed: dict[str, str]) -> None:
+    """W2: finish the ``failed`` requests of the step ``output`` with an error (below)."""
+    errors = scheduler.grammar_compile_error_reqs  # finished with FINISHED_ERROR in the update
+    for request_id, text in failed.items():
+        index = output.req_id_to_index.get(request_id)
+        if index is not None and index < len(output.sampled_token_ids):
+            output.sampled_token_ids[index] = []
+        if request_id not in scheduler.requests:
+            continue  # aborted meanwhile
+        blocks = scheduler.kv_cache_manager.get_block_ids(request_id)
+        scheduler.kv_cache_manager.evict_blocks({b for group in blocks for b in group})
+        errors.add(request_id)
+        logger.error("AFD: request %s failed: an FFN rank fails its tokens: %s", request_id, text)
+
+
+def apply() -> None:
+    """W1 and W2 (idempotent)."""
+    check_unwrapped("W1")
+    check_unwrapped("W2")
+    wrap("W1", _runner_step)
+    wrap("W2", _scheduler_update)
