@@ -23,7 +23,6 @@ Dynamo (the CPU platform compiles the model by default) treats it as opaque.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import weakref
@@ -200,7 +199,6 @@ class AFDRemoteExpertsMethod(FusedMoEMethodBase):
 # --------------------------------------------------------------------------------------------
 
 _LOCK = threading.Lock()
-logger = logging.getLogger("vllm.afd")
 
 
 class _Steps:
@@ -439,7 +437,7 @@ def _isolate(
     error: FFNServeError,
     failed: _Failed | None,
 ) -> torch.Tensor:
-    """An FFN rank failed this layer's batch (``error``, after its failover retry): send each
+    """An FFN rank failed this layer's batch (``error``, after its failover retry if any): send each
     request's rows again alone, in a step of this layer only, without retries. Requests that
     fail alone fail (the runner reports them: vLLM finishes them with an error, W2); the rest
     get their outputs, and the forward goes on with their rows only (``_healthy_round_trip``,
@@ -473,11 +471,7 @@ def _isolate(
     healthy = [torch.arange(r.start, r.stop) for request, r in requests if request not in gone]
     rows = torch.cat(healthy) if healthy else torch.empty(0, dtype=torch.long)
     _FAILED = _Failed(weakref.ref(_forward_context()), gone, rows.to(x.device))
-    _FAILED_REQUESTS.update(errors)
-    for request, text in errors.items():
-        logger.error(
-            "AFD: request %s fails alone (the rest of its batch goes on): %s", request, text
-        )
+    _FAILED_REQUESTS.update(errors)  # logged by the scheduler as it fails them (W2)
     later = tuple(n for n in session.steps.layers if n > layer)
     if later:
         _announce(session, rows.numel(), later)

@@ -27,12 +27,12 @@ FAILED_ATTRIBUTE = "afd_failed_requests"
 def _with_failures(output):
     """``output`` carrying the requests failed since the last output (a step's output, or an
     async one's ``get_output``); ``None`` and intermediate tensors carry none yet."""
-    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
-
     from vllm_afd import remote_experts
 
     if not remote_experts._FAILED_REQUESTS:
         return output
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
     if isinstance(output, ModelRunnerOutput):
         setattr(output, FAILED_ATTRIBUTE, remote_experts.take_failed_requests())
     elif isinstance(output, AsyncModelRunnerOutput):
