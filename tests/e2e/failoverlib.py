@@ -16,14 +16,8 @@ from collections.abc import Callable
 import psutil
 from serverlib import Server, http_request
 
-PROMPTS = [
-    "hello world",
-    "The attention ranks keep the KV cache while the FFN ranks " * 4,
-    "The attention ranks keep the KV cache while the FFN ranks hold experts",
-    "def g(n):\n    return [i * i for i in range(n)]\n" * 6,
-    "Failover keeps every request",
-    "one two three four five six",
-]
+from vllm_afd.bench.soak import PROMPTS  # the soak benchmark streams the same prompts
+
 STREAM_TOKENS = 300  # streams long enough to be in flight at the loss
 
 
