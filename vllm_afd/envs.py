@@ -33,8 +33,10 @@ Variables a user sets:
 ``VLLM_AFD_FAULT_FILE``
     Fault injection, for tests and drills only: while a file exists at this path, every FFN
     rank raises in its serve loop instead of serving a layer batch; a file that reads
-    ``once`` is removed by the rank it hits (one failed layer batch), and one that reads
-    ``rows>=N`` fails only batches with a request of at least N rows. Unset: no fault.
+    ``once`` is removed by the rank it hits (one failed layer batch; a batch of several
+    attention ranks' requests is then served again request by request, and passes), and one
+    that reads ``rows>=N`` fails only batches with a request of at least N rows. Unset: no
+    fault.
 
 Variables the product sets (the front-end's hand-off to every process it starts afterwards):
 
