@@ -221,10 +221,15 @@ class _Steps:
     def begin(self, microbatch_tokens: Sequence[int], contexts: Sequence[object]) -> None:
         """Announce the next step: its microbatches' tokens, run under ``contexts``."""
         self._contexts = tuple(weakref.ref(c) for c in contexts)
+        self.announce(microbatch_tokens, self.layers)
+
+    def announce(self, microbatch_tokens: Sequence[int], layers: Sequence[int]) -> None:
+        """One more step of the current forward, through ``layers`` (``_isolate`` splits a
+        failed forward into such steps)."""
         if not self.layers:
             return
         endpoint = self.endpoint
-        schedule = StepSchedule(endpoint.step + 1, tuple(microbatch_tokens), self.layers, _mode())
+        schedule = StepSchedule(endpoint.step + 1, tuple(microbatch_tokens), tuple(layers), _mode())
         endpoint.begin_step(schedule)
 
     def current(self, num_tokens: int) -> None:
@@ -456,7 +461,7 @@ def _isolate(
         for request, rows in requests:
             if request in before:
                 continue
-            _announce(session, rows.stop - rows.start, (layer,))
+            session.steps.announce((rows.stop - rows.start,), (layer,))
             try:
                 part = _round_trip(session, layer, x[rows], topk_ids[rows], topk_weights[rows])
             except FFNServeError as exc:
@@ -474,7 +479,7 @@ def _isolate(
     _FAILED_REQUESTS.update(errors)  # logged by the scheduler as it fails them (W2)
     later = tuple(n for n in session.steps.layers if n > layer)
     if later:
-        _announce(session, rows.numel(), later)
+        session.steps.announce((rows.numel(),), later)
     return out
 
 
@@ -497,13 +502,6 @@ def _healthy_round_trip(
     except FFNServeError as error:
         return _isolate(session, layer, x, topk_ids, topk_weights, error, failed)
     return out
-
-
-def _announce(session: _Session, num_tokens: int, layers: tuple[int, ...]) -> None:
-    """One more step of this forward: ``num_tokens`` tokens through ``layers``."""
-    if session.steps.layers:
-        endpoint = session.endpoint
-        endpoint.begin_step(StepSchedule(endpoint.step + 1, (num_tokens,), layers, _mode()))
 
 
 @torch.library.custom_op("vllm_afd::remote_experts", mutates_args=())

@@ -110,6 +110,11 @@ class TransportSpec:
     config: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def fails_over(self) -> bool:
+        """A lost FFN rank's replacement is awaited (a directory and a wait are set)."""
+        return bool(self.directory) and self.failover_s > 0
+
+    @property
     def experts_per_ffn_rank(self) -> int:
         return self.num_experts // self.num_ffn_ranks
 

@@ -455,9 +455,7 @@ class PointToPointAttentionTransport(AttentionTransport):
                 ``retry_serve_errors`` is off.
         """
         spec = self.spec
-        if attempt >= SERVE_ERROR_ATTEMPTS or not self.retry_serve_errors:
-            raise error
-        if not spec.directory or spec.failover_s <= 0:
+        if attempt >= SERVE_ERROR_ATTEMPTS or not self.retry_serve_errors or not spec.fails_over:
             raise error
         entry = directory.lookup(spec.directory, ffn_rank)
         if entry is None or entry.host != socket.gethostname():
@@ -473,7 +471,7 @@ class PointToPointAttentionTransport(AttentionTransport):
                 supervisor gave up on the rank (the message says which).
         """
         spec, ffn_rank = self.spec, lost.ffn_rank
-        if not spec.directory or spec.failover_s <= 0:
+        if not spec.fails_over:
             raise lost
         logger.warning(
             "AFD: attention rank %d lost FFN rank %d (%s); waiting up to %gs for its replacement",
