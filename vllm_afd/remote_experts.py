@@ -23,10 +23,13 @@ Dynamo (the CPU platform compiles the model by default) treats it as opaque.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,8 +48,11 @@ from vllm_afd.transport import (
     TransportSpec,
     backend,
     create_attention_transport,
+    directory,
 )
 from vllm_afd.transport.control import Mode, StepSchedule
+
+logger = logging.getLogger("vllm.afd")
 
 
 class AFDRoutedExperts(RoutedExperts):
@@ -217,9 +223,14 @@ class _Steps:
         #: The model's MoE layers; an empty list (a spec made by hand) announces nothing.
         self.layers = endpoint.spec.moe_layers
         self._contexts: tuple[weakref.ref, ...] = ()
+        #: Runs before each step is announced, at the step boundary (the session's switch to
+        #: a new FFN pool: ``_Session.switch_pending``).
+        self.at_boundary: Callable[[], None] | None = None
 
     def begin(self, microbatch_tokens: Sequence[int], contexts: Sequence[object]) -> None:
         """Announce the next step: its microbatches' tokens, run under ``contexts``."""
+        if self.at_boundary is not None:
+            self.at_boundary()
         self._contexts = tuple(weakref.ref(c) for c in contexts)
         self.announce(microbatch_tokens, self.layers)
 
@@ -284,9 +295,22 @@ def announce_microbatched_step(microbatch_tokens: Sequence[int], contexts: Seque
         session.steps.begin(microbatch_tokens, contexts)
 
 
-@dataclass(frozen=True)
+#: Held by the model runner for a whole step (patches W1, W3): a live scale switches an idle
+#: attention rank to the new FFN pool between steps only (``_PoolWatcher``). Reentrant: a
+#: step's dummy run may run inside another runner call.
+STEP_LOCK = threading.RLock()
+#: How often an attention rank looks for a new FFN pool (``pool.json``; a ``stat`` call).
+POOL_POLL_S = 0.05
+
+
+@dataclass
 class _Session:
-    """This worker's connection to the running FFN group, with its place among the ranks."""
+    """This worker's connection to the running FFN group, with its place among the ranks.
+
+    A live scale (``placement/scaling.py``) publishes a new pool of FFN ranks (the next
+    epoch, ``directory.Pool``); the session switches its endpoint to it at a step boundary
+    (``switch_pending``): before the next step of a busy rank, at once for an idle one.
+    """
 
     key: str  # the runtime spec it was made from
     endpoint: AttentionTransport
@@ -295,6 +319,104 @@ class _Session:
     #: This rank's /metrics block (None if it could not be created: metrics never break serving).
     stats: AttentionStatsBlock | None
     steps: _Steps
+    #: The FFN pool it serves on (1: the one the front-end started).
+    epoch: int = 1
+    #: A newer pool to switch to at the next step boundary (set by ``_PoolWatcher``).
+    pending: directory.Pool | None = None
+    watcher: _PoolWatcher | None = None
+    _switching: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def at_step_boundary(self) -> None:
+        if self.pending is not None:
+            self.switch_pending()
+
+    def switch_pending(self) -> None:
+        """At a step boundary (no dispatch outstanding): serve on the pending pool from now on,
+        and say so (``directory.publish_switch``). A pool whose ranks cannot be reached is
+        logged and not retried: this rank stays on its pool, and the scale that published it
+        times out naming this rank."""
+        with self._switching:
+            pool, self.pending = self.pending, None
+            if pool is None or pool.epoch <= self.epoch:
+                return
+            start = time.perf_counter()
+            old = self.endpoint
+            spec = dataclasses.replace(
+                TransportSpec.from_json(pool.spec),
+                attention_rank_offset=old.spec.attention_rank_offset,
+            )
+            try:
+                endpoint = create_attention_transport(spec, old.rank)
+            except Exception:  # noqa: BLE001 - serving goes on on the old pool
+                logger.exception(
+                    "AFD: attention rank %d cannot switch to FFN pool %d", old.rank, pool.epoch
+                )
+                if self.watcher is not None:
+                    self.watcher.given_up = pool.epoch
+                return
+            endpoint.step = old.step  # step numbers keep increasing across pools
+            if self.stats is not None:
+                self.stats.close()
+            self.stats = recorder.endpoint_block(endpoint)
+            self.endpoint = self.steps.endpoint = endpoint
+            self.epoch = pool.epoch
+            old.close()
+            stall = time.perf_counter() - start
+            directory.publish_switch(spec.directory, directory.Switch(old.rank, pool.epoch, stall))
+            logger.info(
+                "AFD: attention rank %d serves on FFN pool %d (%d FFN rank(s)) after a %.1f ms "
+                "switch",
+                old.rank,
+                pool.epoch,
+                spec.num_ffn_ranks,
+                stall * 1e3,
+            )
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.endpoint.close()
+
+
+class _PoolWatcher:
+    """A thread of the attention worker that looks for a new FFN pool every ``POOL_POLL_S``
+    (a ``stat`` of ``pool.json``), hands it to the session for its next step boundary, and
+    switches an idle rank itself (one not inside a step: ``STEP_LOCK`` is free), so that a
+    scale completes on a server with no traffic too."""
+
+    def __init__(self, session: _Session) -> None:
+        self.session = session
+        self.path = directory.pool_path(session.endpoint.spec.directory)
+        #: An epoch this rank could not switch to (not tried again).
+        self.given_up = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="afd-pool-watcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        session, seen = self.session, None
+        while not self._stop.wait(POOL_POLL_S):
+            try:
+                mtime = os.stat(self.path).st_mtime_ns
+            except OSError:
+                continue
+            if mtime == seen:
+                continue
+            pool = directory.read_pool(session.endpoint.spec.directory)
+            if pool is None or pool.epoch <= max(session.epoch, self.given_up):
+                seen = mtime
+                continue
+            session.pending = pool
+            if STEP_LOCK.acquire(timeout=POOL_POLL_S):  # idle: no step runs
+                try:
+                    session.switch_pending()
+                finally:
+                    STEP_LOCK.release()
+            if session.pending is None:
+                seen = mtime
 
 
 _SESSION: _Session | None = None
@@ -314,15 +436,19 @@ def connect() -> _Session:
         if _SESSION is not None and _SESSION.key == key:
             return _SESSION
         if _SESSION is not None:
-            _SESSION.endpoint.close()
+            _SESSION.close()
         tp = get_tp_group()
         spec = TransportSpec.from_json(key)
         local = get_dp_group().rank_in_group * tp.world_size + tp.rank_in_group
         endpoint = create_attention_transport(spec, spec.attention_rank_offset + local)
         stats = recorder.endpoint_block(endpoint)
         steps = _Steps(endpoint)
-        _SESSION = _Session(key, endpoint, tp.rank_in_group, tp.world_size, stats, steps)
-        return _SESSION
+        session = _Session(key, endpoint, tp.rank_in_group, tp.world_size, stats, steps)
+        if spec.directory and backend(spec.backend).scales_live:
+            steps.at_boundary = session.at_step_boundary
+            session.watcher = _PoolWatcher(session)
+        _SESSION = session
+        return session
 
 
 def remote_experts_impl(

@@ -116,3 +116,37 @@ def lose_the_ffn_rank_under_streams(server: Server, colocated: dict, loss: Loss)
         assert result.status == 200, (name, i, result.text[-500:])
         assert result.token_ids == colocated["token_ids"][i], (name, i)
         assert result.text == colocated["texts"][i], (name, i)
+
+
+def streams_around(server: Server, action: Callable[[], object]) -> tuple[object, list, tuple]:
+    """Stream every prompt (``STREAM_TOKENS`` tokens each) and run ``action`` in a thread of
+    its own once every stream has begun (started from the stream whose first chunk completes
+    the set, as ``lose_the_ffn_rank_under_streams`` does); returns its result, the streams'
+    results and the ``time.monotonic()`` span it ran in."""
+    chunks = [0] * len(PROMPTS)
+    lock, done = threading.Lock(), threading.Event()
+    outcome: dict = {}
+
+    def run() -> None:
+        start = time.monotonic()
+        try:
+            outcome["result"] = action()
+        finally:
+            outcome["span"] = (start, time.monotonic())
+            done.set()
+
+    def tick(i: int) -> None:
+        chunks[i] += 1
+        with lock:
+            if all(chunks) and "thread" not in outcome:
+                outcome["thread"] = threading.Thread(target=run, daemon=True)
+                outcome["thread"].start()
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        streams = [
+            pool.submit(server.stream, p, STREAM_TOKENS, on_chunk=functools.partial(tick, i))
+            for i, p in enumerate(PROMPTS)
+        ]
+        results = [s.result(timeout=600) for s in streams]
+    assert done.wait(600), ("the action did not end", chunks)
+    return outcome.get("result"), results, outcome["span"]

@@ -1,15 +1,19 @@
-"""A trained model under AFD: SmolLM2-135M-Instruct upcycled to an 8-expert MoE, at 1:2.
+"""A trained model under AFD: SmolLM2-135M-Instruct upcycled to an 8-expert MoE.
 
-Every token of this model visits every expert, so all of its text depends on the two FFN ranks.
-Greedy float32 tokens must equal colocated serving's, offline and through the OpenAI server,
-and the model must still know that the capital of France is Paris (the server: ``make
-test-all``).
+Every token of this model visits every expert, so all of its text depends on the FFN ranks.
+Greedy float32 tokens must equal colocated serving's, offline at 1:2 and through the OpenAI
+server at 1:1 and while its FFN pool is scaled live to two ranks and back (``make test-all``),
+and the model must still know that the capital of France is Paris.
 """
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
-from serverlib import Server
+from failoverlib import colocated_job, streams_around
+from serverlib import Server, http_request
 
 from vllm_afd.bench.real_model import EXPECTED, PROMPT
 
@@ -46,14 +50,57 @@ def test_afd_1to2_offline_gives_colocated_tokens(runs):
 
 
 @pytest.mark.full
-def test_afd_1to2_server_gives_colocated_tokens(smollm2_moe, colocated, tmp_path):
-    server = Server(smollm2_moe, tmp_path / "server.log", extra=("--afd-ratio", "1:2"))
+def test_the_pool_scaled_live_1_2_1_under_streams_gives_colocated_text(
+    smollm2_moe, colocated, run_once, tmp_path
+):
+    """A 1:1 server (``VLLM_PLUGINS=afd``: the AFD routes) serves colocated's tokens; then,
+    under six streams of 300 tokens, ``POST /afd/scale`` takes the FFN pool to two
+    ranks and back to one: each scale answers 200 while the streams are in flight, and every
+    stream ends with colocated's exact text and tokens. ``/afd/status`` and ``/metrics`` show
+    the live pool and both scales; a count the experts cannot split into is refused (400)."""
+    streamed = run_once(colocated_job(smollm2_moe))
+    server = Server(
+        smollm2_moe,
+        tmp_path / "server.log",
+        extra=("--afd-ratio", "1:1"),
+        env={"VLLM_PLUGINS": "afd"},
+    )
     try:
         server.wait_healthy()
         for prompt, expected in zip(PROMPTS, colocated["token_ids"], strict=True):
             status, body = server.complete(prompt, MAX_TOKENS)
             assert status == 200, body
             assert body["choices"][0]["token_ids"] == expected, body
+        status, body = http_request(server.url + "/afd/scale", {"num_ffn_ranks": 3})
+        assert status == 400 and "num_ffn_ranks 3" in body and "[1, 2, 4, 8]" in body, body
+
+        def scale_up_and_down() -> list[tuple[int, dict | str, float, float]]:
+            answers = []
+            for count in (2, 1):
+                began = time.monotonic()
+                status, body = http_request(
+                    server.url + "/afd/scale", {"num_ffn_ranks": count}, timeout=300
+                )
+                answers.append((status, body, began, time.monotonic()))
+            return answers
+
+        answers, results, _ = streams_around(server, scale_up_and_down)
+        for count, (status, body, began, ended) in zip((2, 1), answers, strict=True):
+            assert status == 200, body
+            assert body["num_ffn_ranks"] == count and body["scale"]["to_ranks"] == count, body
+            spanning = [r for r in results if r.times[0] < began and r.times[-1] > ended]
+            assert spanning, (count, "no stream spanned the scale", began, ended)
+        for i, result in enumerate(results):
+            assert result.status == 200, (i, result.text[-300:])
+            assert result.token_ids == streamed["token_ids"][i], i
+            assert result.text == streamed["texts"][i], i
+        status, body = http_request(server.url + "/afd/status")
+        assert status == 200 and body["num_ffn_ranks"] == 1 and body["pool"] == 3, body
+        assert [(e["from_ranks"], e["to_ranks"]) for e in body["scale_events"]] == [(1, 2), (2, 1)]
+        metrics = http_request(server.url + "/metrics")[1]
+        assert re.search(r"^vllm_afd_ffn_ranks\{[^}]*\} 1\.0$", metrics, re.M), metrics[-2000:]
+        assert re.search(r"^vllm_afd_ffn_pool_scale_seconds_count\{[^}]*\} 2\.0$", metrics, re.M)
+        assert server.log.read_text().count("AFD: FFN pool scaled from") == 2
     finally:
         try:
             server.terminate()

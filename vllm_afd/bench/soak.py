@@ -1,7 +1,14 @@
-"""Soak benchmark: FFN failover under sustained streaming load.
+"""Soak benchmark: FFN failover (or a live scale of the FFN pool) under sustained streaming load.
 
     python -m vllm_afd.bench.soak [--model DIR] [--ratio 2:1] [--clients 6] [--minutes 3]
-                                  [--kill-every 45] [--max-tokens 128] [--json soak.json]
+                                  [--kill-every 45] [--scale-to N,N,...] [--max-tokens 128]
+                                  [--json soak.json]
+
+With ``--scale-to 2,1`` the soak scales the pool instead of killing a rank: every
+``--kill-every`` seconds one ``POST /afd/scale`` to the next count, and the report gives each
+scale's answer, time and step hold, and the inter-token latency (p50/p99 of the gaps between a
+stream's chunks) in the ``--margin`` seconds before it, while it ran and after it
+(``itl_windows``); every request is still checked against its reference.
 
 Why a soak and not only the e2e test. ``tests/e2e/test_server.py`` kills and stops the FFN
 rank (four losses in ``make test-all``), each under one fixed burst of six streams, and checks
@@ -93,6 +100,10 @@ METRIC_SERIES = (
     "vllm_afd_ffn_recovery_seconds_sum",
     "vllm_afd_ffn_recovery_seconds_count",
     "vllm_afd_redispatched_requests_total",
+    "vllm_afd_ffn_ranks",
+    "vllm_afd_ffn_pool_scale_seconds_count",
+    "vllm_afd_ffn_pool_scale_seconds_sum",
+    "vllm_afd_ffn_pool_scale_stall_seconds_sum",
 )
 HEALTH_POLL_S = 0.1
 
@@ -113,6 +124,9 @@ class Record:
     ttft: float | None = None
     max_gap: float | None = None
     error: str = ""
+    #: When each chunk arrived (seconds since the soak started): the inter-token latencies
+    #: around a scale (``itl_windows``; a chunk may carry several tokens when the reader lags).
+    chunk_times: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -126,6 +140,20 @@ class Kill:
     replaced_s: float | None = None  # the server log's "replaced in X s"
     streak: int | None = None  # the server log's "failure N in a row"
     in_flight: int = 0
+
+
+@dataclass
+class Scale:
+    """One ``POST /afd/scale`` under the load (seconds; ``at`` since the soak started)."""
+
+    at: float
+    to_ranks: int
+    status: int = 0
+    took_s: float | None = None  # request to answer
+    stall_s: float | None = None  # the server's longest step hold for the switch
+    error: str = ""
+    #: Inter-token latency before, during and after the scale (``itl_windows``).
+    itl: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -196,6 +224,35 @@ def summarize(
     )
 
 
+def itl_windows(
+    records: Sequence[Record], began: float, ended: float, margin: float = 10.0
+) -> dict[str, dict[str, Any]]:
+    """p50/p99 of the gaps between consecutive chunks of a stream (inter-token latency) that
+    end in the ``margin`` seconds before a scale (``before``), while it ran (``during``: from
+    the request to the answer, the new pool's start included) and in the ``margin`` seconds
+    after (``after``)."""
+    spans = {
+        "before": (began - margin, began),
+        "during": (began, ended),
+        "after": (ended, ended + margin),
+    }
+    gaps: dict[str, list[float]] = {k: [] for k in spans}
+    for record in records:
+        times = record.chunk_times
+        for a, b in zip(times, times[1:], strict=False):
+            for key, (lo, hi) in spans.items():
+                if lo <= b < hi:
+                    gaps[key].append(b - a)
+    return {
+        key: {
+            "gaps": len(found),
+            "p50_ms": percentile(found, 50) * 1e3 if found else None,
+            "p99_ms": percentile(found, 99) * 1e3 if found else None,
+        }
+        for key, found in gaps.items()
+    }
+
+
 _REPLACED = re.compile(r"AFD: FFN rank (\d+) replaced in ([\d.]+)s \(failover (\d+)")
 _STREAK = re.compile(r"AFD: FFN rank (\d+)\b.*; replacing it \(failure (\d+) in a row\)")
 
@@ -233,13 +290,23 @@ def _fmt(value: float | None, spec: str = "{:.2f}") -> str:
 
 
 def format_report(
-    settings: dict[str, Any], summary: Summary, kills: Sequence[Kill], metrics: dict[str, float]
+    settings: dict[str, Any],
+    summary: Summary,
+    kills: Sequence[Kill],
+    metrics: dict[str, float],
+    scales: Sequence[Scale] = (),
 ) -> str:
-    """The plain-text report: counts, latency windows, one line per failover, the metrics."""
+    """The plain-text report: counts, latency windows, one line per failover (or per scale,
+    with the inter-token latency around it), the metrics."""
     s = settings
+    event = (
+        f"scale the FFN pool to {', '.join(map(str, s['scale_to']))} every {s['kill_every']:g} s"
+        if s.get("scale_to")
+        else f"kill FFN rank {s['ffn_rank']} every {s['kill_every']:g} s"
+    )
     lines = [
         f"soak: {s['model_name']} at {s['ratio']}, {s['clients']} clients, "
-        f"{s['minutes']:g} min, kill FFN rank {s['ffn_rank']} every {s['kill_every']:g} s, "
+        f"{s['minutes']:g} min, {event}, "
         f"{s['max_tokens']} tokens per request",
         f"requests: {summary.completed} completed, {summary.failed} failed (lost), "
         f"{summary.wrong} wrong text; {summary.tokens_per_s:.1f} tokens/s",
@@ -247,10 +314,11 @@ def format_report(
         f"{'window':<34}{'requests':>9}{'done':>6}{'failed':>7}{'wrong':>6}"
         f"{'p50 s':>8}{'p99 s':>8}{'gap p99 s':>10}",
     ]
+    what = "scale" if s.get("scale_to") else "kill"
     names = {
         "all": "all",
-        "in_flight": "in flight at a kill",
-        "steady": f"steady (>= {s['margin']:g} s from kills)",
+        "in_flight": f"in flight at a {what}",
+        "steady": f"steady (>= {s['margin']:g} s from {what}s)",
     }
     for key, name in names.items():
         w = summary.latency[key]
@@ -258,6 +326,11 @@ def format_report(
             f"{name:<34}{w['requests']:>9}{w['completed']:>6}{w['failed']:>7}{w['wrong']:>6}"
             f"{_fmt(w['p50_s']):>8}{_fmt(w['p99_s']):>8}{_fmt(w['max_gap_p99_s']):>10}"
         )
+    if s.get("scale_to"):
+        lines += ["", *_scale_lines(scales, s["margin"])]
+        lines += ["", "/metrics at the end:"]
+        lines += [f"  {key} {value:g}" for key, value in metrics.items()] or ["  (none)"]
+        return "\n".join(lines)
     lines += [
         "",
         f"{'failover':<9}{'at s':>7}{'pid':>9}{'in flight':>10}{'detect s':>9}"
@@ -274,6 +347,31 @@ def format_report(
     lines += ["", "/metrics at the end:"]
     lines += [f"  {key} {value:g}" for key, value in metrics.items()] or ["  (none)"]
     return "\n".join(lines)
+
+
+def _scale_lines(scales: Sequence[Scale], margin: float) -> list[str]:
+    """One line per scale: its answer, time, step hold and the inter-token latency p50/p99
+    (ms) in the ``margin`` seconds before, while it ran, and in the ``margin`` seconds after."""
+    lines = [
+        f"{'scale':<7}{'at s':>7}{'to F':>6}{'status':>7}{'took s':>8}{'stall ms':>9}"
+        f"   ITL p50/p99 ms: {'before':>13}{'during':>13}{'after':>13}"
+        f"   (+-{margin:g} s)"
+    ]
+    for i, sc in enumerate(scales, 1):
+        windows = [
+            f"{_fmt(sc.itl.get(k, {}).get('p50_ms'), '{:.0f}')}/"
+            f"{_fmt(sc.itl.get(k, {}).get('p99_ms'), '{:.0f}')}"
+            for k in ("before", "during", "after")
+        ]
+        stall = None if sc.stall_s is None else sc.stall_s * 1e3
+        lines.append(
+            f"{i:<7}{sc.at:>7.1f}{sc.to_ranks:>6}{sc.status:>7}{_fmt(sc.took_s, '{:.1f}'):>8}"
+            f"{_fmt(stall, '{:.1f}'):>9}   {'':>16}{windows[0]:>13}{windows[1]:>13}"
+            f"{windows[2]:>13}"
+        )
+    if not scales:
+        lines.append("(no scale)")
+    return lines
 
 
 # -- the soak -------------------------------------------------------------------------------------
@@ -307,6 +405,7 @@ def one_request(
         ttft=times[0] - start if times else None,
         max_gap=max(gaps) if gaps else None,
         error=got.error,
+        chunk_times=[t - t0 for t in times],
     )
 
 
@@ -349,9 +448,10 @@ def run_soak(server: ServeProcess, args: argparse.Namespace) -> dict[str, Any]:
     for thread in threads:
         thread.start()
     kills: list[Kill] = []
+    scales = _scale_under_load(server, args, t0, deadline) if args.scale_to else []
     last_pid = None
     next_kill = t0 + args.kill_every
-    while next_kill < deadline:
+    while next_kill < deadline and not args.scale_to:
         time.sleep(max(0.0, next_kill - time.monotonic()))
         pid = server.ffn_pid(args.ffn_rank)
         while pid in (None, last_pid) and time.monotonic() < deadline:  # replacement not up
@@ -385,9 +485,41 @@ def run_soak(server: ServeProcess, args: argparse.Namespace) -> dict[str, Any]:
         "references": references,
         "records": sorted(records, key=lambda r: r.start),
         "kills": kills,
+        "scales": scales,
         "metrics": metrics,
         "duration_s": duration,
     }
+
+
+def _scale_under_load(
+    server: ServeProcess, args: argparse.Namespace, t0: float, deadline: float
+) -> list[Scale]:
+    """Every ``--kill-every`` seconds, ``POST /afd/scale`` to the next of ``--scale-to``."""
+    scales: list[Scale] = []
+    for count in args.scale_to:
+        time.sleep(max(0.0, t0 + args.kill_every * (len(scales) + 1) - time.monotonic()))
+        if time.monotonic() >= deadline:
+            break
+        scale = Scale(at=time.monotonic() - t0, to_ranks=count)
+        try:
+            status, body = http_request(
+                server.url + "/afd/scale", {"num_ffn_ranks": count}, timeout=600
+            )
+        except OSError as exc:
+            status, body = 0, repr(exc)
+        scale.took_s = time.monotonic() - t0 - scale.at
+        scale.status = status
+        if status == 200 and isinstance(body, dict) and body.get("scale"):
+            scale.stall_s = body["scale"]["stall_s"]
+        elif status != 200:
+            scale.error = str(body)[:500]
+        print(
+            f"soak: scale {len(scales) + 1} to {count} FFN rank(s) at {scale.at:.1f}s: "
+            f"HTTP {status} after {scale.took_s:.1f}s",
+            flush=True,
+        )
+        scales.append(scale)
+    return scales
 
 
 def attach_failovers(kills: Sequence[Kill], records: Sequence[Record], log: str, rank: int):
@@ -397,6 +529,16 @@ def attach_failovers(kills: Sequence[Kill], records: Sequence[Record], log: str,
         kill.in_flight = sum(in_flight_at(r, kill.at) for r in records)
         if i < len(failovers):
             kill.replaced_s, kill.streak = failovers[i]
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--scale-to: {text!r} is not a list like 2,1")
+    return counts
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -410,6 +552,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--minutes", type=float, default=3.0, help="load duration (default 3)")
     parser.add_argument(
         "--kill-every", type=float, default=45.0, help="seconds between kills (default 45)"
+    )
+    parser.add_argument(
+        "--scale-to",
+        type=_counts,
+        default=(),
+        metavar="N,N,...",
+        help="instead of kills, scale the FFN pool live (POST /afd/scale) to each of these FFN "
+        "rank counts in turn, one every --kill-every seconds (e.g. 2,1)",
     )
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
     parser.add_argument("--ffn-rank", type=int, default=0, help="the FFN rank to kill (0)")
@@ -435,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         key: getattr(args, key)
         for key in ("model", "ratio", "clients", "minutes", "kill_every", "max_tokens")
     } | {"ffn_rank": args.ffn_rank, "margin": args.margin, "server_log": str(log)}
+    settings["scale_to"] = list(args.scale_to)
     settings["model_name"] = Path(args.model).name
     server = ServeProcess(args.model, log, ("--afd-ratio", args.ratio), env={"VLLM_PLUGINS": "afd"})
     print(f"soak: server pid {server.proc.pid} on {server.url}, log {log}", flush=True)
@@ -444,12 +595,14 @@ def main(argv: list[str] | None = None) -> int:
         result = run_soak(server, args)
     finally:
         leftovers = server.stop()
-    kills, records = result["kills"], result["records"]
+    kills, scales, records = result["kills"], result["scales"], result["records"]
     attach_failovers(kills, records, log.read_text(errors="replace"), args.ffn_rank)
-    summary = summarize(
-        records, [k.at for k in kills], args.max_tokens, args.margin, result["duration_s"]
-    )
-    print(format_report(settings, summary, kills, result["metrics"]))
+    for scale in scales:
+        ended = scale.at + (scale.took_s or 0.0)
+        scale.itl = itl_windows(records, scale.at, ended, args.margin)
+    events = [k.at for k in kills] + [sc.at for sc in scales]
+    summary = summarize(records, events, args.max_tokens, args.margin, result["duration_s"])
+    print(format_report(settings, summary, kills, result["metrics"], scales))
     if leftovers:
         print(f"soak: killed {len(leftovers)} process(es) left after SIGTERM: {leftovers}")
     json_path.write_text(
@@ -458,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
                 "settings": settings,
                 "summary": asdict(summary),
                 "kills": [asdict(k) for k in kills],
+                "scales": [asdict(sc) for sc in scales],
                 "metrics": result["metrics"],
                 "duration_s": result["duration_s"],
                 "references": result["references"],

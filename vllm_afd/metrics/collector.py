@@ -157,6 +157,12 @@ class AFDCollector:
             for layer, (calls, seconds, tokens) in sorted((block.layers if block else {}).items()):
                 f["ffn_layer_service"].add_metric([*series, str(layer)], calls, seconds)
                 f["ffn_tokens"].add_metric([*series, str(layer)], tokens)
+        # The live pool (a scale changes it) and the scales so far.
+        f["ffn_ranks"].add_metric([model], num_ffn)
+        pool = ffn_directory.read_pool(where) if where else None
+        scales = pool.events if pool else ()
+        f["scales"].add_metric([model], len(scales), sum(e["took_s"] for e in scales))
+        f["scale_stall"].add_metric([model], len(scales), sum(e["stall_s"] for e in scales))
         for a in range(num_attention):
             block = read_block(attention_block_name(addresses, a))
             series = [model, labels.engine(a), str(a)]
@@ -184,6 +190,24 @@ class AFDCollector:
         )
 
         return {
+            "ffn_ranks": GaugeMetricFamily(
+                "vllm_afd_ffn_ranks",
+                "FFN ranks of the pool the attention ranks serve on now (POST /afd/scale "
+                "changes it).",
+                labels=_FFN,
+            ),
+            "scales": SummaryMetricFamily(
+                "vllm_afd_ffn_pool_scale_seconds",
+                "Live scales of the FFN pool, each from the request to the old pool stopped "
+                "(count = scales).",
+                labels=_FFN,
+            ),
+            "scale_stall": SummaryMetricFamily(
+                "vllm_afd_ffn_pool_scale_stall_seconds",
+                "The longest time one attention rank's step waited for its switch to the new "
+                "pool, per scale (count = scales).",
+                labels=_FFN,
+            ),
             "failovers": CounterMetricFamily(
                 "vllm_afd_ffn_failovers",
                 "Times the FFN rank was lost (died, stopped, wedged) and replaced.",

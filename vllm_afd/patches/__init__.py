@@ -8,7 +8,7 @@ is inert there: it wraps a class that process never calls.
   ``engine_args.py`` (P1-P3), ``health.py`` (P4), ``metrics_registry.py`` (P6).
 - worker (the processes that run the model): ``layers.py`` (P5, P7, P8), ``cpu_runner.py``
   (M1-M7), ``gpu_runner.py`` (G1-G2, GPUs only), ``cpu_comm.py`` (S1-S2), ``cpu_amx.py``
-  (S3, every process), ``dp_store.py`` (S4), ``request_errors.py`` (W1).
+  (S3, every process), ``dp_store.py`` (S4), ``request_errors.py`` (W1, W3).
 - engine core (the process that runs vLLM's scheduler): ``request_errors.py`` (W2).
 - every process: ``environ.py`` (E1).
 - FFN rank (the FFN ranks' processes): ``ffn_rank.py`` (F1-F4). Not applied by ``apply()``:
@@ -243,7 +243,8 @@ W1 ``GPUModelRunner.execute_model`` and ``GPUModelRunner.sample_tokens`` (the V1
    How: before the step, the runner becomes the hook's ``_RUNNER`` (it reads
    ``input_batch.req_ids`` and ``query_start_loc`` when a batch fails); the step's
    ``ModelRunnerOutput`` (or an async one's ``get_output``) gets an ``afd_failed_requests``
-   attribute, request id -> the FFN's error text, when the step failed any.
+   attribute, request id -> the FFN's error text, when the step failed any. The step runs
+   holding ``remote_experts.STEP_LOCK`` (W3 says why).
    Upstream: none; vLLM has no per-request error a model's layer can raise.
    Remove when: vLLM lets a forward fail some of its requests.
 W2 ``Scheduler.update_from_output``, wrapped; ``KVCacheManager.get_block_ids`` and
@@ -256,6 +257,15 @@ W2 ``Scheduler.update_from_output``, wrapped; ``KVCacheManager.get_block_ids`` a
    ``grammar_compile_error_reqs``, the set the update finishes with ``FINISHED_ERROR``.
    Upstream: none filed; a public "fail these requests" call on the scheduler would do.
    Remove when: as W1.
+W3 ``GPUModelRunner._dummy_run`` (the CPU runner inherits it), wrapped.
+   Why: a live scale (``POST /afd/scale``) switches each attention rank to the new FFN pool
+   at a step boundary; an idle rank has none, so a thread of the worker switches it while no
+   step runs. A forward is either a step (W1) or a dummy run (a DP rank's idle forward,
+   profiling): both hold the step lock, so the thread never switches in the middle of one.
+   How: the call runs holding ``remote_experts.STEP_LOCK`` (reentrant).
+   Upstream: none; vLLM's elastic EP reconfigures between steps from the engine core
+   (``/scale_elastic_ep``), which knows nothing of an FFN pool.
+   Remove when: vLLM has a between-steps hook for workers.
 
 Every process
 

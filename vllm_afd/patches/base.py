@@ -254,6 +254,7 @@ TARGETS = (
     Target("W2", _SCHEDULER, "Scheduler", "update_from_output", _W2_UPDATE, ordered=True),
     Target("W2", _KV_MANAGER, "KVCacheManager", "get_block_ids", ("request_id",), "used"),
     Target("W2", _KV_MANAGER, "KVCacheManager", "evict_blocks", ("block_ids",), "used"),
+    Target("W3", _GPU_RUNNER, "GPUModelRunner", "_dummy_run", ("num_tokens",)),
     Target("E1", "vllm.envs", "", "environment_variables", kind="global"),
     Target(
         "F4",

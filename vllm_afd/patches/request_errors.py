@@ -9,6 +9,10 @@ multi-process executor). W2, in the scheduler, drops the step's token of each fa
 evicts its blocks from the prefix cache (their KV was computed without routed experts), and
 hands it to the set vLLM finishes with ``FINISHED_ERROR`` in ``update_from_output``: the
 client gets vLLM's error answer, the other requests go on.
+
+W1 and W3 also hold the attention hook's step lock (``remote_experts.STEP_LOCK``) for each
+step and dummy step (a DP rank's idle forward): a live scale switches an idle attention rank
+to the new FFN pool between steps only.
 """
 
 from __future__ import annotations
@@ -52,7 +56,18 @@ def _runner_step(original: Callable) -> Callable:
         from vllm_afd import remote_experts
 
         remote_experts._RUNNER = self
-        return _with_failures(original(self, *args, **kwargs))
+        with remote_experts.STEP_LOCK:
+            return _with_failures(original(self, *args, **kwargs))
+
+    return wrapper
+
+
+def _dummy_step(original: Callable) -> Callable:
+    def wrapper(self, *args, **kwargs):
+        from vllm_afd import remote_experts
+
+        with remote_experts.STEP_LOCK:
+            return original(self, *args, **kwargs)
 
     return wrapper
 
@@ -83,8 +98,9 @@ def fail_requests(scheduler, output, failed: dict[str, str]) -> None:
 
 
 def apply() -> None:
-    """W1 and W2 (idempotent)."""
-    check_unwrapped("W1")
-    check_unwrapped("W2")
+    """W1, W2 and W3 (idempotent)."""
+    for patch in ("W1", "W2", "W3"):
+        check_unwrapped(patch)
     wrap("W1", _runner_step)
     wrap("W2", _scheduler_update)
+    wrap("W3", _dummy_step)

@@ -58,6 +58,8 @@ class FFNGroup:
     supervisor: object = None
     #: The transport's rendezvous (``Backend.start_rendezvous``; deepep: its hub), served here.
     hub: object = None
+    #: What the front-end asked for (a live scale starts the next pool from it).
+    request: GroupRequest | None = None
 
     def stats(self) -> list[dict]:
         import ray
@@ -147,6 +149,8 @@ def ensure_ray(address: str | None, num_cpus: int) -> bool:
                 log_to_driver=True,
                 namespace="vllm_afd",
                 _node_ip_address="127.0.0.1",
+                # no idle worker per logical CPU (``lifecycle._launch`` says why they are many)
+                _system_config={"prestart_worker_first_driver": False},
             )
         else:
             ray.init(address=address, namespace="vllm_afd")

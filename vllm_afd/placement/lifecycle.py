@@ -47,6 +47,9 @@ logger = logging.getLogger("vllm.afd")
 _LOCK = threading.Lock()
 _GROUP: FFNGroup | None = None
 _GROUP_KEY: str | None = None
+#: Pools a live scale replaced that still serve an attention rank that has not switched yet
+#: (``scaling.py``); stopped with the group.
+DRAINING: list[FFNGroup] = []
 
 
 def start_ffn_group(request: GroupRequest) -> FFNGroup:
@@ -94,27 +97,41 @@ def start_ffn_group(request: GroupRequest) -> FFNGroup:
                 hub.close()
             release_credentials()
             raise
-        _GROUP.hub = hub
+        _GROUP.hub, _GROUP.request = hub, request
         _GROUP_KEY = key
-        if afd.failover_timeout > 0 and backend(spec.backend).supports_failover:
-            _GROUP.supervisor = Supervisor(_GROUP)
+        supervise(_GROUP)
         # The hand-off to every process started from here on (engine cores, workers).
         os.environ[envs.RUNTIME] = _GROUP.spec.to_json()
         return _GROUP
 
 
-def _ffn_directory() -> str:
-    """The deployment's FFN directory (``transport/directory.py``), in its private directory."""
-    path = os.path.join(private_directory(), "ffn")
+def supervise(group: FFNGroup) -> None:
+    """Start failover's supervisor of ``group`` when failover is on (and the backend has it)."""
+    if group.spec.fails_over and backend(group.spec.backend).supports_failover:
+        group.supervisor = Supervisor(group)
+
+
+def _ffn_directory(epoch: int = 1) -> str:
+    """The FFN directory (``transport/directory.py``) of the deployment's ``epoch``-th pool
+    (a live scale starts the next: ``scaling.py``), in its private directory."""
+    path = os.path.join(private_directory(), "ffn" if epoch == 1 else f"ffn{epoch}")
     os.mkdir(path, 0o700)
     return path
 
 
 def _launch(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) -> FFNGroup:
+    """Start the FFN ranks of ``spec`` in a placement group of their own and publish them in
+    its FFN directory.
+
+    A local Ray instance runs FFN ranks only. Its logical CPUs (admission, not the cores the
+    ranks compute on: ``VLLM_AFD_FFN_CPUS``) admit twice the most FFN ranks the model can
+    have (one per routed expert): a live scale starts the new pool next to the running one.
+    Ray would start an idle worker per logical CPU for the first driver; it is told not to.
+    """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    owns_ray = ensure_ray(afd.ray_address, num_cpus=max(os.cpu_count() or 1, spec.num_ffn_ranks))
+    owns_ray = ensure_ray(afd.ray_address, num_cpus=max(os.cpu_count() or 1, 2 * spec.num_experts))
     local = afd.ray_is_local
     bundle = ffn_bundle(device, local)
     pg = placement_group([dict(bundle) for _ in range(spec.num_ffn_ranks)], strategy="PACK")
@@ -151,6 +168,19 @@ def current_group() -> FFNGroup | None:
     return _GROUP
 
 
+def adopt(pool: FFNGroup) -> None:
+    """A live scale's new pool (``scaling.py``) becomes this process's FFN group: it takes over
+    the Ray instance the old one owned, and the runtime spec that ``/afd/status``, ``/metrics``
+    and ``/health`` read. The old pool is the scale's to stop; an identical request for a group
+    starts a new one (the running size is not the one asked for)."""
+    global _GROUP, _GROUP_KEY
+    with _LOCK:
+        old, _GROUP, _GROUP_KEY = _GROUP, pool, None
+        if old is not None:
+            pool.owns_ray, old.owns_ray, old.hub = old.owns_ray, False, None
+        os.environ[envs.RUNTIME] = pool.spec.to_json()
+
+
 def stop_ffn_group() -> None:
     """Stop this process's FFN group (and the local Ray it started). Idempotent."""
     global _GROUP, _GROUP_KEY
@@ -160,10 +190,23 @@ def stop_ffn_group() -> None:
     if group is None:
         release_credentials()
         return
-    if group.supervisor is not None:
-        group.supervisor.stop()  # before the ranks: no replacement may start meanwhile
+    while DRAINING:
+        stop_ranks(DRAINING.pop())
+    stop_ranks(group)
     if group.hub is not None:
         group.hub.close()
+    if group.owns_ray:
+        import ray
+
+        ray.shutdown()
+    release_credentials()
+
+
+def stop_ranks(group: FFNGroup) -> None:
+    """Stop ``group``'s supervisor, FFN ranks and placement group, and unlink its ranks' stats
+    blocks (the front-end's Ray and credentials stay)."""
+    if group.supervisor is not None:
+        group.supervisor.stop()  # before the ranks: no replacement may start meanwhile
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -180,9 +223,6 @@ def stop_ffn_group() -> None:
     from vllm_afd.metrics.blocks import unlink_deployment_blocks
 
     unlink_deployment_blocks(group.spec)
-    if group.owns_ray:
-        ray.shutdown()
-    release_credentials()
 
 
 atexit.register(stop_ffn_group)

@@ -11,15 +11,26 @@ deployment's batch cap and context (or why there is none: on the CPU build the p
 ``GET /afd/ready`` is readiness: 200 ``{"ready": true}`` while the engine is alive and every
 FFN rank serves; 503 ``{"ready": false, "problems": [...]}`` while one does not, a rank being
 replaced by failover included. ``/health`` is liveness (patch P4): it stays 200 while failover
-heals (``health.py``). Unauthenticated, as ``/health`` is: it reads state and changes none
+heals (``health.py``). Unauthenticated, as ``/health`` is: they read state and change none
 (vLLM's ``--api-key`` guards ``/v1``).
+
+``POST /afd/scale`` with ``{"num_ffn_ranks": N}`` changes the FFN pool's size live
+(``scaling.py``) and answers 200 with the scale once every attention rank serves on the new
+pool; 400 for a count the model's experts cannot split into, 409 when this deployment cannot
+scale (another scale runs, a joined group, a collective backend), 503/504 when it did not
+complete. It changes state, so it is guarded more than vLLM guards its own admin routes: with
+``--api-key`` (or ``VLLM_API_KEY``) it takes that bearer token; without, only a client on
+loopback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import hashlib
 import json
 import math
+import secrets
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -60,15 +71,16 @@ async def status(request: Request) -> JSONResponse:
         if spec.directory
         else [None] * spec.num_ffn_ranks
     )
-    attention, ffn = spec.num_attention_ranks, spec.num_ffn_ranks
-    common = math.gcd(attention, ffn)
+    pool = directory.read_pool(spec.directory) if spec.directory else None
     return JSONResponse(
         {
             "afd": True,
             "transport": spec.backend,
-            "num_attention_ranks": attention,
-            "num_ffn_ranks": ffn,
-            "ratio": f"{attention // common}:{ffn // common}",
+            "num_attention_ranks": spec.num_attention_ranks,
+            "num_ffn_ranks": spec.num_ffn_ranks,
+            "ratio": _ratio(spec),
+            "pool": pool.epoch if pool else 1,
+            "scale_events": list(pool.events) if pool else [],
             "ffn_ranks": [
                 {"rank": r, "state": "unknown"} if e is None else _rank(e)
                 for r, e in enumerate(entries)
@@ -77,6 +89,57 @@ async def status(request: Request) -> JSONResponse:
             "recommendation": json.loads(envs.VLLM_AFD_FRONT_END or "{}").get("recommendation"),
         }
     )
+
+
+@router.post("/afd/scale")
+async def scale(request: Request) -> JSONResponse:
+    refused = _admin_problem(request)
+    if refused is not None:
+        return JSONResponse({"error": refused}, status_code=401)
+    try:
+        body = await request.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or set(body) != {"num_ffn_ranks"}:
+        return JSONResponse(
+            {"error": 'the body must be JSON {"num_ffn_ranks": N}'}, status_code=400
+        )
+    from vllm_afd.placement.lifecycle import current_group
+    from vllm_afd.placement.scaling import ScaleError, scale_ffn_group
+
+    try:
+        event = await asyncio.to_thread(scale_ffn_group, body["num_ffn_ranks"])
+    except ScaleError as exc:
+        return JSONResponse({"error": str(exc)}, status_code=exc.status)
+    spec = current_group().spec  # the process that scaled holds the group
+    return JSONResponse(
+        {
+            "num_ffn_ranks": spec.num_ffn_ranks,
+            "ratio": _ratio(spec),
+            "scale": None if event is None else dataclasses.asdict(event),
+        }
+    )
+
+
+def _admin_problem(request: Request) -> str | None:
+    """Why ``request`` may not change the deployment (``None``: it may)."""
+    tokens = getattr(request.app.state, "afd_api_keys", [])
+    if tokens:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        digest = hashlib.sha256(given.encode()).digest()
+        ok = scheme.lower() == "bearer" and any(
+            secrets.compare_digest(digest, hashlib.sha256(t.encode()).digest()) for t in tokens
+        )
+        return None if ok else "Unauthorized: give the server's --api-key as a bearer token"
+    client = request.client.host if request.client else ""
+    if client in ("127.0.0.1", "::1", "localhost"):
+        return None
+    return f"Unauthorized: without --api-key only loopback may scale the FFN pool, not {client}"
+
+
+def _ratio(spec: TransportSpec) -> str:
+    common = math.gcd(spec.num_attention_ranks, spec.num_ffn_ranks)
+    return f"{spec.num_attention_ranks // common}:{spec.num_ffn_ranks // common}"
 
 
 def _rank(entry: directory.RankEntry) -> dict[str, Any]:
@@ -94,4 +157,10 @@ class AFDEndpoints:
         app.include_router(router)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
-        """Nothing to keep: the routes read the FFN directory and the front-end's facts."""
+        """The server's API keys (``POST /afd/scale`` takes them, as vLLM's ``/v1`` does:
+        ``--api-key`` before ``VLLM_API_KEY``); the rest is read from the FFN directory and
+        the front-end's facts."""
+        from vllm import envs as vllm_envs
+
+        keys = getattr(args, "api_key", None) or [vllm_envs.VLLM_API_KEY]
+        state.afd_api_keys = [k for k in keys if k]

@@ -340,6 +340,11 @@ class Backend:
     plaintext_on_ffn_host: ClassVar[bool] = False
     #: Failover (``--afd-failover-timeout``) can replace its lost FFN ranks.
     supports_failover: ClassVar[bool] = True
+    #: Its FFN pool can change size while it serves (``POST /afd/scale``): each attention
+    #: rank switches to a new pool's endpoints on its own, at a step boundary, while the old
+    #: pool still serves the others; a collective backend, whose ranks form one fixed group,
+    #: cannot.
+    scales_live: ClassVar[bool] = True
     #: One attention rank may send a layer's rows again on its own, request by request, in
     #: steps of its own, to fail only the request an FFN error follows
     #: (``remote_experts._isolate``); a collective backend cannot.

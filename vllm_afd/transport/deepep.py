@@ -518,6 +518,7 @@ class DeepEPBackend(Backend):
     ffn = DeepEPFFNTransport
     needs_secret = True
     supports_failover = False
+    scales_live = False
     isolates_requests = False
     weights_applied_on = "attention"
     max_tokens_per_round = LL_MAX_TOKENS

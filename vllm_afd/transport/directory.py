@@ -16,8 +16,9 @@ An entry's ``incarnation`` counts the starts of that rank (1: the first process)
 
 Why files and not a service: every reader already runs on the front-end's host (the attention
 ranks of a single-node deployment, the API server) and reads the directory only when something
-failed, or at a scrape; a file read needs no connection, no authentication and no process of
-its own. The hot path never reads it.
+failed, or at a scrape (and a thread of each attention worker ``stat``s ``pool.json`` every
+50 ms: a live scale, below); a file read needs no connection, no authentication and no process
+of its own. The hot path never reads it.
 """
 
 from __future__ import annotations
@@ -58,20 +59,15 @@ def _path(directory: str, rank: int) -> str:
 
 def publish(directory: str, entry: RankEntry) -> None:
     """Write ``entry`` as FFN rank ``entry.rank``'s (atomically: a renamed whole file)."""
-    path = _path(directory, entry.rank)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(dataclasses.asdict(entry), fh)
-    os.replace(tmp, path)
+    _write(_path(directory, entry.rank), dataclasses.asdict(entry))
 
 
 def lookup(directory: str, rank: int) -> RankEntry | None:
     """FFN rank ``rank``'s entry, or ``None`` if the directory has none (or is gone)."""
+    data = _read(_path(directory, rank))
     try:
-        with open(_path(directory, rank)) as fh:
-            return RankEntry(**json.load(fh))
-    except (OSError, ValueError, TypeError):
+        return None if data is None else RankEntry(**data)
+    except TypeError:
         return None
 
 
@@ -105,3 +101,95 @@ def wait_for_replacement(directory: str, rank: int, after: int, timeout_s: float
                 f"(--afd-failover-timeout; directory says: {state})"
             )
         time.sleep(POLL_S)
+
+
+# --------------------------------------------------------------------------------------------
+# The pool: which FFN ranks serve now (a live scale, ``placement/scaling.py``), and which pool
+# each attention rank switched to.
+# --------------------------------------------------------------------------------------------
+#
+# A live scale starts a new pool of FFN ranks (its own spec: rank count, addresses, and an FFN
+# directory of its own for failover) next to the running one and publishes it as the next
+# *epoch* in ``pool.json``, next to the deployment's FFN directories. Each attention rank
+# switches to the newest epoch at a step boundary and says so in ``attention<a>.json``; once
+# every attention rank did, the old pool drains and stops. Same rules as the rank entries: one
+# writer per file, whole files renamed into place. Epoch 1 is the pool the front-end started
+# (no ``pool.json`` until the first scale).
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The pool attention ranks switch to: epoch ``epoch``, FFN ranks as ``spec`` (the JSON of
+    its ``TransportSpec``), and every scale so far (``ScaleEvent`` dicts, oldest first)."""
+
+    epoch: int
+    spec: str
+    events: tuple[dict, ...] = ()
+
+
+@dataclass(frozen=True)
+class Switch:
+    """Attention rank ``rank`` serves on pool ``epoch`` since its switch, which held its step
+    for ``stall_s`` seconds (connecting to the new pool's ranks)."""
+
+    rank: int
+    epoch: int
+    stall_s: float = 0.0
+
+
+def _write(path: str, data: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh)
+    os.replace(tmp, path)
+
+
+def _read(path: str) -> dict | None:
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def pool_path(ffn_directory: str) -> str:
+    """``pool.json`` of the deployment whose (any epoch's) FFN directory is ``ffn_directory``."""
+    return os.path.join(os.path.dirname(ffn_directory), "pool.json")
+
+
+def publish_pool(ffn_directory: str, pool: Pool) -> None:
+    data = dataclasses.asdict(pool)
+    data["events"] = list(pool.events)
+    _write(pool_path(ffn_directory), data)
+
+
+def read_pool(ffn_directory: str) -> Pool | None:
+    """The published pool, or ``None`` before the first scale (or for a directory-less spec)."""
+    data = _read(pool_path(ffn_directory)) if ffn_directory else None
+    if data is None:
+        return None
+    try:
+        return Pool(int(data["epoch"]), str(data["spec"]), tuple(data.get("events", ())))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _switch_path(ffn_directory: str, rank: int) -> str:
+    return os.path.join(os.path.dirname(ffn_directory), f"attention{rank}.json")
+
+
+def publish_switch(ffn_directory: str, switch: Switch) -> None:
+    _write(_switch_path(ffn_directory, switch.rank), dataclasses.asdict(switch))
+
+
+def switches(ffn_directory: str, ranks: range) -> list[Switch | None]:
+    """Each attention rank's last switch (``None``: it never switched: epoch 1)."""
+    out: list[Switch | None] = []
+    for rank in ranks:
+        data = _read(_switch_path(ffn_directory, rank))
+        try:
+            out.append(None if data is None else Switch(**data))
+        except TypeError:
+            out.append(None)
+    return out

@@ -10,7 +10,10 @@ import pytest
 from vllm_afd.bench.soak import (
     Kill,
     Record,
+    Scale,
+    _parser,
     format_report,
+    itl_windows,
     latency_stats,
     parse_failovers,
     parse_metrics,
@@ -154,3 +157,49 @@ def test_report_has_the_counts_windows_and_one_line_per_failover():
     failover_lines = [line for line in text.splitlines() if "4242" in line]
     assert len(failover_lines) == 1 and "8.3" in failover_lines[0]
     assert "  m 1" in text
+
+
+def _streaming(start: float, gaps: list[float]) -> Record:
+    times, t = [], start
+    for gap in gaps:
+        t += gap
+        times.append(t)
+    return Record(0, start, t, 200, tokens=len(gaps), correct=True, chunk_times=times)
+
+
+def test_itl_windows_split_chunk_gaps_before_during_and_after_a_scale():
+    # chunks every 0.125 s until 20 s, 0.5 s gaps while the scale runs (to 22 s), then 0.125 s
+    record = _streaming(10.0, [0.125] * 80 + [0.5] * 4 + [0.125] * 80)
+    found = itl_windows([record], began=19.99, ended=22.01, margin=5.0)
+    assert found["before"]["gaps"] == 40 and found["after"]["gaps"] == 40
+    assert found["during"]["gaps"] == 5 and found["during"]["p50_ms"] == pytest.approx(500)
+    assert found["before"]["p99_ms"] == pytest.approx(125)
+    assert itl_windows([], 1.0, 2.0)["during"] == {"gaps": 0, "p50_ms": None, "p99_ms": None}
+
+
+def test_report_of_a_scaling_soak_has_one_line_per_scale_with_its_latency():
+    settings = {
+        "model_name": "tiny",
+        "ratio": "1:1",
+        "clients": 1,
+        "minutes": 1.0,
+        "ffn_rank": 0,
+        "kill_every": 20.0,
+        "max_tokens": MAX,
+        "margin": 5.0,
+        "scale_to": [2, 1],
+    }
+    record = _streaming(10.0, [0.125] * 80 + [0.5] * 4 + [0.125] * 80)
+    scale = Scale(at=19.99, to_ranks=2, status=200, took_s=2.02, stall_s=0.0049)
+    scale.itl = itl_windows([record], 19.99, 22.01, 5.0)
+    text = format_report(settings, summarize([record], [20.0], MAX), [], {}, [scale])
+    assert "scale the FFN pool to 2, 1 every 20 s" in text and "in flight at a scale" in text
+    (line,) = [line for line in text.splitlines() if line.startswith("1 ")]
+    assert "200" in line and "4.9" in line and "125/125" in line and "500/500" in line
+    assert "failover" not in text
+
+
+def test_scale_to_takes_a_list_of_counts():
+    assert _parser().parse_args(["--scale-to", "2,1"]).scale_to == (2, 1)
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--scale-to", "2,0"])

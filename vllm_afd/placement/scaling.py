@@ -1,0 +1,219 @@
+"""Placement, scaling: change the number of FFN ranks while the deployment serves
+(``POST /afd/scale``, ``placement/routes.py``).
+
+The shape follows vLLM's elastic expert parallelism (``/scale_elastic_ep``): one admin request
+sets the new size and answers once the deployment serves on it. Here the attention ranks keep
+everything they hold (KV cache, scheduler, requests in flight); only the FFN pool changes:
+
+1. the new pool starts next to the running one: ``N`` FFN ranks in a placement group of their
+   own, each loading its slice of the experts (contiguous placement over ``N``), with an FFN
+   directory (and a failover supervisor) of its own, while the old pool serves;
+2. it is published as the next *epoch* of the deployment's pool (``directory.Pool``);
+3. every attention rank switches to it at a step boundary (``remote_experts._Session``): the
+   steps before run entirely on the old pool, the steps after entirely on the new one, so a
+   request in flight gets the tokens it would have had (same experts, same inputs; only the
+   order of the sum over FFN ranks changes, as between two ratios);
+4. once every attention rank said so (``directory.Switch``), the old pool drains (nothing is
+   in flight on it any more) and stops.
+
+Why no common step for every attention rank: the point-to-point backends' FFN ranks serve
+whatever arrives, from any attention rank, so two attention ranks on two pools for a step is
+correct, and a rank idle for minutes never holds a scale up. A collective backend (DeepEP,
+whose group is fixed when its buffers are made) cannot scale live (``Backend.scales_live``).
+For the GPU plane (symmetric buffers) the same protocol holds: an attention rank maps the new
+pool's buffers at its switch and unmaps the old ones, which no FFN rank writes any more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from vllm_afd.config import AFDConfigError
+from vllm_afd.placement import lifecycle, shared
+from vllm_afd.placement.cluster import FFNGroup
+from vllm_afd.transport import backend, directory
+
+logger = logging.getLogger("vllm.afd")
+#: How long a scale waits for every attention rank to switch to the new pool (a rank switches
+#: before its next step; an idle one within ``remote_experts.POOL_POLL_S``).
+SWITCH_TIMEOUT_S = 60.0
+
+
+class ScaleError(Exception):
+    """A scale that was refused or did not complete; ``status`` is the HTTP status to answer
+    (400: a count the experts cannot split into; 409: this deployment cannot scale now; 503:
+    the new pool did not start; 504: an attention rank did not switch in time)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ScaleEvent:
+    """One completed scale: pool ``epoch`` of ``to_ranks`` FFN ranks replaced ``from_ranks``;
+    ``took_s`` from the request to the old pool stopped; ``stall_s``, the longest an attention
+    rank's step waited for its switch (connecting to the new ranks)."""
+
+    epoch: int
+    from_ranks: int
+    to_ranks: int
+    at: float  # time.time() of the request
+    took_s: float
+    stall_s: float
+
+
+_SCALING = threading.Lock()
+
+
+def check_count(group: FFNGroup, num_ffn_ranks: object) -> int:
+    """``num_ffn_ranks`` as a valid FFN rank count for ``group``'s model, or ``ScaleError``
+    (400) naming the field and what is allowed."""
+    experts = group.spec.num_experts
+    allowed = [n for n in range(1, experts + 1) if experts % n == 0]
+    if isinstance(num_ffn_ranks, bool) or not isinstance(num_ffn_ranks, int):
+        raise ScaleError(400, f"num_ffn_ranks must be an integer, one of {allowed}")
+    try:
+        if num_ffn_ranks < 1:
+            raise AFDConfigError(f"{num_ffn_ranks} FFN ranks")
+        assert group.request is not None
+        group.request.model.check_ffn_ranks(num_ffn_ranks)
+    except AFDConfigError as exc:
+        reason = str(exc).split(": ", 1)[-1]
+        raise ScaleError(
+            400,
+            f"num_ffn_ranks {num_ffn_ranks}: {reason}; the model's {experts} routed "
+            f"experts split into {allowed} FFN ranks",
+        ) from None
+    return num_ffn_ranks
+
+
+def scale_ffn_group(
+    num_ffn_ranks: object, switch_timeout_s: float = SWITCH_TIMEOUT_S
+) -> ScaleEvent | None:
+    """Serve on ``num_ffn_ranks`` FFN ranks from now on (see the module docstring); returns the
+    completed scale, ``None`` when the pool has that size already.
+
+    Raises:
+        ScaleError: refused (400, 409) or not completed (503, 504: the message says what
+            still runs).
+    """
+    if not _SCALING.acquire(blocking=False):
+        raise ScaleError(409, "another scale of the FFN pool is in progress")
+    try:
+        old = lifecycle.current_group()
+        if old is None or old.request is None:
+            joined = (
+                ""
+                if shared._LEASES is None
+                else (": this front-end joined a group of `vllm-afd ffn-server`; scale that group")
+            )
+            raise ScaleError(409, f"no FFN group of this front-end to scale{joined}")
+        if not backend(old.spec.backend).scales_live:
+            raise ScaleError(
+                409, f"--afd-transport {old.spec.backend} cannot change its FFN pool live"
+            )
+        count = check_count(old, num_ffn_ranks)
+        if count == old.spec.num_ffn_ranks:
+            return None
+        return _scale(old, count, switch_timeout_s)
+    finally:
+        _SCALING.release()
+
+
+def _scale(old: FFNGroup, count: int, switch_timeout_s: float) -> ScaleEvent:
+    at, start = time.time(), time.monotonic()
+    request = old.request
+    assert request is not None
+    afd, spec = request.afd, old.spec
+    published = directory.read_pool(spec.directory)
+    epoch = (published.epoch if published else 1) + 1
+    launch = dataclasses.replace(
+        old.launch,
+        num_ffn_ranks=count,
+        addresses=backend(spec.backend).requested_addresses(afd.ffn_host, count),
+        directory=lifecycle._ffn_directory(epoch),
+    )
+    logger.info(
+        "AFD: scaling the FFN pool from %d to %d rank(s) (pool %d)",
+        spec.num_ffn_ranks,
+        count,
+        epoch,
+    )
+    try:
+        new = lifecycle._launch(launch, afd, request.model_dir, request.device)
+    except Exception as exc:  # noqa: BLE001 - the old pool serves on
+        raise ScaleError(503, f"the new pool of {count} FFN rank(s) did not start: {exc}") from None
+    new.request, new.hub = request, old.hub
+    lifecycle.supervise(new)
+    events = published.events if published else ()
+    directory.publish_pool(spec.directory, directory.Pool(epoch, new.spec.to_json(), events))
+    lifecycle.adopt(new)  # /afd/status, /metrics and /health see the new pool from now on
+    ranks = range(spec.attention_rank_offset, spec.attention_rank_offset + spec.num_attention_ranks)
+    switched = _wait_for_switches(spec.directory, ranks, epoch, switch_timeout_s)
+    if switched is None:
+        lifecycle.DRAINING.append(old)
+        threading.Thread(
+            target=_drain_later, args=(old, ranks, epoch), name="afd-pool-drain", daemon=True
+        ).start()
+        raise ScaleError(
+            504,
+            f"not every attention rank switched to the new pool within {switch_timeout_s:g}s; "
+            "the old pool serves the ones that did not and stops once they have",
+        )
+    lifecycle.stop_ranks(old)
+    event = ScaleEvent(
+        epoch,
+        spec.num_ffn_ranks,
+        count,
+        at,
+        time.monotonic() - start,
+        max((s.stall_s for s in switched), default=0.0),
+    )
+    directory.publish_pool(
+        spec.directory,
+        directory.Pool(epoch, new.spec.to_json(), (*events, dataclasses.asdict(event))),
+    )
+    logger.info(
+        "AFD: FFN pool scaled from %d to %d rank(s) in %.1fs (pool %d; the longest switch held "
+        "a step %.1f ms)",
+        event.from_ranks,
+        event.to_ranks,
+        event.took_s,
+        epoch,
+        event.stall_s * 1e3,
+    )
+    return event
+
+
+def _wait_for_switches(
+    ffn_directory: str, ranks: range, epoch: int, timeout_s: float
+) -> list[directory.Switch] | None:
+    """Every attention rank's switch to pool ``epoch`` (``None`` after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = directory.switches(ffn_directory, ranks)
+        if all(s is not None and s.epoch >= epoch for s in found):
+            return found  # type: ignore[return-value]
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(directory.POLL_S)
+
+
+def _drain_later(old: FFNGroup, ranks: range, epoch: int) -> None:
+    while old in lifecycle.DRAINING:
+        if _wait_for_switches(old.spec.directory, ranks, epoch, 1.0) is not None:
+            if old in lifecycle.DRAINING:
+                lifecycle.DRAINING.remove(old)
+                lifecycle.stop_ranks(old)
+            return
+
+
+def events(ffn_directory: str) -> list[dict]:
+    """The deployment's completed scales (``ScaleEvent`` dicts, oldest first)."""
+    pool = directory.read_pool(ffn_directory) if ffn_directory else None
+    return list(pool.events) if pool else []
