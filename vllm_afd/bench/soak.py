@@ -326,13 +326,15 @@ def format_report(
             f"{name:<34}{w['requests']:>9}{w['completed']:>6}{w['failed']:>7}{w['wrong']:>6}"
             f"{_fmt(w['p50_s']):>8}{_fmt(w['p99_s']):>8}{_fmt(w['max_gap_p99_s']):>10}"
         )
-    if s.get("scale_to"):
-        lines += ["", *_scale_lines(scales, s["margin"])]
-        lines += ["", "/metrics at the end:"]
-        lines += [f"  {key} {value:g}" for key, value in metrics.items()] or ["  (none)"]
-        return "\n".join(lines)
-    lines += [
-        "",
+    lines += ["", *(_scale_lines(scales, s["margin"]) if s.get("scale_to") else _kill_lines(kills))]
+    lines += ["", "/metrics at the end:"]
+    lines += [f"  {key} {value:g}" for key, value in metrics.items()] or ["  (none)"]
+    return "\n".join(lines)
+
+
+def _kill_lines(kills: Sequence[Kill]) -> list[str]:
+    """One line per kill: when, its pid, requests in flight, detection, replacement, streak."""
+    lines = [
         f"{'failover':<9}{'at s':>7}{'pid':>9}{'in flight':>10}{'detect s':>9}"
         f"{'replaced in s':>14}{'ready s':>10}{'streak':>7}",
     ]
@@ -344,9 +346,7 @@ def format_report(
         )
     if not kills:
         lines.append("(no kill)")
-    lines += ["", "/metrics at the end:"]
-    lines += [f"  {key} {value:g}" for key, value in metrics.items()] or ["  (none)"]
-    return "\n".join(lines)
+    return lines
 
 
 def _scale_lines(scales: Sequence[Scale], margin: float) -> list[str]:

@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import json
 import math
-import secrets
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -125,11 +123,10 @@ def _admin_problem(request: Request) -> str | None:
     """Why ``request`` may not change the deployment (``None``: it may)."""
     tokens = getattr(request.app.state, "afd_api_keys", [])
     if tokens:
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        digest = hashlib.sha256(given.encode()).digest()
-        ok = scheme.lower() == "bearer" and any(
-            secrets.compare_digest(digest, hashlib.sha256(t.encode()).digest()) for t in tokens
-        )
+        # vLLM's own check of its bearer tokens (the middleware that guards /v1)
+        from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+        ok = AuthenticationMiddleware(None, tokens).verify_token(request.headers)
         return None if ok else "Unauthorized: give the server's --api-key as a bearer token"
     client = request.client.host if request.client else ""
     if client in ("127.0.0.1", "::1", "localhost"):
