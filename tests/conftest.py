@@ -111,3 +111,31 @@ def run_pair(run_once):
             return a.result(), b.result()
 
     return run
+
+
+#: The geometry of Qwen3-30B-A3B (config.json keys the planner reads): a model the planner
+#: plans for without its weights.
+QWEN3_30B_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "num_hidden_layers": 48,
+    "hidden_size": 2048,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "intermediate_size": 6144,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture
+def qwen3_30b_dir(tmp_path) -> str:
+    """A model directory with Qwen3-30B-A3B's config.json only."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_CONFIG))
+    return str(tmp_path)

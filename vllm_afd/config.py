@@ -242,6 +242,40 @@ class AFDConfig:
         ),
     )
 
+    #: Let the planner in the loop change the FFN rank count live (``placement.autoscale``).
+    autoscale: bool = field(
+        default=False,
+        metadata=_flag(
+            "--afd-autoscale",
+            "Apply the planner's recommended FFN rank count live, for the batch and context "
+            "the attention ranks measure (needs planner hardware, VLLM_AFD_PLAN_HARDWARE, on "
+            "the CPU build).",
+            action="store_true",
+        ),
+    )
+    #: Least time between two scales --afd-autoscale makes; it measures over windows of
+    #: ``min(10, interval / 3)`` seconds.
+    autoscale_interval: float = field(
+        default=120.0,
+        metadata=_flag(
+            "--afd-autoscale-interval",
+            "Least time between two scales --afd-autoscale makes.",
+            "SECONDS",
+            type=float,
+        ),
+    )
+    #: Hysteresis of --afd-autoscale: the predicted gain a new FFN rank count must promise.
+    autoscale_margin: float = field(
+        default=0.1,
+        metadata=_flag(
+            "--afd-autoscale-margin",
+            "Hysteresis of --afd-autoscale: the gain in predicted tokens/s per device (0.1 is "
+            "a tenth) a new FFN rank count must promise, in two windows in a row, to be applied.",
+            "FRACTION",
+            type=float,
+        ),
+    )
+
     def __post_init__(self) -> None:
         try:
             _transport_arg(self.transport)
@@ -276,6 +310,27 @@ class AFDConfig:
                 f"{_where('failover_timeout')}: must be a finite number of seconds >= 0 (0: no "
                 f"failover), got {self.failover_timeout}"
             )
+        if not (self.autoscale_interval > 0 and math.isfinite(self.autoscale_interval)):
+            raise AFDConfigError(
+                f"{_where('autoscale_interval')}: must be a finite number of seconds > 0, got "
+                f"{self.autoscale_interval}"
+            )
+        if not (0 <= self.autoscale_margin < 10):
+            raise AFDConfigError(
+                f"{_where('autoscale_margin')}: must be a fraction in [0, 10), got "
+                f"{self.autoscale_margin}"
+            )
+        if self.autoscale and self.join is not None:
+            raise AFDConfigError(
+                f"{_where('autoscale')}: not with {_where('join')}; the FFN group belongs to "
+                "the `vllm-afd ffn-server` that runs it"
+            )
+        if self.autoscale and self.transport != AUTO_TRANSPORT:
+            if not backend(self.transport).scales_live:
+                raise AFDConfigError(
+                    f"{_where('autoscale')}: the {self.transport} transport cannot change its "
+                    "FFN rank count live"
+                )
         if not 1 <= self.microbatches <= MAX_MICROBATCHES:
             raise AFDConfigError(
                 f"{_where('microbatches')}: must be an integer in 1..{MAX_MICROBATCHES}, "
@@ -312,7 +367,14 @@ class AFDConfig:
             raise AFDConfigError(f"{_where('ratio')}: required when AFD is configured")
         kwargs: dict[str, Any] = dict(raw)
         kwargs["ratio"] = None if raw.get("join") is not None else parse_ratio(raw["ratio"])
-        for key, typ in (("timeout", float), ("failover_timeout", float), ("microbatches", int)):
+        for key, typ in (
+            ("timeout", float),
+            ("failover_timeout", float),
+            ("microbatches", int),
+            ("autoscale", boolean),
+            ("autoscale_interval", float),
+            ("autoscale_margin", float),
+        ):
             if key in kwargs:
                 kwargs[key] = _coerce(key, kwargs[key], typ)
         if isinstance(kwargs.get("transport_config"), str):
@@ -489,11 +551,21 @@ class MoEModelInfo:
             )
 
 
-def _coerce(key: str, value: Any, typ: type) -> Any:
+def _coerce(key: str, value: Any, typ: Callable[[Any], Any]) -> Any:
     try:
         return typ(value)
     except (TypeError, ValueError):
         raise AFDConfigError(f"{_where(key)}: {value!r} is not a {typ.__name__}") from None
+
+
+def boolean(value: Any) -> bool:
+    """A JSON boolean, or its text (``additional_config`` values may be strings)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in ("true", "false"):
+        raise ValueError(value)
+    return text == "true"
 
 
 #: The config.json keys that give the routed-expert count, by model family (the first set wins).

@@ -108,6 +108,10 @@ def setup_afd(vllm_config) -> None:
         afd = _resolve_auto(afd, info, ranks, model_dir, vllm_config)
         vllm_config.additional_config["afd"] = afd.to_dict()
     check_settings(afd, info, ranks)
+    if afd.autoscale:  # its planner needs hardware (the CPU build has no default)
+        from vllm_afd.planner.auto_ratio import plan_hardware
+
+        plan_hardware(_attention_device() == "cpu", "--afd-autoscale")
     check_devices(
         afd,
         info,
@@ -121,6 +125,10 @@ def setup_afd(vllm_config) -> None:
 
     group = start_ffn_group(_group_request(afd, info, ranks, model_dir, vllm_config))
     _export_front_end(vllm_config, info, ranks, model_dir, first_attention_rank=0)
+    from vllm_afd.placement.autoscale import Deployment, start_advisor
+
+    on_cpu, draft = _attention_device() == "cpu", _draft_length(vllm_config)
+    start_advisor(Deployment(info, ranks, model_dir, on_cpu, draft), afd)
     logger.info(
         "AFD on: %d attention rank(s) : %d FFN rank(s), transport %s",
         ranks,

@@ -92,6 +92,10 @@ F_HEARTBEAT, F_BUSY_SINCE, F_FAILURES = 5, 6, 7
 _A_ROUND_TRIPS, _A_TOKENS, _A_BYTES_SENT, _A_BYTES_RECEIVED, _A_SECONDS = range(5)
 _A_ERRORS = 5  # one word per ERROR_KINDS entry
 _A_REDISPATCHED = _A_ERRORS + len(ERROR_KINDS)  # requests sent again to a replaced FFN rank
+# Decode steps (``AttentionStatsBlock.record_step``): their count, forward seconds, requests
+# and context tokens (summed over the steps): what the planner in the loop reads.
+A_STEPS = _A_REDISPATCHED + 1
+A_STEP_SECONDS, A_STEP_REQUESTS, A_STEP_CONTEXT = A_STEPS + 1, A_STEPS + 2, A_STEPS + 3
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,6 +360,15 @@ class AttentionStatsBlock(_Writer):
     def set_redispatched(self, total: int) -> None:
         """The requests this rank sent again to replaced FFN ranks so far (failover)."""
         self.d[self._o_scalars + _A_REDISPATCHED] = total
+
+    def record_step(self, seconds: float, requests: int, context_tokens: int) -> None:
+        """One decode step's forward took ``seconds`` for ``requests`` requests holding
+        ``context_tokens`` tokens of context in all."""
+        d, s = self.d, self._o_scalars
+        d[s + A_STEPS] += 1.0
+        d[s + A_STEP_SECONDS] += seconds
+        d[s + A_STEP_REQUESTS] += requests
+        d[s + A_STEP_CONTEXT] += context_tokens
 
 
 @dataclass

@@ -33,6 +33,8 @@ from vllm_afd.metrics.blocks import (
     _F_REQUESTS,
     _F_SECONDS,
     _SCALAR_WORDS,
+    A_STEP_SECONDS,
+    A_STEPS,
     BUCKETS,
     ERROR_KINDS,
     BlockSnapshot,
@@ -104,6 +106,32 @@ _FFN = ["model_name"]
 _ATTENTION = ["model_name", "engine"]
 
 
+@dataclass(frozen=True)
+class DeploymentBlocks:
+    """The stats blocks of a running deployment, as read now (``None``: not there)."""
+
+    #: Each FFN rank's directory entry (its current address; a replaced rank has a new one).
+    entries: list[ffn_directory.RankEntry | None]
+    ffn: list[BlockSnapshot | None]
+    attention: list[BlockSnapshot | None]
+
+
+def read_deployment(runtime) -> DeploymentBlocks:
+    """Every block of the deployment ``runtime`` (a TransportSpec as object, dict or JSON)."""
+    addresses, num_attention, num_ffn = spec_fields(runtime)
+    where = spec_directory(runtime)
+    entries = ffn_directory.entries(where, num_ffn) if where else [None] * num_ffn
+    current = [
+        entry.address if entry else (addresses[r] if r < len(addresses) else None)
+        for r, entry in enumerate(entries)
+    ]
+    return DeploymentBlocks(
+        entries,
+        [read_block(ffn_block_name(a, r)) if a else None for r, a in enumerate(current)],
+        [read_block(attention_block_name(addresses, a)) for a in range(num_attention)],
+    )
+
+
 class AFDCollector:
     """Prometheus collector of the running deployment's stats blocks (read at scrape time).
 
@@ -123,24 +151,18 @@ class AFDCollector:
         if not runtime:
             return []
         try:
-            addresses, num_attention, num_ffn = spec_fields(runtime)
             where = spec_directory(runtime)
+            pool = ffn_directory.read_pool(where) if where else None
+            if pool is not None:  # a live scale's pool (this API server's variable is older)
+                runtime, where = pool.spec, spec_directory(pool.spec)
+            blocks = read_deployment(runtime)
         except (ValueError, KeyError, TypeError):
             return []
         families = f = self._families()
         labels = MetricLabels.current()
         model = labels.model_name
-        # Each FFN rank's current address (a replaced rank has a new one) and failovers.
-        entries = ffn_directory.entries(where, num_ffn) if where else [None] * num_ffn
-        current = [
-            entry.address if entry else (addresses[r] if r < len(addresses) else None)
-            for r, entry in enumerate(entries)
-        ]
-        ffn_blocks = [
-            read_block(ffn_block_name(address, r)) if address else None
-            for r, address in enumerate(current)
-        ]
-        for r, block in enumerate(ffn_blocks):
+        entries, num_ffn = blocks.entries, len(blocks.entries)
+        for r, block in enumerate(blocks.ffn):
             series, entry = [model, str(r)], entries[r]
             f["failovers"].add_metric(series, entry.failovers if entry else 0)
             f["recovery"].add_metric(
@@ -159,14 +181,14 @@ class AFDCollector:
                 f["ffn_tokens"].add_metric([*series, str(layer)], tokens)
         # The live pool (a scale changes it) and the scales so far.
         f["ffn_ranks"].add_metric([model], num_ffn)
-        pool = ffn_directory.read_pool(where) if where else None
         scales = pool.events if pool else ()
         f["scales"].add_metric([model], len(scales), sum(e["took_s"] for e in scales))
         f["scale_stall"].add_metric([model], len(scales), sum(e["stall_s"] for e in scales))
-        for a in range(num_attention):
-            block = read_block(attention_block_name(addresses, a))
+        _add_advice(f, model, ffn_directory.read_advice(where) if where else None)
+        for a, block in enumerate(blocks.attention):
             series = [model, labels.engine(a), str(a)]
             scalars = block.scalars if block else [0.0] * _SCALAR_WORDS
+            f["steps"].add_metric(series, scalars[A_STEPS], scalars[A_STEP_SECONDS])
             peers = block.peers if block else []
             for r in range(num_ffn):
                 f["dispatched"].add_metric([*series, str(r)], peers[r] if r < len(peers) else 0.0)
@@ -208,6 +230,12 @@ class AFDCollector:
                 "pool, per scale (count = scales).",
                 labels=_FFN,
             ),
+            "steps": SummaryMetricFamily(
+                "vllm_afd_decode_step_seconds",
+                "Forward time of the attention rank's decode steps (count = decode steps).",
+                labels=[*_ATTENTION, "attention_rank"],
+            ),
+            **_advice_families(),
             "failovers": CounterMetricFamily(
                 "vllm_afd_ffn_failovers",
                 "Times the FFN rank was lost (died, stopped, wedged) and replaced.",
@@ -291,6 +319,73 @@ class AFDCollector:
                 labels=[*_ATTENTION, "attention_rank", "layer"],
             ),
         }
+
+
+#: The advisor's window (``placement.autoscale.Window`` field -> metric name, help).
+_WINDOW_GAUGES = {
+    "step_ms": ("vllm_afd_window_step_seconds", "Mean forward time of one decode step"),
+    "batch": ("vllm_afd_window_batch_requests", "Requests per decode step and attention rank"),
+    "context": ("vllm_afd_window_context_tokens", "Context tokens per request"),
+    "attention_ms": (
+        "vllm_afd_window_attention_layer_seconds",
+        "Attention time per layer (the step less its exposed FFN time)",
+    ),
+    "ffn_ms": ("vllm_afd_window_ffn_layer_seconds", "FFN service time per layer batch"),
+}
+
+
+def _advice_families() -> dict:
+    from prometheus_client.core import GaugeMetricFamily
+
+    window = " in the planner in the loop's last window of measurement (--afd-autoscale)."
+    return {
+        "recommended": GaugeMetricFamily(
+            "vllm_afd_planner_recommended_ffn_ranks",
+            "FFN ranks the planner recommends for the measured batch and context.",
+            labels=_FFN,
+        ),
+        "predicted": GaugeMetricFamily(
+            "vllm_afd_planner_predicted_step_seconds",
+            "The planner's decode step time at the measured batch and context, per FFN rank "
+            "count (next to vllm_afd_window_step_seconds, measured).",
+            labels=[*_FFN, "num_ffn_ranks"],
+        ),
+        "predicted_tokens": GaugeMetricFamily(
+            "vllm_afd_planner_predicted_tokens_per_device",
+            "The planner's tokens/s per device (attention and FFN) per FFN rank count.",
+            labels=[*_FFN, "num_ffn_ranks"],
+        ),
+        "rule": GaugeMetricFamily(
+            "vllm_afd_autoscale_rule",
+            "1 for the rule that made the last autoscale decision (scale, or why it held).",
+            labels=[*_FFN, "rule"],
+        ),
+        **{
+            key: GaugeMetricFamily(name, text + window, labels=_FFN)
+            for key, (name, text) in _WINDOW_GAUGES.items()
+        },
+    }
+
+
+def _add_advice(f: dict, model: str, advice: dict | None) -> None:
+    """The advisor's latest advice (``directory.read_advice``) into its gauges."""
+    if not advice:
+        return
+    try:
+        f["rule"].add_metric([model, str(advice["rule"])], 1.0)
+        if advice.get("recommended"):
+            f["recommended"].add_metric([model], advice["recommended"]["num_ffn_ranks"])
+        for c in advice.get("candidates") or ():
+            series = [model, str(c["num_ffn_ranks"])]
+            f["predicted"].add_metric(series, c["step_ms"] / 1e3)
+            f["predicted_tokens"].add_metric(series, c["tokens_per_device"])
+        window = advice.get("window") or {}
+        for key in _WINDOW_GAUGES:
+            if key in window:
+                scale = 1e-3 if key.endswith("_ms") else 1.0
+                f[key].add_metric([model], window[key] * scale)
+    except (KeyError, TypeError):
+        return  # a malformed file is reported as far as it goes
 
 
 # Registries that already have a collector (a registry's collect would report it twice).

@@ -12,12 +12,15 @@ client gets vLLM's error answer, the other requests go on.
 
 W1 and W3 also hold the attention hook's step lock (``remote_experts.STEP_LOCK``) for each
 step and dummy step (a DP rank's idle forward): a live scale switches an idle attention rank
-to the new FFN pool between steps only.
+to the new FFN pool between steps only. W1 also times each decode step's forward, with its
+requests and their context, into the rank's stats block (``recorder.record_step``): what the
+planner in the loop reads (``placement.autoscale``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from vllm_afd.patches.base import check_unwrapped, wrap
@@ -57,9 +60,32 @@ def _runner_step(original: Callable) -> Callable:
 
         remote_experts._RUNNER = self
         with remote_experts.STEP_LOCK:
-            return _with_failures(original(self, *args, **kwargs))
+            start = time.perf_counter()
+            output = _with_failures(original(self, *args, **kwargs))
+            seconds = time.perf_counter() - start
+        decode = decode_step(args[0] if args else kwargs.get("scheduler_output"))
+        if decode is not None:
+            from vllm_afd.metrics.recorder import record_step
+
+            record_step(seconds, *decode)
+        return output
 
     return wrapper
+
+
+def decode_step(scheduler_output) -> tuple[int, int] | None:
+    """``(requests, context tokens)`` of a step that only decodes (each request one token,
+    plus its draft tokens under speculative decoding); ``None`` for any other step (a
+    prefill, a chunk of one, an empty step, ``sample_tokens``' argument)."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
+    if not scheduled or scheduler_output.scheduled_new_reqs:
+        return None
+    drafts = sum(len(t) for t in scheduler_output.scheduled_spec_decode_tokens.values())
+    total = scheduler_output.total_num_scheduled_tokens
+    if total != len(scheduled) + drafts:
+        return None
+    computed = scheduler_output.scheduled_cached_reqs.num_computed_tokens
+    return len(scheduled), sum(computed) + total
 
 
 def _dummy_step(original: Callable) -> Callable:

@@ -4,9 +4,11 @@ endpoint plugin: ``VLLM_PLUGINS=afd``, which also names this package's general p
 
 ``GET /afd/status``: the live FFN group as JSON: transport, attention and FFN rank counts, the
 ratio, each FFN rank's state (``up``, ``recovering``, ``failed``), host, pid, incarnation and
-failovers, what keeps it from serving, and the planner's recommended ratio for this
+failovers, what keeps it from serving, the planner's recommended ratio for this
 deployment's batch cap and context (or why there is none: on the CPU build the planner needs
-``VLLM_AFD_PLAN_HARDWARE``).
+``VLLM_AFD_PLAN_HARDWARE``), and as ``live`` the planner in the loop's latest advice
+(``autoscale.py``: the measured window, the prediction per FFN rank count, the decision and
+why; ``null`` before the first window).
 
 ``GET /afd/ready`` is readiness: 200 ``{"ready": true}`` while the engine is alive and every
 FFN rank serves; 503 ``{"ready": false, "problems": [...]}`` while one does not, a rank being
@@ -64,12 +66,14 @@ async def status(request: Request) -> JSONResponse:
     if not runtime:
         return JSONResponse({"afd": False})
     spec = TransportSpec.from_json(runtime)
+    pool = directory.read_pool(spec.directory) if spec.directory else None
+    if pool is not None:  # the pool a live scale started (this process may be another API
+        spec = TransportSpec.from_json(pool.spec)  # server than the scaling front-end)
     entries = (
         directory.entries(spec.directory, spec.num_ffn_ranks)
         if spec.directory
         else [None] * spec.num_ffn_ranks
     )
-    pool = directory.read_pool(spec.directory) if spec.directory else None
     return JSONResponse(
         {
             "afd": True,
@@ -85,6 +89,7 @@ async def status(request: Request) -> JSONResponse:
             ],
             "problems": [p.text for p in ffn_group_problems()],
             "recommendation": json.loads(envs.VLLM_AFD_FRONT_END or "{}").get("recommendation"),
+            "live": directory.read_advice(spec.directory),
         }
     )
 

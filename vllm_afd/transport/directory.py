@@ -193,3 +193,20 @@ def switches(ffn_directory: str, ranks: range) -> list[Switch | None]:
         except TypeError:
             out.append(None)
     return out
+
+
+# The planner in the loop's latest advice (``placement/autoscale.py``): written by the process
+# that holds the FFN group, read by ``/afd/status`` and ``/metrics`` in every API server.
+
+
+def _advice_path(ffn_directory: str) -> str:
+    return os.path.join(os.path.dirname(ffn_directory), "advice.json")
+
+
+def publish_advice(ffn_directory: str, advice: dict) -> None:
+    _write(_advice_path(ffn_directory), advice)
+
+
+def read_advice(ffn_directory: str) -> dict | None:
+    """The latest advice (``None``: none yet, or a directory-less spec)."""
+    return _read(_advice_path(ffn_directory)) if ffn_directory else None

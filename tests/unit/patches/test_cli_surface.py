@@ -15,6 +15,9 @@ EXPECTED = {
     "--afd-microbatches",
     "--afd-join",
     "--afd-ffn-host",
+    "--afd-autoscale",
+    "--afd-autoscale-interval",
+    "--afd-autoscale-margin",
 }
 
 

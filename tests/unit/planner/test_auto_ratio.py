@@ -31,35 +31,18 @@ def test_auto_on_cpu_without_hardware_is_a_clear_error(tiny_qwen3, monkeypatch):
         )
 
 
-def test_auto_counts_the_speculative_draft(tmp_path, monkeypatch):
+def test_auto_counts_the_speculative_draft(qwen3_30b_dir, monkeypatch):
     """With a draft of d tokens every request sends 1 + d tokens per step through the FFN:
     on a Qwen3-30B-A3B-sized model the predicted step is longer than without speculation, and
     the line says d."""
-    import json
     import re
 
-    config = {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "num_hidden_layers": 48,
-        "hidden_size": 2048,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "moe_intermediate_size": 768,
-        "intermediate_size": 6144,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "vocab_size": 151936,
-        "torch_dtype": "bfloat16",
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
     info = MoEModelInfo("Qwen3MoeForCausalLM", 48, 128, 8, 2048, 768, tuple(range(48)))
     monkeypatch.setenv("VLLM_AFD_PLAN_HARDWARE", "h200")
     steps = {}
     for d in (0, 3):
         _, _, line = recommend_for_deployment(
-            info, 4, str(tmp_path), 4096, max_batch=64, platform_is_cpu=True, draft_length=d
+            info, 4, qwen3_30b_dir, 4096, max_batch=64, platform_is_cpu=True, draft_length=d
         )
         assert f"d={d}," in line
         steps[d] = float(re.search(r"step ([0-9.]+) ms", line).group(1))

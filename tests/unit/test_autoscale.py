@@ -1,0 +1,325 @@
+"""The planner in the loop (``placement/autoscale.py``): what the attention and FFN ranks
+measure (patch W1's decode steps, the round trips), the planner's prediction at that load, the
+decision with its hysteresis, and the advice ``/afd/status`` and ``/metrics`` answer.
+
+The FFN pool it scales is tests/unit/test_scaling.py's and the e2e scale test's; here
+``scale_ffn_group`` is replaced by a recorder, the blocks are written in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_afd.config import AFDConfig, AFDConfigError, MoEModelInfo
+from vllm_afd.metrics import recorder
+from vllm_afd.metrics.blocks import AttentionStatsBlock, FFNStatsBlock
+from vllm_afd.patches.request_errors import decode_step
+from vllm_afd.placement import autoscale, scaling
+from vllm_afd.placement.autoscale import Advisor, Deployment, Policy, decide, measure
+from vllm_afd.planner.auto_ratio import Candidate, plan_hardware, predict_ffn_counts
+from vllm_afd.transport import TransportSpec, directory
+
+#: Qwen3-30B-A3B (``qwen3_30b_dir``): on an H200 the planner's best A:F for 2 attention ranks
+#: moves from 1:1 at short contexts to 2:1 at long ones (FastAFD: attention grows with context).
+INFO = MoEModelInfo("Qwen3MoeForCausalLM", 48, 128, 8, 2048, 768, tuple(range(48)))
+ON = Policy(enabled=True, interval_s=60.0, margin=0.1)
+
+
+@pytest.fixture
+def qwen3_30b(qwen3_30b_dir, monkeypatch) -> str:
+    monkeypatch.setenv("VLLM_AFD_PLAN_HARDWARE", "h200")
+    return qwen3_30b_dir
+
+
+def _candidate(ffn: int, tokens_per_device: float) -> Candidate:
+    return Candidate(ffn, f"{2 // ffn}:1", 64, 10.0, tokens_per_device, True)
+
+
+TWO = [_candidate(1, 1000.0), _candidate(2, 1300.0)]  # 2 FFN ranks promise +30%
+
+
+@pytest.mark.parametrize(
+    ("live", "candidates", "policy", "before", "age", "rule"),
+    [
+        (2, TWO, ON, 2, 1e9, "best"),
+        (1, [_candidate(1, 1000.0), _candidate(2, 1050.0)], ON, 2, 1e9, "margin"),
+        (1, TWO, ON, None, 1e9, "unconfirmed"),
+        (1, TWO, ON, 1, 1e9, "unconfirmed"),
+        (1, TWO, Policy(False, 60.0, 0.1), 2, 1e9, "off"),
+        (1, TWO, ON, 2, 30.0, "interval"),
+        (1, [], ON, 2, 1e9, "infeasible"),
+    ],
+)
+def test_the_loop_holds_and_says_why(live, candidates, policy, before, age, rule):
+    decision = decide(live, candidates, policy, before, age)
+    assert decision.target is None and decision.rule == rule
+    assert decision.rule in autoscale.RULES
+
+
+def test_the_loop_scales_once_a_gain_over_the_margin_holds_for_two_windows():
+    decision = decide(1, TWO, ON, best_before=2, since_last_scale_s=61.0)
+    assert (decision.target, decision.rule) == (2, "scale")
+    assert "+30%" in decision.reason and ">= the margin +10%" in decision.reason
+    assert "1:1 (2 FFN rank(s)" in decision.reason
+
+
+def test_a_live_count_the_planner_does_not_model_is_left_for_its_best():
+    """A pool scaled by hand to a count that is no whole r:1 ratio (1 attention rank, 2 FFN)."""
+    decision = decide(2, [_candidate(1, 1000.0)], ON, best_before=1, since_last_scale_s=1e9)
+    assert (decision.target, decision.rule) == (1, "scale")
+
+
+def test_the_planner_moves_the_ratio_with_the_context(qwen3_30b):
+    """What the loop acts on: at 64 requests per attention rank the best FFN rank count for
+    2 attention ranks is 2 (1:1) at a 2K context and 1 (2:1) at 16K, on an H200."""
+    best = {}
+    for context in (2048, 16384):
+        hardware, candidates = predict_ffn_counts(
+            INFO, 2, qwen3_30b, context=context, batch=64, platform_is_cpu=True
+        )
+        assert hardware == "h200" and [c.num_ffn_ranks for c in candidates] == [1, 2]
+        best[context] = max(candidates, key=lambda c: c.tokens_per_device).ratio
+    assert best == {2048: "1:1", 16384: "2:1"}
+
+
+def test_without_planner_hardware_autoscale_names_its_flag(monkeypatch):
+    monkeypatch.delenv("VLLM_AFD_PLAN_HARDWARE", raising=False)
+    with pytest.raises(AFDConfigError, match="--afd-autoscale on the CPU build needs"):
+        plan_hardware(True, "--afd-autoscale")
+    assert plan_hardware(False, "--afd-autoscale") == "h200"
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({"ratio": "1:1", "autoscale": "yes"}, "--afd-autoscale "),
+        ({"ratio": "1:1", "autoscale_interval": 0}, "--afd-autoscale-interval"),
+        ({"ratio": "1:1", "autoscale_interval": "inf"}, "--afd-autoscale-interval"),
+        ({"ratio": "1:1", "autoscale_margin": -0.1}, "--afd-autoscale-margin"),
+        ({"join": "/g.json", "autoscale": True}, "not with --afd-join"),
+        ({"ratio": "1:1", "transport": "deepep", "autoscale": True}, "cannot change its FFN"),
+    ],
+)
+def test_bad_autoscale_settings_are_refused_naming_the_flag(raw, field):
+    with pytest.raises(AFDConfigError, match=field):
+        AFDConfig.from_dict(raw)
+
+
+def test_autoscale_settings_parse_from_flags_text():
+    afd = AFDConfig.from_dict(
+        {"ratio": "2:1", "autoscale": "true", "autoscale_interval": "6", "autoscale_margin": "0"}
+    )
+    assert (afd.autoscale, afd.autoscale_interval, afd.autoscale_margin) == (True, 6.0, 0.0)
+    assert Policy.of(afd).window_s == 2.0
+    assert Policy.of(AFDConfig.from_dict({"ratio": "2:1"})).window_s == autoscale.WINDOW_S
+
+
+def _scheduled(new=(), cached=(), drafts=None):
+    """A SchedulerOutput's fields ``decode_step`` reads: ``cached`` (request id, computed
+    tokens, scheduled tokens), ``new`` request ids (prefills)."""
+    scheduled = {r: n for r, _, n in cached} | {r: 5 for r in new}
+    return SimpleNamespace(
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_new_reqs=list(new),
+        scheduled_spec_decode_tokens=drafts or {},
+        scheduled_cached_reqs=SimpleNamespace(num_computed_tokens=[c for _, c, _ in cached]),
+    )
+
+
+def test_only_decode_steps_are_measured():
+    assert decode_step(_scheduled(cached=[("a", 100, 1), ("b", 40, 1)])) == (2, 142)
+    drafts = {"a": [7, 8]}  # a speculative draft of 2: 3 tokens scheduled
+    assert decode_step(_scheduled(cached=[("a", 100, 3)], drafts=drafts)) == (1, 103)
+    assert decode_step(_scheduled(new=["p"], cached=[("a", 100, 1)])) is None  # a prefill
+    assert decode_step(_scheduled(cached=[("a", 100, 32)])) is None  # a prefill chunk
+    assert decode_step(_scheduled()) is None  # an empty step
+    assert decode_step(None) is None  # sample_tokens' argument
+
+
+@pytest.fixture
+def deployment(tmp_path):
+    """Blocks of a 2-attention-rank, 1-FFN-rank deployment, written in this process."""
+    tag = uuid.uuid4().hex[:8]
+    ffn_dir = tmp_path / "ffn"
+    ffn_dir.mkdir()
+    spec = TransportSpec(
+        "shm", 2, 1, 128, 2048, 8, 16, addresses=(f"test_{tag}_0",), directory=str(ffn_dir)
+    )
+    attention = [AttentionStatsBlock(spec.addresses, a) for a in range(2)]
+    ffn = FFNStatsBlock(spec.addresses[0], 0, layers=range(48))
+    yield spec, attention, ffn
+    for block in (*attention, ffn):
+        block.close()
+
+
+def _load(attention, ffn, steps: int, batch: int, context: int) -> None:
+    """``steps`` decode steps of 10 ms on each attention rank, 48 round trips each of 0.05 ms
+    exposed FFN time, each served in 0.1 ms."""
+    for _ in range(steps):
+        for block in attention:
+            block.record_step(0.010, batch, batch * context)
+            for layer in range(48):
+                block.record_round_trip(layer, [batch], 0, 0, 0.00005)
+                ffn.record_layer(layer, 1, batch, 0, 0, 0.0001)
+
+
+def test_a_window_is_what_the_ranks_measured_in_it(deployment):
+    spec, attention, ffn = deployment
+    _load(attention, ffn, steps=3, batch=2, context=50)  # before the window
+    before = autoscale.read_totals(spec)
+    _load(attention, ffn, steps=5, batch=6, context=900)
+    window = measure(before, autoscale.read_totals(spec), 10.0, num_layers=48)
+    assert window is not None and window.steps == 10
+    assert window.batch == pytest.approx(6) and window.context == pytest.approx(900)
+    assert window.step_ms == pytest.approx(10.0)
+    assert window.exposed_ffn_ms == pytest.approx(0.05)
+    assert window.ffn_ms == pytest.approx(0.1)
+    # the step less its 48 exposed waits, over the model's 48 layers
+    assert window.attention_ms == pytest.approx((10.0 - 48 * 0.05) / 48)
+
+
+def test_too_few_steps_or_a_new_pool_is_no_window(deployment):
+    spec, attention, ffn = deployment
+    before = autoscale.read_totals(spec)
+    _load(attention, ffn, steps=1, batch=2, context=50)  # 2 steps < MIN_STEPS
+    assert measure(before, autoscale.read_totals(spec), 10.0, 48) is None
+    _load(attention, ffn, steps=10, batch=2, context=50)
+    moved = autoscale.Totals(("another pool",), steps=1e6)
+    assert measure(before, moved, 10.0, 48) is None
+    assert measure(autoscale.read_totals(spec), before, 10.0, 48) is None  # counters went back
+
+
+def test_a_decode_step_is_recorded_in_the_hooks_block(deployment, monkeypatch):
+    _, attention, _ = deployment
+    monkeypatch.setattr(recorder, "_LAST_ENDPOINT", (object(), attention[1]))
+    recorder.record_step(0.02, 3, 300)
+    spec = deployment[0]
+    totals = autoscale.read_totals(spec)
+    assert (totals.steps, totals.step_s, totals.requests, totals.context) == (1, 0.02, 3, 300)
+
+
+class _Pools:
+    """FFN pools of a 2-attention-rank deployment as a live scale leaves them: each its own
+    addresses, blocks and FFN directory (``ffn``, ``ffn2``, ...); ``scale`` stands in for
+    ``scaling.scale_ffn_group`` (the new pool is live at once, its scale in ``pool.json``)."""
+
+    def __init__(self, root) -> None:
+        self.root, self.blocks, self.calls, self.times = root, [], [], []
+        self.context = 2048
+        self.live = self._pool(1)
+
+    def _pool(self, ffn_ranks: int):
+        epoch = len(self.calls) + 1
+        where = self.root / ("ffn" if epoch == 1 else f"ffn{epoch}")
+        where.mkdir()
+        tag = uuid.uuid4().hex[:8]
+        addresses = tuple(f"test_{tag}_{f}" for f in range(ffn_ranks))
+        spec = TransportSpec(
+            "shm", 2, ffn_ranks, 128, 2048, 8, 16, addresses=addresses, directory=str(where)
+        )
+        attention = [AttentionStatsBlock(addresses, a) for a in range(2)]
+        ffn = FFNStatsBlock(addresses[0], 0, layers=range(48))
+        self.blocks += [*attention, ffn]
+        os.environ["VLLM_AFD_RUNTIME"] = spec.to_json()
+        return spec, attention, ffn
+
+    def scale(self, count: int):
+        self.calls.append(count)
+        self.times.append(time.time())
+        old = self.live[0]
+        self.live = self._pool(count)
+        event = {"epoch": len(self.calls) + 1, "at": time.time(), "took_s": 0.0, "stall_s": 0.0}
+        directory.publish_pool(old.directory, directory.Pool(event["epoch"], "", (event,)))
+        self.context = 65536  # from now on the load has long contexts
+
+    def load(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            _, attention, ffn = self.live
+            _load(attention, ffn, steps=10, batch=64, context=self.context)
+            time.sleep(0.02)
+
+
+def test_the_advisor_follows_the_load_from_short_to_long_contexts(
+    tmp_path, qwen3_30b, monkeypatch, caplog
+):
+    """The whole loop on 2 attention ranks at 2:1 (1 FFN rank): under a 2K-context load it
+    scales to 1:1 (2 FFN ranks); once the contexts grow to 64K it scales back to 2:1, not
+    sooner than the interval after the first scale (at 16K 2:1 would promise +5% only: below
+    the margin, it holds). Each decision is logged with why, and the
+    advice has the measured window next to the prediction."""
+    monkeypatch.setenv("VLLM_AFD_RUNTIME", "")
+    pools = _Pools(tmp_path)
+    monkeypatch.setattr(scaling, "scale_ffn_group", pools.scale)
+    caplog.set_level("INFO", logger="vllm.afd")
+    stop = threading.Event()
+    writer = threading.Thread(target=pools.load, args=(stop,), daemon=True)
+    writer.start()
+    advisor = Advisor(Deployment(INFO, 2, qwen3_30b, True), Policy(True, 0.6, 0.1))
+    try:
+        deadline = time.monotonic() + 30
+        while len(pools.calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        advisor.stop()
+        stop.set()
+        writer.join(5)
+        for block in pools.blocks:
+            block.close()
+    assert pools.calls == [2, 1], caplog.text
+    assert pools.times[1] - pools.times[0] >= 0.6  # --afd-autoscale-interval
+    said = [r.getMessage() for r in caplog.records if "AFD autoscale: scale:" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "the planner prefers 1:1 (2 FFN rank(s)" in said[0] and "context 2048" in said[0]
+    assert "the planner prefers 2:1 (1 FFN rank(s)" in said[1] and "context 65536" in said[1]
+    advice = directory.read_advice(pools.live[0].directory)
+    assert advice["rule"] == "scale" and advice["recommended"] == {
+        "num_ffn_ranks": 1,
+        "ratio": "2:1",
+    }
+    window = advice["window"]
+    assert window["batch"] == pytest.approx(64) and window["context"] == pytest.approx(65536)
+    assert window["step_ms"] == pytest.approx(10.0)
+    assert {c["num_ffn_ranks"] for c in advice["candidates"]} == {1, 2}
+
+
+def test_the_advice_is_in_metrics(deployment):
+    """``/metrics``: the planner's choice and prediction per FFN rank count, the measured
+    window next to it, the rule that decided; each attention rank's decode steps."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from vllm_afd.metrics.collector import AFDCollector
+
+    spec, attention, _ = deployment
+    attention[0].record_step(0.5, 4, 400)
+    advice = {
+        "rule": "margin",
+        "recommended": {"num_ffn_ranks": 1, "ratio": "2:1"},
+        "candidates": [
+            {"num_ffn_ranks": 1, "step_ms": 12.5, "tokens_per_device": 1000.0},
+            {"num_ffn_ranks": 2, "step_ms": 10.0, "tokens_per_device": 950.0},
+        ],
+        "window": {"step_ms": 11.0, "batch": 4.0, "context": 100.0, "ffn_ms": 0.2},
+    }
+    directory.publish_advice(spec.directory, advice)
+    registry = CollectorRegistry()
+    registry.register(AFDCollector(spec))
+    text = generate_latest(registry).decode()
+    for line in (
+        'vllm_afd_planner_recommended_ffn_ranks{model_name=""} 1.0',
+        'vllm_afd_planner_predicted_step_seconds{model_name="",num_ffn_ranks="1"} 0.0125',
+        'vllm_afd_planner_predicted_tokens_per_device{model_name="",num_ffn_ranks="2"} 950.0',
+        'vllm_afd_window_step_seconds{model_name=""} 0.011',
+        'vllm_afd_window_batch_requests{model_name=""} 4.0',
+        'vllm_afd_window_ffn_layer_seconds{model_name=""} 0.0002',
+        'vllm_afd_autoscale_rule{model_name="",rule="margin"} 1.0',
+        'vllm_afd_decode_step_seconds_count{attention_rank="0",engine="",model_name=""} 1.0',
+        'vllm_afd_decode_step_seconds_sum{attention_rank="0",engine="",model_name=""} 0.5',
+    ):
+        assert line in text, line

@@ -1,0 +1,388 @@
+"""Placement, autoscale: the planner in the loop (``--afd-autoscale``).
+
+The best A:F moves with the load (FastAFD: longer contexts make attention slower, so one FFN
+rank hides behind more attention ranks). The process that holds the FFN group runs an
+``Advisor`` thread that, every window (``min(10 s, --afd-autoscale-interval / 3)``):
+
+1. reads what the deployment measured since the last window (``measure``): the attention
+   ranks' decode steps (forward time, requests and context per step: patch W1 records them
+   in each rank's stats block), their exposed FFN time per round trip, and the FFN ranks'
+   service time per layer batch;
+2. asks the planner (``planner.auto_ratio.predict_ffn_counts``, the same prediction as
+   ``--afd-ratio auto``) what each FFN rank count would give at the measured batch and
+   context;
+3. decides (``decide``): scale to the planner's best count when it promises at least
+   ``--afd-autoscale-margin`` more tokens/s per device than the live one, in two windows in a
+   row, and the last scale (its own or a ``POST /afd/scale``) is at least
+   ``--afd-autoscale-interval`` old; otherwise hold, saying why;
+4. publishes the window, the predictions and the decision (``directory.publish_advice``:
+   ``/afd/status`` answers it as ``live``, ``/metrics`` as gauges), logs a decision that
+   changed, and with ``--afd-autoscale`` applies a scale (``scaling.scale_ffn_group``).
+
+A window with too little in it (fewer than ``MIN_STEPS`` decode steps: an idle server; or the
+first on a new pool, whose counters start at 0) publishes nothing: the last advice stands.
+
+Without ``--afd-autoscale`` it only advises. The measured step time is the forward of one
+decode step on an attention rank; it stands next to the planner's predicted step time, which
+is how far to trust the recommendation (on the CPU build the planner needs
+``VLLM_AFD_PLAN_HARDWARE``, e.g. the hardware file ``vllm-afd profile`` writes). On the GPU
+plane the same loop holds: the blocks are host memory written by the same hooks, and a scale
+is the same protocol (``scaling.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_afd import envs
+from vllm_afd.config import AFDConfig, AFDConfigError, MoEModelInfo
+from vllm_afd.metrics.blocks import (
+    _A_ROUND_TRIPS,
+    _A_SECONDS,
+    _F_SECONDS,
+    A_STEP_CONTEXT,
+    A_STEP_REQUESTS,
+    A_STEP_SECONDS,
+    A_STEPS,
+)
+from vllm_afd.planner.auto_ratio import Candidate, predict_ffn_counts
+from vllm_afd.transport import TransportSpec, directory
+
+logger = logging.getLogger("vllm.afd")
+#: Longest measurement window (seconds); a shorter ``--afd-autoscale-interval`` shortens it.
+WINDOW_S = 10.0
+#: Decode steps (all attention ranks) a window needs before it is planned on.
+MIN_STEPS = 8
+
+
+@dataclass(frozen=True)
+class Totals:
+    """The deployment's counters, summed over its ranks, at one moment (``read_totals``)."""
+
+    #: The FFN pool the counters belong to (its addresses): a new pool restarts them.
+    pool: tuple[str, ...]
+    steps: float = 0.0
+    step_s: float = 0.0
+    requests: float = 0.0
+    context: float = 0.0
+    round_trips: float = 0.0
+    exposed_s: float = 0.0
+    ffn_batches: float = 0.0
+    ffn_s: float = 0.0
+
+
+def read_totals(spec: TransportSpec) -> Totals:
+    """``Totals`` of the deployment ``spec`` from its stats blocks (a missing block adds 0)."""
+    from vllm_afd.metrics.collector import read_deployment
+
+    blocks = read_deployment(spec)
+    attention = [b.scalars for b in blocks.attention if b is not None]
+    ffn = [b for b in blocks.ffn if b is not None]
+    return Totals(
+        tuple(spec.addresses),
+        steps=sum(s[A_STEPS] for s in attention),
+        step_s=sum(s[A_STEP_SECONDS] for s in attention),
+        requests=sum(s[A_STEP_REQUESTS] for s in attention),
+        context=sum(s[A_STEP_CONTEXT] for s in attention),
+        round_trips=sum(s[_A_ROUND_TRIPS] for s in attention),
+        exposed_s=sum(s[_A_SECONDS] for s in attention),
+        ffn_batches=sum(sum(b.hist) for b in ffn),
+        ffn_s=sum(b.scalars[_F_SECONDS] for b in ffn),
+    )
+
+
+@dataclass(frozen=True)
+class Window:
+    """What the deployment measured over one window (means over its decode steps)."""
+
+    seconds: float
+    steps: int
+    #: Forward time of one decode step on an attention rank.
+    step_ms: float
+    #: Requests per decode step and attention rank (the planner's b_A).
+    batch: float
+    #: Context tokens per request.
+    context: float
+    #: Attention time per layer: the step less its exposed FFN time, over the model's layers.
+    attention_ms: float
+    #: Time an attention rank waited for the FFN ranks per round trip (not hidden by overlap).
+    exposed_ffn_ms: float
+    #: FFN service time per layer batch on an FFN rank.
+    ffn_ms: float
+
+
+def measure(before: Totals, after: Totals, seconds: float, num_layers: int) -> Window | None:
+    """The ``Window`` between two ``Totals``; ``None`` when there is too little to plan on
+    (fewer than ``MIN_STEPS`` decode steps) or the counters restarted (a new FFN pool, a
+    replaced rank)."""
+    delta = {
+        f.name: getattr(after, f.name) - getattr(before, f.name)
+        for f in dataclasses.fields(Totals)
+        if f.name != "pool"
+    }
+    if after.pool != before.pool or min(delta.values()) < 0 or delta["steps"] < MIN_STEPS:
+        return None
+    steps = delta["steps"]
+    step_ms = 1e3 * delta["step_s"] / steps
+    exposed_per_step_ms = 1e3 * delta["exposed_s"] / steps
+    return Window(
+        seconds=seconds,
+        steps=int(steps),
+        step_ms=step_ms,
+        batch=delta["requests"] / steps,
+        context=delta["context"] / max(1.0, delta["requests"]),
+        attention_ms=max(0.0, step_ms - exposed_per_step_ms) / max(1, num_layers),
+        exposed_ffn_ms=1e3 * delta["exposed_s"] / max(1.0, delta["round_trips"]),
+        ffn_ms=1e3 * delta["ffn_s"] / max(1.0, delta["ffn_batches"]),
+    )
+
+
+@dataclass(frozen=True)
+class Policy:
+    """``--afd-autoscale`` and its settings."""
+
+    enabled: bool
+    interval_s: float
+    margin: float
+
+    @classmethod
+    def of(cls, afd: AFDConfig) -> Policy:
+        return cls(afd.autoscale, afd.autoscale_interval, afd.autoscale_margin)
+
+    @property
+    def window_s(self) -> float:
+        return min(WINDOW_S, self.interval_s / 3)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What ``decide`` chose: ``target`` FFN ranks to scale to (``None``: hold), the rule
+    that decided (``RULES``) and why, in words."""
+
+    target: int | None
+    rule: str
+    reason: str
+
+
+#: ``Decision.rule`` values: scale, or why not (the advice adds ``no_planner``: no prediction).
+RULES = ("scale", "best", "margin", "unconfirmed", "off", "interval", "infeasible")
+
+
+def decide(
+    live: int,
+    candidates: Sequence[Candidate],
+    policy: Policy,
+    best_before: int | None,
+    since_last_scale_s: float,
+) -> Decision:
+    """The decision for the planner's ``candidates`` at the measured load, ``live`` FFN ranks
+    serving now. ``best_before``: the best count of the previous window (a recommendation
+    must hold for two windows in a row)."""
+    if not candidates:
+        return Decision(None, "infeasible", "the planner finds no feasible FFN rank count")
+    best = max(candidates, key=lambda c: c.tokens_per_device)
+    now = next((c for c in candidates if c.num_ffn_ranks == live), None)
+    if now is best:
+        return Decision(None, "best", f"the live {_told(best)} is the planner's best")
+    gain = math.inf if now is None else best.tokens_per_device / now.tokens_per_device - 1
+    versus = "the live count, not a whole r:1 ratio" if now is None else _told(now)
+    why = f"the planner prefers {_told(best)} to {versus}: {_percent(gain)}"
+    if gain < policy.margin:
+        return Decision(None, "margin", f"{why} < the margin {_percent(policy.margin)}")
+    if best_before != best.num_ffn_ranks:
+        return Decision(None, "unconfirmed", f"{why}; waiting for a second window to agree")
+    if not policy.enabled:
+        return Decision(None, "off", f"{why}; --afd-autoscale is off")
+    if since_last_scale_s < policy.interval_s:
+        return Decision(
+            None,
+            "interval",
+            f"{why}; the last scale is {since_last_scale_s:.0f} s old < "
+            f"--afd-autoscale-interval {policy.interval_s:g} s",
+        )
+    return Decision(best.num_ffn_ranks, "scale", f"{why} >= the margin {_percent(policy.margin)}")
+
+
+def _told(c: Candidate) -> str:
+    return (
+        f"{c.ratio} ({c.num_ffn_ranks} FFN rank(s): predicted step {c.step_ms:.2f} ms, "
+        f"{c.tokens_per_device:.0f} tok/s per device)"
+    )
+
+
+def _percent(x: float) -> str:
+    return "+inf%" if math.isinf(x) else f"{100 * x:+.0f}%"
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What the planner needs of this deployment besides the measured load."""
+
+    info: MoEModelInfo
+    attention_ranks: int
+    model_dir: str
+    platform_is_cpu: bool
+    draft_length: int = 0
+
+
+class Advisor:
+    """The loop of the module docstring, on a daemon thread; it ends with the FFN group (no
+    ``VLLM_AFD_RUNTIME`` any more) or at ``stop``."""
+
+    def __init__(self, deployment: Deployment, policy: Policy) -> None:
+        self.deployment, self.policy = deployment, policy
+        self.started = time.time()
+        self._stop = threading.Event()
+        self._best_before: int | None = None
+        self._last_said: tuple | None = None
+        self._thread = threading.Thread(target=self._run, name="afd-advisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        before, at = None, time.monotonic()
+        while not self._stop.wait(self.policy.window_s):
+            spec = _live_spec()
+            if spec is None:
+                return  # the FFN group stopped (``lifecycle.stop_ffn_group``)
+            if not spec.directory:
+                continue
+            try:
+                now, then = read_totals(spec), at
+                at = time.monotonic()
+                window = None if before is None else self._measure(before, now, at - then)
+                before = now
+                if window is None:  # too little measured: the last advice stands
+                    continue
+                advice = self.advise(spec, window)
+                directory.publish_advice(spec.directory, advice)
+                self._say(advice)
+                if advice["action"] == "scale":
+                    self._scale(advice["recommended"]["num_ffn_ranks"])
+                    before = None  # the new pool's counters start at 0
+            except Exception:  # noqa: BLE001 - the advisor never takes serving down
+                logger.exception("AFD autoscale: the planner loop failed this window")
+
+    def _measure(self, before: Totals, now: Totals, seconds: float) -> Window | None:
+        return measure(before, now, seconds, self.deployment.info.num_layers)
+
+    def advise(self, spec: TransportSpec, window: Window) -> dict[str, Any]:
+        """The advice for ``window`` on the live pool ``spec`` (JSON-ready)."""
+        d = self.deployment
+        advice: dict[str, Any] = {
+            "at": time.time(),
+            "num_ffn_ranks": spec.num_ffn_ranks,
+            "autoscale": self.policy.enabled,
+            "window": dataclasses.asdict(window),
+            "hardware": None,
+            "candidates": [],
+            "recommended": None,
+            "action": "hold",
+        }
+        try:
+            hardware, candidates = predict_ffn_counts(
+                d.info,
+                d.attention_ranks,
+                d.model_dir,
+                context=round(window.context),
+                batch=round(window.batch),
+                platform_is_cpu=d.platform_is_cpu,
+                draft_length=d.draft_length,
+                what="the planner in the loop",
+            )
+        except (AFDConfigError, ValueError, OSError) as exc:
+            advice.update(rule="no_planner", reason=f"no planner prediction: {exc}")
+            return advice
+        decision = decide(
+            spec.num_ffn_ranks,
+            candidates,
+            self.policy,
+            self._best_before,
+            time.time() - self._last_scale_at(spec),
+        )
+        best = max(candidates, key=lambda c: c.tokens_per_device) if candidates else None
+        self._best_before = None if best is None else best.num_ffn_ranks
+        advice.update(
+            hardware=hardware,
+            candidates=[dataclasses.asdict(c) for c in candidates],
+            recommended=None
+            if best is None
+            else {"num_ffn_ranks": best.num_ffn_ranks, "ratio": best.ratio},
+            action="hold" if decision.target is None else "scale",
+            rule=decision.rule,
+            reason=decision.reason,
+        )
+        return advice
+
+    def _last_scale_at(self, spec: TransportSpec) -> float:
+        """``time.time()`` the pool last changed shape (its start, or the last scale's end)."""
+        pool = directory.read_pool(spec.directory)
+        ends = [e["at"] + e["took_s"] for e in (pool.events if pool else ())]
+        return max([self.started, *ends])
+
+    def _say(self, advice: dict[str, Any]) -> None:
+        """Log a decision that changed (not every window's)."""
+        key = (advice["rule"], advice["recommended"])
+        if key == self._last_said:
+            return
+        self._last_said = key
+        w = advice["window"]
+        measured = (
+            f" [measured: batch {w['batch']:.1f}/attention rank, context {w['context']:.0f}, "
+            f"step {w['step_ms']:.2f} ms, attention {w['attention_ms']:.3f} ms/layer, "
+            f"FFN {w['ffn_ms']:.3f} ms/layer batch]"
+        )
+        logger.info("AFD autoscale: %s: %s%s", advice["action"], advice["reason"], measured)
+
+    def _scale(self, count: int) -> None:
+        from vllm_afd.placement.scaling import ScaleError, scale_ffn_group
+
+        try:
+            event = scale_ffn_group(count)
+        except ScaleError as exc:
+            logger.warning("AFD autoscale: the scale to %d FFN rank(s) failed: %s", count, exc)
+            return
+        if event is not None:
+            logger.info(
+                "AFD autoscale: now %d FFN rank(s) (was %d), scaled in %.1f s, switch stall "
+                "%.1f ms",
+                event.to_ranks,
+                event.from_ranks,
+                event.took_s,
+                1e3 * event.stall_s,
+            )
+
+
+def _live_spec() -> TransportSpec | None:
+    runtime = envs.VLLM_AFD_RUNTIME
+    return TransportSpec.from_json(runtime) if runtime else None
+
+
+_ADVISOR: Advisor | None = None
+
+
+def start_advisor(deployment: Deployment, afd: AFDConfig) -> Advisor:
+    """Start this process's advisor (stopping a previous one)."""
+    global _ADVISOR
+    stop_advisor()
+    _ADVISOR = Advisor(deployment, Policy.of(afd))
+    return _ADVISOR
+
+
+def stop_advisor() -> None:
+    """Stop this process's advisor, if any. Idempotent."""
+    global _ADVISOR
+    advisor, _ADVISOR = _ADVISOR, None
+    if advisor is not None:
+        advisor.stop()
