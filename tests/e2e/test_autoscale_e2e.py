@@ -84,6 +84,10 @@ def test_autoscale_takes_the_live_server_to_the_planners_ratio_under_streams(
         assert said and "the planner prefers 2:1 (1 FFN rank(s)" in said[0], log[-3000:]
         assert "measured: batch" in said[0] and ">= the margin +10%" in said[0]
         assert "AFD autoscale: now 1 FFN rank(s) (was 2)" in log
+        # each API server reads the live pool: ready, no stopped rank of the old one a problem
+        for _ in range(6):
+            status, ready = http_request(server.url + "/afd/ready")
+            assert status == 200, ready
         # the new pool serves colocated's tokens
         status, reply = server.complete(PROMPTS[0], 12)
         assert status == 200, reply

@@ -9,6 +9,7 @@ The FFN pool it scales is tests/unit/test_scaling.py's and the e2e scale test's;
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 import uuid
@@ -323,3 +324,27 @@ def test_the_advice_is_in_metrics(deployment):
         'vllm_afd_decode_step_seconds_sum{attention_rank="0",engine="",model_name=""} 0.5',
     ):
         assert line in text, line
+
+
+def test_another_api_server_reads_the_live_pool_after_a_scale(tmp_path, monkeypatch):
+    """An API server other than the scaling front-end keeps the spec it was started with in
+    ``VLLM_AFD_RUNTIME``: health and status read the pool serving now from ``pool.json`` (the
+    old pool's ranks, stopped, are no problem), and before any scale the variable's own."""
+    from vllm_afd.placement.health import ffn_group_problems
+
+    (tmp_path / "ffn").mkdir()
+    (tmp_path / "ffn2").mkdir()
+    old = TransportSpec(
+        "shm", 2, 2, 8, 16, 2, 16, addresses=("a", "b"), directory=str(tmp_path / "ffn")
+    )
+    new = TransportSpec(
+        "shm", 2, 1, 8, 16, 2, 16, addresses=("c",), directory=str(tmp_path / "ffn2")
+    )
+    assert directory.live_runtime(old.to_json()) == old.to_json()
+    gone = directory.RankEntry(0, 1, directory.UP, "a", socket.gethostname(), 2**22 + 7)
+    directory.publish(old.directory, gone)
+    monkeypatch.setenv("VLLM_AFD_RUNTIME", old.to_json())
+    assert ffn_group_problems(), "the old pool's stopped rank is a problem before the scale"
+    directory.publish_pool(old.directory, directory.Pool(2, new.to_json()))
+    assert TransportSpec.from_json(directory.live_runtime(old.to_json())) == new
+    assert ffn_group_problems() == []

@@ -261,21 +261,18 @@ class Advisor:
             try:
                 now, then = read_totals(spec), at
                 at = time.monotonic()
-                window = None if before is None else self._measure(before, now, at - then)
+                layers = self.deployment.info.num_layers
+                window = None if before is None else measure(before, now, at - then, layers)
                 before = now
                 if window is None:  # too little measured: the last advice stands
                     continue
                 advice = self.advise(spec, window)
                 directory.publish_advice(spec.directory, advice)
                 self._say(advice)
-                if advice["action"] == "scale":
+                if advice["action"] == "scale":  # the next window is the new pool's first
                     self._scale(advice["recommended"]["num_ffn_ranks"])
-                    before = None  # the new pool's counters start at 0
             except Exception:  # noqa: BLE001 - the advisor never takes serving down
                 logger.exception("AFD autoscale: the planner loop failed this window")
-
-    def _measure(self, before: Totals, now: Totals, seconds: float) -> Window | None:
-        return measure(before, now, seconds, self.deployment.info.num_layers)
 
     def advise(self, spec: TransportSpec, window: Window) -> dict[str, Any]:
         """The advice for ``window`` on the live pool ``spec`` (JSON-ready)."""

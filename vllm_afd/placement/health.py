@@ -111,17 +111,16 @@ def ffn_group_problems() -> list[Problem]:
     """What keeps the deployment's FFN ranks from serving, one each (empty: healthy).
 
     Readable from any process of the deployment (``/health`` runs in the API server), from the
-    FFN directory (``VLLM_AFD_RUNTIME``'s ``directory``). A rank is unhealthy while it is being
-    replaced, once the supervisor gave up on it, and, on this host, when its process is gone,
-    when its heartbeat (a thread of the rank, every ``HEARTBEAT_INTERVAL_S``) is older than
-    ``HEARTBEAT_TIMEOUT_S`` with the process stopped (SIGSTOP) or ``FROZEN_TIMEOUT_S`` with it
-    running (frozen), when one layer batch has been running longer than the transport timeout
-    (wedged), or once a request failed there
-    (``FFNServeError``). Only a rank being replaced, and a lost or failing one of a deployment
-    with failover, is ``healing``.
+    FFN directory of the live pool (``directory.live_runtime``). A rank is unhealthy while it
+    is being replaced, once the supervisor gave up on it, and, on this host, when its process
+    is gone, when its heartbeat (a thread of the rank, every ``HEARTBEAT_INTERVAL_S``) is older
+    than ``HEARTBEAT_TIMEOUT_S`` with the process stopped (SIGSTOP) or ``FROZEN_TIMEOUT_S``
+    with it running (frozen), when one layer batch has been running longer than the transport
+    timeout (wedged), or once a request failed there (``FFNServeError``). Only a rank being
+    replaced, and a lost or failing one of a deployment with failover, is ``healing``.
     """
     runtime = envs.VLLM_AFD_RUNTIME
-    spec = TransportSpec.from_json(runtime) if runtime else None
+    spec = TransportSpec.from_json(directory.live_runtime(runtime)) if runtime else None
     if spec is None or not spec.directory:
         return []
     fails_over = _fails_over(spec)

@@ -65,10 +65,8 @@ async def status(request: Request) -> JSONResponse:
     runtime = envs.VLLM_AFD_RUNTIME
     if not runtime:
         return JSONResponse({"afd": False})
-    spec = TransportSpec.from_json(runtime)
+    spec = TransportSpec.from_json(directory.live_runtime(runtime))
     pool = directory.read_pool(spec.directory) if spec.directory else None
-    if pool is not None:  # the pool a live scale started (this process may be another API
-        spec = TransportSpec.from_json(pool.spec)  # server than the scaling front-end)
     entries = (
         directory.entries(spec.directory, spec.num_ffn_ranks)
         if spec.directory

@@ -175,6 +175,18 @@ def read_pool(ffn_directory: str) -> Pool | None:
         return None
 
 
+def live_runtime(runtime: str) -> str:
+    """The runtime spec JSON (``VLLM_AFD_RUNTIME``) of the pool serving now: the newest
+    epoch's once a live scale published one, else ``runtime``. A process other than the one
+    that scaled (another API server) has the spec it was started with in its environment."""
+    try:
+        where = json.loads(runtime).get("directory") or ""
+    except (ValueError, AttributeError):
+        return runtime
+    pool = read_pool(where)
+    return pool.spec if pool is not None else runtime
+
+
 def _switch_path(ffn_directory: str, rank: int) -> str:
     return os.path.join(os.path.dirname(ffn_directory), f"attention{rank}.json")
 
