@@ -3,6 +3,7 @@
     vllm-afd serve MODEL --afd-ratio 2:1 [any vllm serve flag]   # = vllm serve, AFD flags on
     vllm-afd ffn-server MODEL --afd-ratio 4:1 [engine flags]     # an FFN group on its own
     vllm-afd serve MODEL --afd-join GROUP_FILE [...]             # a front-end joining it
+    vllm-afd scale GROUP_FILE N                                  # its FFN pool to N ranks
     vllm-afd demo                                                # the README's main job
     vllm-afd plan ...                                            # planner (vllm_afd.planner)
     vllm-afd bench ...                                           # A/B harness
@@ -58,6 +59,7 @@ def ffn_server(argv: list[str]) -> None:
     from vllm_afd import placement
     from vllm_afd.config import AFDConfig, AFDConfigError
     from vllm_afd.deployment import checkpoint_dir
+    from vllm_afd.placement import scaling, shared
 
     vllm_afd.register()
     parser = FlexibleArgumentParser(prog="vllm-afd ffn-server")
@@ -78,9 +80,40 @@ def ffn_server(argv: list[str]) -> None:
         model_dir = checkpoint_dir(vllm_config.model_config.model)
         path = placement.write_group_file(placement.current_group(), args.group_file, model_dir)
         print(f"vllm-afd ffn-server: FFN group ready; join with --afd-join {path}", flush=True)
-        stop.wait()
+        while not stop.wait(scaling.REQUEST_POLL_S):
+            scaling.answer_scale_requests(shared.scale_requests_dir())
     finally:
         placement.stop_ffn_group()
+
+
+def scale(argv: list[str]) -> None:
+    """Set the FFN rank count of a running ``vllm-afd ffn-server`` group (``POST /afd/scale``
+    for a front-end's own group); exits 0 once every front-end serves on the new pool, 1 with
+    the reason otherwise."""
+    import argparse
+    import json
+
+    from vllm_afd.placement.scaling import SWITCH_TIMEOUT_S, ScaleError, request_scale
+
+    parser = argparse.ArgumentParser(prog="vllm-afd scale", description=scale.__doc__)
+    parser.add_argument("group_file", help="the group file `vllm-afd ffn-server` printed")
+    parser.add_argument("num_ffn_ranks", type=int, help="the FFN rank count to serve on")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the answer (the new pool starts, then every front-end "
+        f"switches within {SWITCH_TIMEOUT_S:g}s)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        reply = request_scale(args.group_file, args.num_ffn_ranks, args.timeout)
+    except ScaleError as exc:
+        reply = {"status": exc.status, "error": str(exc)}
+    print(json.dumps(reply), flush=True)
+    if reply.get("status") != 200:
+        print(f"vllm-afd scale: error: {reply.get('error')}", file=sys.stderr)
+        sys.exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         return _run_user_facing(serve, rest)
     if command == "ffn-server":
         return _run_user_facing(ffn_server, rest)
+    if command == "scale":
+        return _run_user_facing(scale, rest)
     if command == "demo":
         from vllm_afd.bench.demo import main as demo_main
 

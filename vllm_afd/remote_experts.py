@@ -445,6 +445,7 @@ def connect() -> _Session:
         steps = _Steps(endpoint)
         session = _Session(key, endpoint, tp.rank_in_group, tp.world_size, stats, steps)
         if spec.directory and backend(spec.backend).scales_live:
+            session.epoch = directory.epoch_of(spec.directory)
             steps.at_boundary = session.at_step_boundary
             session.watcher = _PoolWatcher(session)
         _SESSION = session

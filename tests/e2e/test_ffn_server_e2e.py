@@ -4,7 +4,9 @@ An FFN group of one FFN rank for two attention ranks runs on its own; two server
 attention rank each join it and serve concurrent requests with colocated's greedy tokens. A
 front-end that disagrees with the group (dtype) and one more front-end than the group has
 attention ranks for are refused before they start anything (exit 2, the reason named). When one
-front-end leaves, the other serves on; SIGTERM stops the FFN group and leaves nothing behind.
+front-end leaves, the other serves on; `vllm-afd scale` takes the group to two FFN ranks while
+it does (waiting for the front-end that holds a rank, not for the free one), and it serves on
+the new pool with colocated's tokens; SIGTERM stops the FFN group and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from serverlib import Server, session_processes
+from serverlib import Server, http_request, session_processes
 
 from vllm_afd.bench.offline_run import child_env, run_generation
 
@@ -43,6 +45,17 @@ def _refused(model: str, group_file: Path, *flags: str) -> str:
     assert proc.returncode == 2, out[-3000:]
     assert "EngineCore" not in out, "the refused front-end started an engine"
     return out
+
+
+def _scale(group_file: Path, count: int) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _vllm_afd("scale", str(group_file), str(count)),
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def _wait_ready(proc: subprocess.Popen, log: Path, timeout_s: float = 300.0) -> None:
@@ -72,7 +85,10 @@ def test_two_front_ends_share_one_ffn_group(tiny_qwen3, tmp_path):
         assert "the FFN group serves dtype 'float32', this front-end 'bfloat16'" in out
 
         join = ("--afd-join", str(group_file))
-        servers += [Server(tiny_qwen3, tmp_path / f"front{i}.log", join) for i in range(2)]
+        plugins = {"VLLM_PLUGINS": "afd"}  # vLLM's allowlist: our plugin and /afd/status
+        servers += [
+            Server(tiny_qwen3, tmp_path / f"front{i}.log", join, env=plugins) for i in range(2)
+        ]
         for server in servers:
             server.wait_healthy()
         taken = [
@@ -102,6 +118,20 @@ def test_two_front_ends_share_one_ffn_group(tiny_qwen3, tmp_path):
         status, body = servers[1].complete(PROMPTS[1], 24)
         assert status == 200 and body["choices"][0]["token_ids"] == colocated["token_ids"][1]
         assert "FFN rank 0 up" not in servers[1].log.read_text()  # it never started a group
+
+        # `vllm-afd scale`: refused for a count the experts cannot split into; to 2 FFN ranks
+        # it waits for the front-end that holds a rank only, which then serves on the new pool
+        refused = _scale(group_file, 3)
+        assert refused.returncode == 1 and "num_ffn_ranks 3" in refused.stderr, refused
+        scaled = _scale(group_file, 2)
+        assert scaled.returncode == 0, (scaled.stdout, scaled.stderr, ffn_log.read_text()[-3000:])
+        reply = json.loads(scaled.stdout)
+        assert reply["num_ffn_ranks"] == 2 and reply["scale"]["epoch"] == 2, reply
+        status, body = servers[1].complete(PROMPTS[0], 24)
+        assert status == 200 and body["choices"][0]["token_ids"] == colocated["token_ids"][0]
+        status, live = http_request(servers[1].url + "/afd/status")
+        assert (live["num_ffn_ranks"], live["pool"]) == (2, 2), live
+        assert "serves on FFN pool 2 (2 FFN rank(s))" in servers[1].log.read_text()
     finally:
         for server in servers:
             try:

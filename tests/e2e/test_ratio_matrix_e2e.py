@@ -1,13 +1,13 @@
-"""Qwen3-MoE, Mixtral and Qwen2-MoE (gated shared expert) at AFD 1:1 and 1:2, offline and
-through the OpenAI server: greedy token ids identical to colocated vLLM's and the sampled
-tokens' logprobs within 1e-4 (float32).
+"""Qwen3-MoE, Mixtral and Qwen2-MoE (gated shared expert) at AFD 1:1 and 1:2 through the
+OpenAI server: greedy token ids identical to colocated vLLM's and the sampled tokens' logprobs
+within 1e-4 (float32).
 
-This module fills the (family, ratio, API) cells the other e2e tests leave empty:
-test_offline.py runs Qwen3-MoE 1:1, Mixtral 1:2 and Qwen2-MoE 1:2 offline, test_server.py
-Qwen3-MoE 2:1 (two data-parallel attention ranks) and test_real_model_e2e.py the trained
-Mixtral-layout model 1:2 through the server. Each family's colocated run happens once a
-session (offline, ``run_once``) and is the reference of both APIs; each server answers all
-prompts at once.
+Offline, test_offline.py runs Qwen3-MoE 1:1 and 2:1, Mixtral 1:2 and Qwen2-MoE 1:2; the other
+offline (family, ratio) cells were dropped to keep the full tier short: the servers here run
+every family at both ratios through the same model code. test_server.py runs Qwen3-MoE 2:1
+(two data-parallel attention ranks) and test_real_model_e2e.py the trained Mixtral-layout
+model through the server. Each family's colocated run happens once a session (offline,
+``run_once``); each server answers all prompts at once.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from matrixlib import assert_matches, job, serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
-#: Cells not run elsewhere (see the module docstring).
-OFFLINE = [("qwen3_moe", "1:2"), ("mixtral", "1:1"), ("qwen2_moe", "1:1")]
 ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe")
 RATIOS = ("1:1", "1:2")  # the server cells: every family at both
 
@@ -31,15 +29,6 @@ def tiny_model():
     from vllm_afd.bench.tiny_models import default_tiny_model
 
     return lambda arch: str(default_tiny_model(arch=arch))
-
-
-@pytest.mark.parametrize(("arch", "ratio"), OFFLINE)
-def test_offline_matches_colocated(tiny_model, run_pair, arch, ratio):
-    colocated, result = run_pair(job(tiny_model(arch)), job(tiny_model(arch), {"ratio": ratio}))
-    assert_matches(result["token_ids"], result["logprobs"], colocated)
-    ffn_ranks = int(ratio.split(":")[1])
-    assert len(result["ffn"]) == ffn_ranks
-    assert all(f["tokens"] > 0 for f in result["ffn"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,5 +1,13 @@
-"""The FFN group joins an existing Ray cluster given by --afd-ray-address: one with token
-authentication, whose token the user passes through (``RAY_AUTH_TOKEN_PATH``)."""
+"""The FFN group on a given Ray cluster (--afd-ray-address) of three nodes on this machine (a
+head without CPUs, two nodes of one CPU each: three raylets), with token authentication whose
+token the user passes through (``RAY_AUTH_TOKEN_PATH``).
+
+Under six streams of 300 tokens the node holding the FFN rank dies (every process of that
+node's session killed: its raylet and the rank): the supervisor sees the loss (the pid, and
+through Ray: ``failover.RayWatch``), Ray places the rank's bundle on the other node, the
+replacement starts there, and every stream ends with colocated's text. Stopping the server
+leaves the cluster running (the deployment only joined it).
+"""
 
 from __future__ import annotations
 
@@ -12,10 +20,18 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from vllm_afd.bench.offline_run import run_generation
+from failoverlib import colocated_job, lose_the_ffn_rank_under_streams
+from serverlib import Server, session_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
+
+#: The cluster's GCS declares a node dead after 4 missed health checks 0.5 s apart (Ray's
+#: defaults take about 15 s), so that its bundles are placed again soon.
+HEALTH_CHECKS = {
+    "RAY_health_check_initial_delay_ms": "1000",
+    "RAY_health_check_period_ms": "500",
+    "RAY_health_check_failure_threshold": "4",
+}
 
 
 def _free_port() -> int:
@@ -33,31 +49,47 @@ def ray_token(tmp_path) -> str:
     return write_private_file(str(tmp_path / "ray_token"), os.urandom(32).hex().encode())
 
 
-@pytest.fixture
-def ray_head(tmp_path, ray_token):
-    port = _free_port()
-    ray = Path(sys.executable).with_name("ray")
-    head = subprocess.Popen(
-        [
-            str(ray),
-            "start",
-            "--head",
-            "--port",
-            str(port),
-            "--num-cpus",
-            "2",
-            "--node-ip-address",
-            "127.0.0.1",
-            "--include-dashboard",
-            "false",
-            "--block",
-        ],
-        env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": ray_token},
-        stdout=(tmp_path / "head.log").open("w"),
+def _ray_start(log: Path, token: str, *args: str) -> subprocess.Popen:
+    """``ray start ... --block``: one node, in a session of its own (its raylet and workers)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token, **HEALTH_CHECKS}
+    return subprocess.Popen(
+        [str(Path(sys.executable).with_name("ray")), "start", *args, "--block"],
+        env=env,
+        stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
     )
+
+
+def _kill_session(sid: int) -> None:
+    """Kill every process of session ``sid`` (one node of this test's cluster; never `ray
+    stop`)."""
+    for proc in session_processes(sid):
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.fixture
+def cluster(tmp_path, ray_token):
+    """The head's address and the two CPU nodes' ``ray start`` processes."""
+    port = _free_port()
+    common = ("--node-ip-address", "127.0.0.1", "--disable-usage-stats")
+    head = _ray_start(
+        tmp_path / "head.log",
+        ray_token,
+        "--head",
+        "--port",
+        str(port),
+        "--num-cpus",
+        "0",
+        "--include-dashboard",
+        "false",
+        *common,
+    )
+    nodes: list[subprocess.Popen] = []
     try:
         deadline = time.monotonic() + 120
         while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
@@ -65,27 +97,50 @@ def ray_head(tmp_path, ray_token):
                 tmp_path / "head.log"
             ).read_text()[-2000:]
             time.sleep(1)
-        yield f"127.0.0.1:{port}", head
-    finally:  # the cluster is this test's own: stop its session, never `ray stop`
-        for proc in psutil.process_iter():
-            try:
-                if os.getsid(proc.pid) == head.pid:
-                    proc.kill()
-            except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
-                continue
-        head.wait(timeout=30)
+        address = f"127.0.0.1:{port}"
+        for i in range(2):
+            log = tmp_path / f"node{i}.log"
+            node = _ray_start(log, ray_token, "--address", address, "--num-cpus", "1", *common)
+            nodes.append(node)
+        yield address, head, nodes
+    finally:
+        for proc in (*nodes, head):
+            _kill_session(proc.pid)
+            proc.wait(timeout=30)
 
 
-def test_ffn_group_runs_on_a_given_cluster(tiny_qwen3, ray_head, ray_token):
-    address, head = ray_head
-    job = {"model": tiny_qwen3, "prompts": ["hello world", "1 2 3"], "max_tokens": 8}
-    colocated = run_generation(job)
-    afd = {"ratio": "1:1", "ray_address": address}
-    # The user's token, passed through (RAY_AUTH_MODE defaults to token when one is given).
-    result = run_generation({**job, "afd": afd, "env": {"RAY_AUTH_TOKEN_PATH": ray_token}})
-    assert result["token_ids"] == colocated["token_ids"]
-    assert len(result["ffn"]) == 1
-    # The deployment only joined the cluster: stopping it must leave the cluster running.
-    host, port = address.split(":")
+def test_a_node_holding_the_ffn_rank_dies_under_streams_and_nothing_is_lost(
+    tiny_qwen3, run_once, cluster, ray_token, tmp_path
+):
+    address, head, nodes = cluster
+    server = Server(
+        tiny_qwen3,
+        tmp_path / "server.log",
+        extra=("--afd-ratio", "1:1", "--afd-ray-address", address),
+        # the user's token, passed through (RAY_AUTH_MODE defaults to token when one is given)
+        env={"RAY_AUTH_TOKEN_PATH": ray_token, "VLLM_PLUGINS": "afd"},
+    )
+    try:
+        colocated = run_once(colocated_job(tiny_qwen3))
+        server.wait_healthy()
+        sessions = [node.pid for node in nodes]
+        first = os.getsid(server.ffn_pid())
+        assert first in sessions, "the FFN rank runs on neither CPU node"
+        other = next(s for s in sessions if s != first)
+
+        def node_dies(pid: int) -> None:
+            _kill_session(first)
+
+        node_dies.__name__ = "the node's death"
+        lose_the_ffn_rank_under_streams(server, colocated, node_dies)
+        assert os.getsid(server.ffn_pid()) == other, "the replacement is not on the other node"
+        log = server.log.read_text()
+        assert "AFD: FFN rank 0 replaced in" in log, log[-3000:]
+    finally:
+        try:
+            server.terminate()
+        finally:
+            server.kill_leftovers()
+    # The deployment only joined the cluster: stopping it leaves the cluster running.
     assert head.poll() is None
-    assert socket.socket().connect_ex((host, int(port))) == 0
+    assert socket.socket().connect_ex(("127.0.0.1", int(address.split(":")[1]))) == 0

@@ -115,3 +115,29 @@ def test_join_and_ratio_are_exclusive():
     config = AFDConfig.from_dict({"join": "/g.json"})
     assert config.ratio is None and "ratio" not in config.to_dict()
     assert AFDConfig.from_dict(config.to_dict()) == config
+
+
+def test_a_front_end_joining_after_a_scale_joins_the_live_pool(group, tmp_path):
+    """The group file names the group; once ``vllm-afd scale`` published a new pool
+    (``pool.json``) a front-end joins that one, and its workers start on its epoch."""
+    from vllm_afd.transport import directory
+
+    path, model_dir, leases = group
+    first, second = tmp_path / "ffn", tmp_path / "ffn2"
+    first.mkdir()
+    second.mkdir()
+    content = json.loads(path.read_text())
+    content["spec"]["directory"] = str(first)
+    path.write_text(json.dumps(content))
+    assert _join(path, model_dir).num_ffn_ranks == 1 and directory.epoch_of(str(first)) == 1
+    placement.stop_ffn_group()
+    spec = TransportSpec.from_json(json.dumps(content["spec"]))
+    live = dataclasses.replace(spec, num_ffn_ranks=2, directory=str(second))
+    directory.publish_pool(str(first), directory.Pool(2, live.to_json()))
+    joined = _join(path, model_dir)
+    assert (joined.num_ffn_ranks, joined.directory, joined.attention_rank_offset) == (
+        2,
+        str(second),
+        0,
+    )
+    assert directory.epoch_of(joined.directory) == 2 and directory.epoch_of(str(first)) == 1

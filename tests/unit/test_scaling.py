@@ -104,3 +104,114 @@ def test_without_an_api_key_only_loopback_may_scale(group):
     for body in ({"num_ffn_ranks": 2, "extra": 1}, [2], None):
         answer = local.post("/afd/scale", json=body)
         assert answer.status_code == 400 and "num_ffn_ranks" in answer.json()["error"]
+
+
+def _group_file(tmp_path, **fields) -> str:
+    """A group file of `vllm-afd ffn-server` (only what ``vllm-afd scale`` reads)."""
+    import json
+
+    from vllm_afd.placement import shared
+
+    path = tmp_path / "group.json"
+    path.write_text(json.dumps({"format": shared.GROUP_FILE_FORMAT, **fields}))
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_vllm_afd_scale_reaches_the_ffn_server_through_its_private_directory(
+    group, tmp_path, monkeypatch
+):
+    """``request_scale`` (``vllm-afd scale``) drops a request; the ffn-server's loop
+    (``answer_scale_requests``) carries it out with the checks ``POST /afd/scale`` makes and
+    answers next to it; nothing is left in the directory."""
+    import os
+    import threading
+
+    requests = tmp_path / "scale"
+    requests.mkdir(mode=0o700)
+    path = _group_file(tmp_path, scale_requests=str(requests))
+    scaled = []
+
+    def fake_scale(old, count, timeout_s):  # the pool start and switch: the e2e test's
+        scaled.append(count)
+        group.spec = dataclasses.replace(group.spec, num_ffn_ranks=count)
+        return scaling.ScaleEvent(2, old.spec.num_ffn_ranks, count, 0.0, 1.5, 0.004)
+
+    monkeypatch.setattr(scaling, "_scale", fake_scale)
+    stop = threading.Event()
+
+    def ffn_server():
+        while not stop.wait(0.01):
+            scaling.answer_scale_requests(str(requests))
+
+    server = threading.Thread(target=ffn_server)
+    server.start()
+    try:
+        reply = scaling.request_scale(path, 2, timeout_s=10)
+        assert reply["status"] == 200 and reply["num_ffn_ranks"] == 2, reply
+        assert reply["ratio"] == "1:2" and reply["scale"]["took_s"] == 1.5
+        reply = scaling.request_scale(path, 3, timeout_s=10)
+        assert reply["status"] == 400 and "num_ffn_ranks 3" in reply["error"], reply
+        assert "[1, 2, 4, 8]" in reply["error"]
+        assert scaling.request_scale(path, 2, timeout_s=10)["scale"] is None  # the size it has
+        # a request file the server may not trust (group-readable) is refused like a bad body
+        (requests / "x.request").write_text('{"num_ffn_ranks": 4}')
+        (requests / "x.request").chmod(0o644)
+        deadline = 50
+        while not (requests / "x.answer").exists() and deadline:
+            stop.wait(0.1)
+            deadline -= 1
+        assert '"status": 400' in (requests / "x.answer").read_text()
+        (requests / "x.answer").unlink()
+    finally:
+        stop.set()
+        server.join()
+    assert scaled == [2] and os.listdir(requests) == []
+
+
+def test_vllm_afd_scale_without_an_answer_withdraws_its_request(tmp_path):
+    requests = tmp_path / "scale"
+    requests.mkdir(mode=0o700)
+    path = _group_file(tmp_path, scale_requests=str(requests))
+    with pytest.raises(scaling.ScaleError, match="did not answer within 0.3s") as late:
+        scaling.request_scale(path, 2, timeout_s=0.3)
+    assert late.value.status == 504 and list(requests.iterdir()) == []
+    from vllm_afd.config import AFDConfigError
+
+    with pytest.raises(AFDConfigError, match="takes no scale requests"):
+        scaling.request_scale(_group_file(tmp_path), 2, timeout_s=0.3)
+    with pytest.raises(AFDConfigError, match="vllm-afd scale .*no such file"):
+        scaling.request_scale(str(tmp_path / "missing.json"), 2, timeout_s=0.3)
+
+
+def test_a_shared_groups_scale_waits_for_the_ranks_front_ends_hold(tmp_path, monkeypatch):
+    """An ffn-server group's scale waits for the attention ranks live front-ends leased (one
+    on another host counts), not for free ones or a dead front-end's."""
+    import json
+    import os
+    import socket
+
+    from vllm_afd.host import process_start_time
+    from vllm_afd.placement import shared
+    from vllm_afd.transport import directory
+
+    (tmp_path / "ffn").mkdir()
+    spec = TransportSpec("shm", 4, 1, 8, 16, 2, 16, directory=str(tmp_path / "ffn"))
+    assert shared.served_attention_ranks(spec) == [0, 1, 2, 3]  # a front-end's own group
+    leases = tmp_path / "leases"
+    leases.mkdir()
+    me = {"host": socket.gethostname(), "pid": os.getpid()}
+    holders = {
+        1: {**me, "start": process_start_time(os.getpid())},
+        2: {**me, "start": -1},  # its front-end died
+        3: {"host": "other-host", "pid": 1, "start": 1},
+    }
+    for rank, holder in holders.items():
+        (leases / f"rank{rank}").write_text(json.dumps(holder))
+    monkeypatch.setattr(shared, "_SERVED_LEASES", str(leases))
+    assert shared.served_attention_ranks(spec) == [1, 3]
+    directory.publish_switch(spec.directory, directory.Switch(1, 2, 0.003))
+    assert scaling._wait_for_switches(spec, 2, 0.2) is None  # rank 3 has not switched
+    directory.publish_switch(spec.directory, directory.Switch(3, 2, 0.001))
+    switched = scaling._wait_for_switches(spec, 2, 0.2)
+    assert switched is not None and [s.rank for s in switched] == [1, 3]

@@ -10,6 +10,7 @@ from vllm_afd.host import (
     bind_process,
 )
 from vllm_afd.transport import TransportSpec
+from vllm_afd.transport.directory import RankEntry
 
 #: How often an FFN rank's heartbeat thread beats (``placement.health`` reads it).
 HEARTBEAT_INTERVAL_S = 0.1
@@ -30,7 +31,18 @@ class FFNRank:
         self.executor.start(HEARTBEAT_INTERVAL_S)
 
     def info(self) -> dict:
-        return self.executor.info()
+        """The executor's facts, and the Ray node this rank runs on."""
+        import ray
+
+        return {**self.executor.info(), "node": ray.get_runtime_context().get_node_id()}
+
+    def problem(self, entry: RankEntry, timeout_s: float) -> tuple[str | None, float]:
+        """``health.block_problem`` for this rank (its directory ``entry``), read here on its
+        own host: the failover supervisor of a front-end on another node asks
+        (``failover.RayWatch``). It answers, so its process is not stopped."""
+        from vllm_afd.placement.health import block_problem
+
+        return block_problem(entry, timeout_s, lambda: False)
 
     def stats(self) -> dict:
         return self.executor.stats.snapshot()

@@ -1,7 +1,8 @@
 """Placement, failover: ``Supervisor``, a thread of the front-end, replaces an FFN rank that
-died, stopped, wedged or failed serving a request (``health.rank_problem``), and publishes the
-replacement in the FFN directory (``transport/directory.py``), where the attention ranks find
-it (``transport/p2p.py``).
+died, stopped, wedged or failed serving a request (``health.rank_problem``; on another Ray
+node, ``RayWatch``: its process or its node died), and publishes the replacement in the FFN
+directory (``transport/directory.py``), where the attention ranks find it
+(``transport/p2p.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from vllm_afd.host import (
     pid_alive,
 )
 from vllm_afd.placement.cluster import START_TIMEOUT_S, FFNGroup, log_rank_up
-from vllm_afd.placement.health import rank_problem, reap_dead_segments
+from vllm_afd.placement.health import FROZEN_TIMEOUT_S, rank_problem, reap_dead_segments
 from vllm_afd.transport import directory
 from vllm_afd.transport.directory import RankEntry
 
@@ -36,6 +37,70 @@ def restart_delay(streak: int) -> float:
     """Seconds before starting the replacement after the ``streak``-th failure of a rank in a
     row: 0 for the first, then 1, 3, 7, 15 s (at most ``FAILOVER_MAX_DELAY_S``)."""
     return min(2.0 ** (streak - 1) - 1, FAILOVER_MAX_DELAY_S)
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """``exc``'s text on one line (Ray's errors span several), at most ``limit`` characters."""
+    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class RayWatch:
+    """The supervisor's view, through Ray, of FFN ranks on other Ray nodes than the front-end's
+    (their pid and stats block are not readable here: ``health.rank_problem``).
+
+    Each such rank has one ``FFNRank.problem`` call in flight (the next one made when it
+    answered), collected without blocking every supervisor interval. The rank is lost when the call
+    fails with the actor dead (``ActorDiedError``: its process, or its node, died: Ray fails
+    the calls of an actor on a node that its GCS health check declared dead), or when no answer
+    came for ``FROZEN_TIMEOUT_S`` (a node cut off, a stopped process: Ray answers
+    ``ActorUnavailableError`` meanwhile, and is asked again). An answer is the rank's own view
+    of its stats block (``health.block_problem``: heartbeat, a wedged batch, failed requests).
+    """
+
+    def __init__(self, group: FFNGroup) -> None:
+        self.group = group
+        #: rank -> (the actor asked, the call in flight, when its last answer came)
+        self._calls: dict[int, tuple[object, object, float]] = {}
+        self._here: str | None = None
+
+    def watches(self, rank: int) -> bool:
+        """FFN rank ``rank`` runs on another Ray node than this process."""
+        import ray
+
+        if not ray.is_initialized():
+            return False
+        if self._here is None:
+            self._here = ray.get_runtime_context().get_node_id()
+        return self.group.infos[rank].get("node") not in (None, self._here)
+
+    def problem(self, entry: RankEntry, timeout_s: float) -> tuple[str | None, float]:
+        """As ``health.rank_problem`` for ``entry``'s rank, through Ray (see the class)."""
+        import ray
+
+        rank, now = entry.rank, time.monotonic()
+        actor = self.group.actors[rank]
+        held = self._calls.get(rank)
+        if held is None or held[0] is not actor:  # a new incarnation: its first call
+            self._calls[rank] = (actor, actor.problem.remote(entry, timeout_s), now)
+            return None, 0.0
+        _, call, answered = held
+        node = str(self.group.infos[rank].get("node", ""))[:12]
+        who = f"FFN rank {rank} (pid {entry.pid}, Ray node {node})"
+        if not ray.wait([call], timeout=0)[0]:
+            if now - answered > FROZEN_TIMEOUT_S:
+                return f"{who} gave no answer through Ray for {now - answered:.1f}s", 0.0
+            return None, 0.0
+        answer: tuple[str | None, float] = (None, 0.0)
+        try:
+            answer, answered = tuple(ray.get(call)), now  # type: ignore[assignment]
+        except ray.exceptions.ActorUnavailableError:
+            pass  # unreachable for now: asked again, lost after FROZEN_TIMEOUT_S
+        except ray.exceptions.RayActorError as exc:
+            del self._calls[rank]
+            return f"{who} died: {_one_line(exc)}", 0.0
+        self._calls[rank] = (actor, actor.problem.remote(entry, timeout_s), answered)
+        return answer
 
 
 class Supervisor:
@@ -66,6 +131,7 @@ class Supervisor:
         num_ffn = group.spec.num_ffn_ranks
         self._streak = [0] * num_ffn
         self._started = [time.monotonic()] * num_ffn
+        self._ray = RayWatch(group)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="afd-ffn-supervisor", daemon=True)
         self._thread.start()
@@ -83,6 +149,9 @@ class Supervisor:
                 if entry is None or entry.state != directory.UP:
                     continue
                 problem, failures = rank_problem(entry, spec.timeout_s)
+                if problem is None and self._ray.watches(entry.rank):
+                    problem, seen = self._ray.problem(entry, spec.timeout_s)
+                    failures = max(failures, seen)
                 if problem is None and failures:  # its state after an exception is not trusted
                     problem = f"FFN rank {entry.rank} (pid {entry.pid}) failed serving a request"
                 if problem is not None and not self._stop.is_set():
@@ -103,6 +172,7 @@ class Supervisor:
         logger.warning("AFD: %s; replacing it (failure %d in a row)", problem, streak)
         entry = self._publish(entry, state=directory.RECOVERING, reason=problem)
         self._kill(rank, entry)
+        lost = problem
         while True:
             if streak > FAILOVER_MAX_STREAK:
                 reason = (
@@ -118,7 +188,7 @@ class Supervisor:
                 self.group.start_rank(rank)
                 break
             except Exception as exc:  # noqa: BLE001 - counted as the next failure
-                problem = f"FFN rank {rank}: its replacement did not start ({exc})"
+                problem = f"FFN rank {rank}: its replacement did not start ({_one_line(exc)})"
                 logger.warning("AFD: %s", problem)
                 streak += 1
         info = self.group.infos[rank]
@@ -140,7 +210,7 @@ class Supervisor:
             rank,
             took,
             entry.failovers + 1,
-            problem.split(") ", 1)[-1],
+            lost.split(") ", 1)[-1],
         )
 
     def _kill(self, rank: int, entry: RankEntry) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_afd import envs
@@ -61,7 +62,22 @@ def reap_dead_deployments() -> list[str]:
 def rank_problem(entry: RankEntry, timeout_s: float) -> tuple[str | None, float]:
     """Why the process of ``entry`` (an ``up`` FFN rank) cannot serve, or ``None``; and the
     count of requests that failed on it. Only ranks on this host are checked (pid, stats
-    block); others are ``(None, 0)``: their failures surface as transport errors."""
+    block); others are ``(None, 0)``: the failover supervisor watches those through Ray
+    (``failover.RayWatch``, which runs ``block_problem`` in the rank's own process)."""
+    if entry.host != socket.gethostname():
+        return None, 0.0
+    who = f"FFN rank {entry.rank} (pid {entry.pid})"
+    if not pid_alive(entry.pid):
+        return f"{who} died", 0.0
+    return block_problem(entry, timeout_s, lambda: process_stopped(entry.pid))
+
+
+def block_problem(
+    entry: RankEntry, timeout_s: float, stopped: Callable[[], bool]
+) -> tuple[str | None, float]:
+    """``rank_problem`` from the rank's stats block alone (read on the rank's host; ``stopped``
+    says whether its process is stopped): no heartbeat, a layer batch running past
+    ``timeout_s``; and the count of requests that failed on it."""
     from vllm_afd.metrics.blocks import (
         F_BUSY_SINCE,
         F_FAILURES,
@@ -70,18 +86,14 @@ def rank_problem(entry: RankEntry, timeout_s: float) -> tuple[str | None, float]
         read_block,
     )
 
-    if entry.host != socket.gethostname():
-        return None, 0.0
     who = f"FFN rank {entry.rank} (pid {entry.pid})"
-    if not pid_alive(entry.pid):
-        return f"{who} died", 0.0
     block = read_block(ffn_block_name(entry.address, entry.rank))
     if block is None:
         return None, 0.0
     now = time.monotonic()
     beat, busy, failures = (block.scalars[i] for i in (F_HEARTBEAT, F_BUSY_SINCE, F_FAILURES))
     age = now - beat if beat else 0.0
-    if age > FROZEN_TIMEOUT_S or (age > HEARTBEAT_TIMEOUT_S and process_stopped(entry.pid)):
+    if age > FROZEN_TIMEOUT_S or (age > HEARTBEAT_TIMEOUT_S and stopped()):
         return f"{who} stopped: no heartbeat for {age:.1f}s", failures
     if busy and now - busy > timeout_s:
         return (

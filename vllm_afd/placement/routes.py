@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -78,7 +77,7 @@ async def status(request: Request) -> JSONResponse:
             "transport": spec.backend,
             "num_attention_ranks": spec.num_attention_ranks,
             "num_ffn_ranks": spec.num_ffn_ranks,
-            "ratio": _ratio(spec),
+            "ratio": spec.ratio,
             "pool": pool.epoch if pool else 1,
             "scale_events": list(pool.events) if pool else [],
             "ffn_ranks": [
@@ -101,25 +100,10 @@ async def scale(request: Request) -> JSONResponse:
         body = await request.json()
     except ValueError:
         body = None
-    if not isinstance(body, dict) or set(body) != {"num_ffn_ranks"}:
-        return JSONResponse(
-            {"error": 'the body must be JSON {"num_ffn_ranks": N}'}, status_code=400
-        )
-    from vllm_afd.placement.lifecycle import current_group
-    from vllm_afd.placement.scaling import ScaleError, scale_ffn_group
+    from vllm_afd.placement.scaling import answer
 
-    try:
-        event = await asyncio.to_thread(scale_ffn_group, body["num_ffn_ranks"])
-    except ScaleError as exc:
-        return JSONResponse({"error": str(exc)}, status_code=exc.status)
-    spec = current_group().spec  # the process that scaled holds the group
-    return JSONResponse(
-        {
-            "num_ffn_ranks": spec.num_ffn_ranks,
-            "ratio": _ratio(spec),
-            "scale": None if event is None else dataclasses.asdict(event),
-        }
-    )
+    status, content = await asyncio.to_thread(answer, body)
+    return JSONResponse(content, status_code=status)
 
 
 def _admin_problem(request: Request) -> str | None:
@@ -135,11 +119,6 @@ def _admin_problem(request: Request) -> str | None:
     if client in ("127.0.0.1", "::1", "localhost"):
         return None
     return f"Unauthorized: without --api-key only loopback may scale the FFN pool, not {client}"
-
-
-def _ratio(spec: TransportSpec) -> str:
-    common = math.gcd(spec.num_attention_ranks, spec.num_ffn_ranks)
-    return f"{spec.num_attention_ranks // common}:{spec.num_ffn_ranks // common}"
 
 
 def _rank(entry: directory.RankEntry) -> dict[str, Any]:

@@ -22,20 +22,31 @@ correct, and a rank idle for minutes never holds a scale up. A collective backen
 whose group is fixed when its buffers are made) cannot scale live (``Backend.scales_live``).
 For the GPU plane (symmetric buffers) the same protocol holds: an attention rank maps the new
 pool's buffers at its switch and unmaps the old ones, which no FFN rank writes any more.
+
+An ffn-server group (``shared.py``) has no HTTP server: ``vllm-afd scale GROUP_FILE N`` drops
+a request file into the group's private scale directory (0700, named in the group file), and
+the ffn-server answers it next to it (``request_scale``, ``answer_scale_requests``). Only the
+user who runs the group can reach it, as only they can read the group file; nothing listens.
+The scale waits for the attention ranks front-ends hold (``shared.served_attention_ranks``);
+a front-end joining later joins the live pool (``pool.json``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_afd.config import AFDConfigError
 from vllm_afd.placement import lifecycle, shared
 from vllm_afd.placement.cluster import FFNGroup
-from vllm_afd.transport import backend, directory
+from vllm_afd.transport import TransportSpec, backend, directory
 
 logger = logging.getLogger("vllm.afd")
 #: How long a scale waits for every attention rank to switch to the new pool (a rank switches
@@ -110,7 +121,9 @@ def scale_ffn_group(
             joined = (
                 ""
                 if shared._LEASES is None
-                else (": this front-end joined a group of `vllm-afd ffn-server`; scale that group")
+                else (
+                    ": this front-end joined a group of `vllm-afd ffn-server`: `vllm-afd scale` it"
+                )
             )
             raise ScaleError(409, f"no FFN group of this front-end to scale{joined}")
         if not backend(old.spec.backend).scales_live:
@@ -153,12 +166,11 @@ def _scale(old: FFNGroup, count: int, switch_timeout_s: float) -> ScaleEvent:
     events = published.events if published else ()
     directory.publish_pool(spec.directory, directory.Pool(epoch, new.spec.to_json(), events))
     lifecycle.adopt(new)  # /afd/status, /metrics and /health see the new pool from now on
-    ranks = range(spec.attention_rank_offset, spec.attention_rank_offset + spec.num_attention_ranks)
-    switched = _wait_for_switches(spec.directory, ranks, epoch, switch_timeout_s)
+    switched = _wait_for_switches(spec, epoch, switch_timeout_s)
     if switched is None:
         lifecycle.DRAINING.append(old)
         threading.Thread(
-            target=_drain_later, args=(old, ranks, epoch), name="afd-pool-drain", daemon=True
+            target=_drain_later, args=(old, epoch), name="afd-pool-drain", daemon=True
         ).start()
         raise ScaleError(
             504,
@@ -191,12 +203,14 @@ def _scale(old: FFNGroup, count: int, switch_timeout_s: float) -> ScaleEvent:
 
 
 def _wait_for_switches(
-    ffn_directory: str, ranks: range, epoch: int, timeout_s: float
+    spec: TransportSpec, epoch: int, timeout_s: float
 ) -> list[directory.Switch] | None:
-    """Every attention rank's switch to pool ``epoch`` (``None`` after ``timeout_s``)."""
+    """The switch to pool ``epoch`` of every attention rank serving on ``spec``'s pool
+    (``None`` after ``timeout_s``). Of an ffn-server group, the ranks front-ends hold, looked up
+    each poll: one that leaves meanwhile is not waited for."""
     deadline = time.monotonic() + timeout_s
     while True:
-        found = directory.switches(ffn_directory, ranks)
+        found = directory.switches(spec.directory, shared.served_attention_ranks(spec))
         if all(s is not None and s.epoch >= epoch for s in found):
             return found  # type: ignore[return-value]
         if time.monotonic() >= deadline:
@@ -204,13 +218,99 @@ def _wait_for_switches(
         time.sleep(directory.POLL_S)
 
 
-def _drain_later(old: FFNGroup, ranks: range, epoch: int) -> None:
+def _drain_later(old: FFNGroup, epoch: int) -> None:
     while old in lifecycle.DRAINING:
-        if _wait_for_switches(old.spec.directory, ranks, epoch, 1.0) is not None:
+        if _wait_for_switches(old.spec, epoch, 1.0) is not None:
             if old in lifecycle.DRAINING:
                 lifecycle.DRAINING.remove(old)
                 lifecycle.stop_ranks(old)
             return
+
+
+def answer(body: object) -> tuple[int, dict[str, Any]]:
+    """Carry out one scale request ``body`` (JSON ``{"num_ffn_ranks": N}``, from ``POST
+    /afd/scale`` or ``vllm-afd scale``): (HTTP status, the JSON answer)."""
+    if not isinstance(body, dict) or set(body) != {"num_ffn_ranks"}:
+        return 400, {"error": 'the body must be JSON {"num_ffn_ranks": N}'}
+    try:
+        event = scale_ffn_group(body["num_ffn_ranks"])
+    except ScaleError as exc:
+        return exc.status, {"error": str(exc)}
+    group = lifecycle.current_group()  # the process that scaled holds the group
+    assert group is not None
+    return 200, {
+        "num_ffn_ranks": group.spec.num_ffn_ranks,
+        "ratio": group.spec.ratio,
+        "scale": None if event is None else dataclasses.asdict(event),
+    }
+
+
+#: How often ``vllm-afd ffn-server`` looks for a scale request (``answer_scale_requests``).
+REQUEST_POLL_S = 0.2
+_REQUEST, _ANSWER = ".request", ".answer"
+_REQUEST_MAX_BYTES = 4096
+
+
+def answer_scale_requests(requests_dir: str) -> int:
+    """Carry out the scale requests waiting in ``requests_dir``, oldest first, one at a time,
+    each answered in a file of its own next to it; returns how many."""
+    from vllm_afd.host import read_private_file, write_private_file
+
+    waiting = []
+    for name in os.listdir(requests_dir):
+        path = os.path.join(requests_dir, name)
+        if name.endswith(_REQUEST):
+            try:
+                waiting.append((os.stat(path).st_mtime_ns, path))
+            except FileNotFoundError:
+                pass
+    for _, path in sorted(waiting):
+        try:
+            body: object = json.loads(read_private_file(path, _REQUEST_MAX_BYTES))
+        except (OSError, ValueError):
+            body = None  # not a request of this user: refused as any bad body
+        finally:
+            os.unlink(path)
+        try:
+            status, content = answer(body)
+        except Exception as exc:  # noqa: BLE001 - the group serves on; the asker is told
+            logger.exception("AFD: a scale request failed")
+            status, content = 500, {"error": f"the scale failed: {exc}"}
+        reply = path.removesuffix(_REQUEST) + _ANSWER
+        write_private_file(reply + ".tmp", json.dumps({"status": status, **content}).encode())
+        os.replace(reply + ".tmp", reply)  # the asker reads it whole once it exists
+    return len(waiting)
+
+
+def request_scale(group_file: str, num_ffn_ranks: int, timeout_s: float) -> dict[str, Any]:
+    """Ask the ffn-server of ``group_file`` for ``num_ffn_ranks`` FFN ranks and wait for its
+    answer (``answer``'s JSON with ``status``); ``ScaleError`` (504) if none came within
+    ``timeout_s``, the request withdrawn unless the server took it already."""
+    from vllm_afd.host import read_private_file, write_private_file
+
+    content = shared.read_group_file(group_file, f"vllm-afd scale {group_file!r}")
+    requests_dir = content.get("scale_requests")
+    if not requests_dir:
+        raise AFDConfigError(
+            f"vllm-afd scale {group_file!r}: the group's ffn-server takes no scale requests "
+            "(an older vllm-afd); restart it"
+        )
+    base = os.path.join(str(requests_dir), uuid.uuid4().hex)
+    write_private_file(base + _REQUEST, json.dumps({"num_ffn_ranks": num_ffn_ranks}).encode())
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(base + _ANSWER):
+        if time.monotonic() >= deadline:
+            try:
+                os.unlink(base + _REQUEST)
+                taken = ""
+            except FileNotFoundError:
+                taken = "; it took the request and may still carry it out"
+            raise ScaleError(504, f"the ffn-server did not answer within {timeout_s:g}s{taken}")
+        time.sleep(REQUEST_POLL_S)
+    try:
+        return json.loads(read_private_file(base + _ANSWER, 1 << 16))
+    finally:
+        os.unlink(base + _ANSWER)
 
 
 def events(ffn_directory: str) -> list[dict]:

@@ -2,6 +2,9 @@
 ``start_ffn_group`` in a process of its own and writes a group file (``write_group_file``); a
 front-end given ``--afd-join`` checks it against its own configuration and takes attention
 ranks of the group (``join_ffn_group``).
+
+The group file names the group; the pool that serves now is ``pool.json``'s once a live scale
+(``vllm-afd scale``, ``scaling.py``) published one: a front-end joins that pool.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from vllm_afd.host import (
 )
 from vllm_afd.placement.cluster import FFNGroup, GroupRequest
 from vllm_afd.placement.credentials import private_directory, set_env
-from vllm_afd.transport import TransportSpec, backend
+from vllm_afd.transport import TransportSpec, backend, directory
 
 logger = logging.getLogger("vllm.afd")
 
@@ -30,6 +33,8 @@ GROUP_FILE_FORMAT = 1
 _GROUP_FILE_MAX_BYTES = 1 << 20
 #: The joined group's lease directory and the attention ranks this front-end holds there.
 _LEASES: tuple[str, list[int]] | None = None
+#: The lease directory of the group this process serves (``write_group_file``).
+_SERVED_LEASES: str | None = None
 
 
 def _version() -> str:
@@ -47,6 +52,11 @@ def model_identity(model_dir: str) -> str:
         return hashlib.sha256(fh.read()).hexdigest()
 
 
+def scale_requests_dir() -> str:
+    """Where this process's ffn-server group takes scale requests (``scaling.py``)."""
+    return os.path.join(private_directory(), "scale")
+
+
 def write_group_file(group: FFNGroup | None, path: str | None, model_dir: str) -> str:
     """Describe the running FFN group for front-ends that join it (``--afd-join``).
 
@@ -55,10 +65,14 @@ def write_group_file(group: FFNGroup | None, path: str | None, model_dir: str) -
     front-ends take their attention ranks, and the *path* of the tcp secret: nothing secret.
     Default place: the deployment's private directory. Returns the path.
     """
+    global _SERVED_LEASES
     if group is None:
         raise RuntimeError("no FFN group runs in this process")
     leases = os.path.join(private_directory(), "leases")
     os.makedirs(leases, mode=0o700, exist_ok=True)
+    requests = scale_requests_dir()
+    os.makedirs(requests, mode=0o700, exist_ok=True)
+    _SERVED_LEASES = leases
     content = {
         "format": GROUP_FILE_FORMAT,
         "vllm_afd": _version(),
@@ -66,6 +80,7 @@ def write_group_file(group: FFNGroup | None, path: str | None, model_dir: str) -
         "model": model_dir,
         "model_sha256": model_identity(model_dir),
         "leases": leases,
+        "scale_requests": requests,
         "auth_file": envs.VLLM_AFD_AUTH_FILE or "",
         "owner": {"host": socket.gethostname(), "pid": os.getpid()},
     }
@@ -75,10 +90,11 @@ def write_group_file(group: FFNGroup | None, path: str | None, model_dir: str) -
     return write_private_file(path, json.dumps(content, indent=1).encode())
 
 
-def _read_group_file(path: str) -> dict:
+def read_group_file(path: str, where: str) -> dict:
+    """The group file at ``path``; ``AFDConfigError`` starting with ``where`` (the flag that
+    named it) if it is not one of this user's."""
     from vllm_afd.host import read_private_file
 
-    where = f"--afd-join (additional_config.afd.join) {path!r}"
     try:
         content = json.loads(read_private_file(path, _GROUP_FILE_MAX_BYTES))
     except FileNotFoundError:
@@ -110,9 +126,9 @@ def join_ffn_group(request: GroupRequest) -> TransportSpec:
         request.max_tokens,
         request.dtype,
     )
-    content = _read_group_file(afd.join)
     where = f"--afd-join (additional_config.afd.join) {afd.join!r}"
-    spec = TransportSpec.from_json(json.dumps(content["spec"]))
+    content = read_group_file(afd.join, where)
+    spec = TransportSpec.from_json(directory.live_runtime(json.dumps(content["spec"])))
     mine = {
         "vllm_afd version": _version(),
         "model (sha256 of config.json)": model_identity(model_dir),
@@ -209,13 +225,36 @@ def _take_lease(leases: str, rank: int, me: dict) -> bool:
                     holder = json.load(fh)
             except (OSError, ValueError):
                 return False
-            alive = holder.get("host") != me["host"] or process_start_time(
-                int(holder.get("pid", 0))
-            ) == holder.get("start")
-            if alive:
+            if _holds(holder):
                 return False
             os.unlink(path)  # its front-end died without giving it back
     return False
+
+
+def _holds(holder: dict) -> bool:
+    """The holder of a lease still runs (one on another host is taken to)."""
+    if holder.get("host") != socket.gethostname():
+        return True
+    return process_start_time(int(holder.get("pid", 0))) == holder.get("start")
+
+
+def served_attention_ranks(spec: TransportSpec) -> list[int]:
+    """The attention ranks serving on this process's group ``spec``: of an ffn-server group,
+    those a live front-end leased; else every rank of ``spec``."""
+    first = spec.attention_rank_offset
+    every = range(first, first + spec.num_attention_ranks)
+    if _SERVED_LEASES is None:
+        return list(every)
+    held = []
+    for rank in every:
+        try:
+            with open(os.path.join(_SERVED_LEASES, f"rank{rank}")) as fh:
+                holder = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if isinstance(holder, dict) and _holds(holder):
+            held.append(rank)
+    return held
 
 
 def _release_leases(leases: str, ranks: list[int]) -> None:
@@ -227,8 +266,10 @@ def _release_leases(leases: str, ranks: list[int]) -> None:
 
 
 def leave_group() -> None:
-    """Give back the attention ranks this front-end took of a joined group (if any)."""
-    global _LEASES
+    """Give back the attention ranks this front-end took of a joined group (if any), and
+    forget the group this process served (``write_group_file``)."""
+    global _LEASES, _SERVED_LEASES
+    _SERVED_LEASES = None
     if _LEASES is not None:
         _release_leases(*_LEASES)
         _LEASES = None

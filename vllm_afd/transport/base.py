@@ -45,6 +45,7 @@ import abc
 import dataclasses
 import functools
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
@@ -113,6 +114,12 @@ class TransportSpec:
     def fails_over(self) -> bool:
         """A lost FFN rank's replacement is awaited (a directory and a wait are set)."""
         return bool(self.directory) and self.failover_s > 0
+
+    @property
+    def ratio(self) -> str:
+        """The A:F ratio, in lowest terms (``"2:1"``)."""
+        common = math.gcd(self.num_attention_ranks, self.num_ffn_ranks)
+        return f"{self.num_attention_ranks // common}:{self.num_ffn_ranks // common}"
 
     @property
     def experts_per_ffn_rank(self) -> int:

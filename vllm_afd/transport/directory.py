@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 UP, RECOVERING, FAILED = "up", "recovering", "failed"
@@ -187,6 +188,15 @@ def live_runtime(runtime: str) -> str:
     return pool.spec if pool is not None else runtime
 
 
+def epoch_of(ffn_directory: str) -> int:
+    """The epoch of the pool whose FFN directory is ``ffn_directory`` while it is the newest
+    (a front-end that joined after a scale starts on it); else 1."""
+    pool = read_pool(ffn_directory)
+    if pool is None or json.loads(pool.spec).get("directory") != ffn_directory:
+        return 1
+    return pool.epoch
+
+
 def _switch_path(ffn_directory: str, rank: int) -> str:
     return os.path.join(os.path.dirname(ffn_directory), f"attention{rank}.json")
 
@@ -195,7 +205,7 @@ def publish_switch(ffn_directory: str, switch: Switch) -> None:
     _write(_switch_path(ffn_directory, switch.rank), dataclasses.asdict(switch))
 
 
-def switches(ffn_directory: str, ranks: range) -> list[Switch | None]:
+def switches(ffn_directory: str, ranks: Iterable[int]) -> list[Switch | None]:
     """Each attention rank's last switch (``None``: it never switched: epoch 1)."""
     out: list[Switch | None] = []
     for rank in ranks:

@@ -52,7 +52,6 @@ from __future__ import annotations
 import abc
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -450,17 +449,31 @@ class PointToPointAttentionTransport(AttentionTransport):
 
         Raises:
             FFNServeError: ``error`` itself when the request already failed on a replacement
-                (``SERVE_ERROR_ATTEMPTS``), without failover, when the rank is on another
-                host (the supervisor watches this host's ranks only), or while
-                ``retry_serve_errors`` is off.
+                (``SERVE_ERROR_ATTEMPTS``), without failover (or a directory entry for the
+                rank), or while ``retry_serve_errors`` is off. The supervisor watches ranks on
+                other hosts too (through Ray: ``placement.failover.RayWatch``).
         """
         spec = self.spec
         if attempt >= SERVE_ERROR_ATTEMPTS or not self.retry_serve_errors or not spec.fails_over:
             raise error
-        entry = directory.lookup(spec.directory, ffn_rank)
-        if entry is None or entry.host != socket.gethostname():
+        if directory.lookup(spec.directory, ffn_rank) is None:
             raise error
         return FFNRankLost(ffn_rank, f"{error} (the supervisor replaces a rank that failed)")
+
+    def _check_superseded(self, ffn_rank: int) -> None:
+        """Raise ``FFNRankLost`` when the failover supervisor declared FFN rank ``ffn_rank``
+        lost: its directory entry is being replaced, given up, or a newer incarnation than the
+        one this rank is linked to. A rank on another host whose node died (or was cut off)
+        closes no connection; only the supervisor, watching it through Ray, can tell. Called
+        by a backend's wait while it blocks (tcp: ``DIRECTORY_CHECK_S``)."""
+        if not self.spec.fails_over:
+            return
+        entry = directory.lookup(self.spec.directory, ffn_rank)
+        if entry is None:
+            return
+        if entry.state != directory.UP or entry.incarnation != self._incarnation[ffn_rank]:
+            reason = entry.reason or f"incarnation {entry.incarnation} is {entry.state}"
+            raise FFNRankLost(ffn_rank, f"the failover supervisor replaces it ({reason})")
 
     def _recover(self, lost: FFNRankLost) -> None:
         """Replace the link to the lost FFN rank by one to its replacement, or re-raise.

@@ -118,6 +118,9 @@ MAX_UNAUTHENTICATED = 16
 #: Seconds a connection may take to authenticate before the FFN rank closes it.
 HANDSHAKE_TIMEOUT_S = 10.0
 _CONNECT_TIMEOUT_S = 10.0
+#: How long an attention rank's wait blocks on its sockets before it looks in the FFN
+#: directory for a rank the supervisor declared lost (``P2PAttentionTransport._check_superseded``).
+DIRECTORY_CHECK_S = 0.1
 
 
 def _header(
@@ -483,14 +486,19 @@ class TcpAttentionTransport(PointToPointAttentionTransport):
             self._selector.modify(peer.sock, selectors.EVENT_READ, peer)
 
     def _wait_events(self, deadline: float, waiting_for: _FFNPeer) -> None:
-        """Block until some socket is ready (reading whatever arrived) or raise on timeout."""
+        """Block until some socket is ready (reading whatever arrived) or raise on timeout;
+        every ``DIRECTORY_CHECK_S`` without one, ask the FFN directory whether the supervisor
+        declared the rank waited for lost (``_check_superseded``: a dead node sends no FIN)."""
         remaining = deadline - time.perf_counter()
         if remaining <= 0:
             raise FFNTimeout(
                 f"FFN rank {waiting_for.ffn_rank} did not answer within "
                 f"timeout_s={self.spec.timeout_s}"
             )
-        for key, events in self._selector.select(remaining):
+        ready = self._selector.select(min(remaining, DIRECTORY_CHECK_S))
+        if not ready:
+            self._check_superseded(waiting_for.ffn_rank)
+        for key, events in ready:
             if events & selectors.EVENT_READ:
                 key.data.read()
 

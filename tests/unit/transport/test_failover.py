@@ -169,13 +169,44 @@ def test_a_request_that_fails_on_the_replacement_too_fails_with_the_ffn_error(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_failed_request_of_a_rank_on_another_host_fails_at_once(backend, start_ffn, tmp_path):
-    """The supervisor watches its own host's ranks only: nothing would replace this one."""
+def test_a_failed_request_of_a_rank_on_another_host_goes_to_its_replacement(
+    backend, start_ffn, tmp_path
+):
+    """The supervisor watches ranks on other hosts through Ray (``failover.RayWatch``): a
+    request one failed goes to its replacement as on this host."""
     spec, cluster = _failing_cluster(start_ffn, backend, tmp_path, "another-host")
     att = cluster.connect(0)
-    handle = att.dispatch(0, *routing(8, spec, seed=6))
+    x = routing(8, spec, seed=6)
+    handle = att.dispatch(0, *x)
+    supervisor = _replace_rank_1(cluster, spec, tmp_path, _forward(spec, 1))
+    out = att.combine(handle)
+    supervisor.join()
+    assert torch.equal(out, reference_moe_combine(*x, SCALES, 8, 2))
+    assert (att.replacements, att.redispatched) == (1, 1)
+
+
+def test_a_tcp_rank_the_supervisor_declared_lost_is_left_without_a_closed_connection(
+    start_ffn, tmp_path
+):
+    """A rank on a node that died (or was cut off) closes no connection: the attention rank's
+    wait sees the supervisor's verdict in the FFN directory within ``DIRECTORY_CHECK_S`` and
+    sends what it had not answered to the replacement; the old process is never heard from
+    again (here it is alive, 30 s late)."""
+    spec, cluster = _cluster(start_ffn, "tcp", tmp_path, delay_rank1=30.0)
+    att = cluster.connect(0)
+    x = routing(8, spec, seed=7)
+    handle = att.dispatch(0, *x)
+
+    def supervise() -> None:  # the node is gone: no kill reaches it
+        reason = "FFN rank 1 (pid 9, Ray node abc) died: its node died"
+        ffn_directory.publish(str(tmp_path), _entry(1, 1, RECOVERING, reason=reason))
+        time.sleep(0.3)
+        address, pid = cluster.replace(1, _forward(spec, 1))
+        ffn_directory.publish(str(tmp_path), _entry(1, 2, UP, address, pid, failovers=1))
+
+    threading.Timer(0.3, supervise).start()
     start = time.monotonic()
-    with pytest.raises(FFNServeError, match="FFN rank 1: RuntimeError: bad batch"):
-        att.combine(handle)
-    assert time.monotonic() - start < 2.0
-    assert att.replacements == 0
+    out = att.combine(handle)
+    assert time.monotonic() - start < 10.0
+    assert torch.equal(out, reference_moe_combine(*x, SCALES, 8, 2))
+    assert (att.replacements, att.redispatched) == (1, 1)
