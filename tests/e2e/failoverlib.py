@@ -118,12 +118,17 @@ def lose_the_ffn_rank_under_streams(server: Server, colocated: dict, loss: Loss)
         assert result.text == colocated["texts"][i], (name, i)
 
 
-def streams_around(server: Server, action: Callable[[], object]) -> tuple[object, list, tuple]:
-    """Stream every prompt (``STREAM_TOKENS`` tokens each) and run ``action`` in a thread of
-    its own once every stream has begun (started from the stream whose first chunk completes
-    the set, as ``lose_the_ffn_rank_under_streams`` does); returns its result, the streams'
+def streams_around(
+    server: Server,
+    action: Callable[[], object],
+    prompts: list[str] = PROMPTS,
+    max_tokens: int = STREAM_TOKENS,
+) -> tuple[object, list, tuple]:
+    """Stream every prompt (``max_tokens`` tokens each) and run ``action`` in a thread of its
+    own once every stream has begun (started from the stream whose first chunk completes the
+    set, as ``lose_the_ffn_rank_under_streams`` does); returns its result, the streams'
     results and the ``time.monotonic()`` span it ran in."""
-    chunks = [0] * len(PROMPTS)
+    chunks = [0] * len(prompts)
     lock, done = threading.Lock(), threading.Event()
     outcome: dict = {}
 
@@ -142,10 +147,10 @@ def streams_around(server: Server, action: Callable[[], object]) -> tuple[object
                 outcome["thread"] = threading.Thread(target=run, daemon=True)
                 outcome["thread"].start()
 
-    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         streams = [
-            pool.submit(server.stream, p, STREAM_TOKENS, on_chunk=functools.partial(tick, i))
-            for i, p in enumerate(PROMPTS)
+            pool.submit(server.stream, p, max_tokens, on_chunk=functools.partial(tick, i))
+            for i, p in enumerate(prompts)
         ]
         results = [s.result(timeout=600) for s in streams]
     assert done.wait(600), ("the action did not end", chunks)

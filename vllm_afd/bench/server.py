@@ -212,14 +212,19 @@ class ServeProcess:
             self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(timeout=timeout)
 
-    def stop(self, timeout: float = 90.0) -> list[int]:
-        """``terminate``, then SIGKILL what is left of the server's session (the main process
-        too if it did not exit in time). Returns the pids that had to be killed."""
+    def stop(self, timeout: float = 90.0, grace: float = 20.0) -> list[int]:
+        """``terminate``, give the rest of the server's session ``grace`` seconds to exit (a
+        process such as multiprocessing's resource tracker ends just after the server), then
+        SIGKILL what is left (the main process too if it did not exit in time). Returns the
+        pids that had to be killed."""
         try:
             self.terminate(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        deadline = time.monotonic() + grace
+        while session_pids(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
         killed: list[int] = []
         for _ in range(10):
             left = session_pids(self.proc.pid)
