@@ -31,6 +31,12 @@ class Server(ServeProcess):
         assert pid is not None, f"the server did not log FFN rank {rank}'s pid"
         return pid
 
+    def assert_nothing_left(self, grace: float) -> None:
+        """The server's session is empty within ``grace`` seconds (it has exited)."""
+        self.wait_session_empty(grace)
+        left = session_processes(self.proc.pid)
+        assert not left, [(p.pid, " ".join(p.cmdline())) for p in left]
+
     def kill_leftovers(self) -> None:
         """Test hygiene only: kill whatever of the session is still alive."""
         if self.proc.poll() is None:

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from failoverlib import PROMPTS, colocated_job, streams_around
-from serverlib import Server, http_request, session_processes
+from serverlib import Server, http_request
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
@@ -168,10 +168,7 @@ def test_autoscale_follows_the_load_from_short_to_long_contexts(tiny_qwen3, run_
         server.terminate()
         assert server.proc.returncode == 0, server.log.read_text()[-3000:]
         assert time.monotonic() - started < 60
-        deadline = time.monotonic() + 20
-        while (left := session_processes(server.proc.pid)) and time.monotonic() < deadline:
-            time.sleep(1)
-        assert not left, [(p.pid, " ".join(p.cmdline())) for p in left]
+        server.assert_nothing_left(20)
     finally:
         try:
             server.terminate()

@@ -37,7 +37,7 @@ from failoverlib import (
     fail_once,
     lose_the_ffn_rank_under_streams,
 )
-from serverlib import Server, http_request, session_processes
+from serverlib import Server, http_request
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
@@ -111,10 +111,7 @@ def test_an_ffn_serve_error_fails_the_request_at_once_and_the_engine_serves_on(s
     # ... but the engine core lives: the next request, without the fault, completes
     assert server.complete("hello world", 4)[0] == 200
     server.terminate()
-    deadline = time.monotonic() + 30
-    while (left := session_processes(server.proc.pid)) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not left, [(p.pid, " ".join(p.cmdline())) for p in left]
+    server.assert_nothing_left(30)
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,9 @@ import concurrent.futures
 import contextlib
 import json
 import re
-import time
 
 import pytest
-from serverlib import Server, http_request, session_processes
+from serverlib import Server, http_request
 
 from vllm_afd.bench.offline_run import run_generation
 
@@ -112,10 +111,7 @@ def stop(server: Server) -> None:
         server.terminate()
         if running:
             assert server.proc.returncode == 0, server.log.read_text()[-3000:]
-        deadline = time.monotonic() + 30
-        while (left := session_processes(server.proc.pid)) and time.monotonic() < deadline:
-            time.sleep(1)
-        assert not left, [(p.pid, " ".join(p.cmdline())) for p in left]
+        server.assert_nothing_left(30)
     finally:
         server.kill_leftovers()
 

@@ -276,10 +276,7 @@ def test_sigterm_under_load_drains_every_request_then_nothing_is_left(server, co
     log = server.log.read_text()
     assert server.proc.returncode == 0, log[-3000:]
     assert "mode=drain" in log
-    deadline = time.monotonic() + 30
-    while (left := session_processes(server.proc.pid)) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not left, [(p.pid, " ".join(p.cmdline())) for p in left]
+    server.assert_nothing_left(30)
     assert not [s for s in segments if Path("/dev/shm", s).exists()]
     stale = [n for n in _metrics_blocks() - server.metrics_blocks_before if _dead_writer(n)]
     assert not stale, f"metrics blocks left behind by the server: {stale}"

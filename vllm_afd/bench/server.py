@@ -212,6 +212,13 @@ class ServeProcess:
             self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(timeout=timeout)
 
+    def wait_session_empty(self, grace: float) -> list[int]:
+        """Wait up to ``grace`` seconds for the server's session to empty; the pids left."""
+        deadline = time.monotonic() + grace
+        while (left := session_pids(self.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return left
+
     def stop(self, timeout: float = 90.0, grace: float = 20.0) -> list[int]:
         """``terminate``, give the rest of the server's session ``grace`` seconds to exit (a
         process such as multiprocessing's resource tracker ends just after the server), then
@@ -222,9 +229,7 @@ class ServeProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        deadline = time.monotonic() + grace
-        while session_pids(self.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.5)
+        self.wait_session_empty(grace)
         killed: list[int] = []
         for _ in range(10):
             left = session_pids(self.proc.pid)
