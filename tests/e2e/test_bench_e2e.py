@@ -1,8 +1,8 @@
 """`vllm-afd bench` end to end: a small bench (colocated, DP2 x EP2, AFD 1:1) and the JSON it
-writes, speculative decoding in every configuration, a decode pool on vLLM's
-DecodeBenchConnector.
+writes; a decode pool on vLLM's DecodeBenchConnector with n-gram speculative decoding in every
+configuration (one bench for both: a decode pool that speculates, as production ones do).
 
-The three benches run as `vllm-afd bench` processes, two at a time (a module fixture): each runs
+The two benches run as `vllm-afd bench` processes side by side (a module fixture): each runs
 its configurations one after another, as a benchmark must, and the checks here read tokens and
 counters, never timings, so two benches side by side cost them nothing.
 """
@@ -26,20 +26,16 @@ def _small(model: str) -> list[str]:
     return [*argv, "--batch", "4", "--prompt-len", "32", "--output-len", "16", "--rounds", "2"]
 
 
-def _speculative(model: str) -> list[str]:
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    spec["prompt_lookup_max"] = 3
-    argv = ["--model", model, "--ratios", "1:1", "--microbatches", "2", "--ep-sizes", "none"]
-    argv += ["--batch", "4", "--prompt-len", "64", "--output-len", "16", "--rounds", "1"]
-    return [*argv, "--speculative-config", json.dumps(spec)]
-
-
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+SPEC["prompt_lookup_max"] = 3
 KV = {"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"}
 
 
 def _decode_pool(model: str) -> list[str]:
+    """Each prompt's KV filled by the connector, n-gram drafts verified in every step."""
     argv = ["--model", model, "--ratios", "1:1", "--microbatches", "2", "--ep-sizes", "none"]
     argv += ["--batch", "4", "--prompt-len", "256", "--output-len", "16", "--rounds", "1"]
+    argv += ["--speculative-config", json.dumps(SPEC)]
     return [*argv, "--kv-transfer-config", json.dumps(KV)]
 
 
@@ -47,7 +43,7 @@ def _decode_pool(model: str) -> list[str]:
 def benches(tiny_qwen3, tmp_path_factory) -> dict[str, tuple[int, dict, str]]:
     """name -> (exit code, the JSON written, the output's tail) of each bench (run in this
     process's environment, as ``ab.main`` here would)."""
-    argvs = {"small": _small, "speculative": _speculative, "decode_pool": _decode_pool}
+    argvs = {"small": _small, "decode_pool": _decode_pool}
     script = str(Path(sys.executable).with_name("vllm-afd"))
 
     def run(name: str) -> tuple[int, dict, str]:
@@ -65,7 +61,7 @@ def benches(tiny_qwen3, tmp_path_factory) -> dict[str, tuple[int, dict, str]]:
         data = json.loads(out.read_text()) if out.exists() else {}
         return proc.returncode, data, (proc.stdout + proc.stderr)[-3000:]
 
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(len(argvs)) as pool:
         return dict(zip(argvs, pool.map(run, argvs), strict=True))
 
 
@@ -93,9 +89,8 @@ def test_bench_applies_speculation_to_every_configuration(benches):
     """n-gram d = 3 colocated and at AFD 1:1 with the default two microbatches: the same
     greedy tokens, vLLM's acceptance counters per configuration. The random model's text
     seldom repeats, so drafts are few (prompt_lookup_min 1 finds some) and none is accepted."""
-    data, rows = _rows(benches["speculative"])
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    assert data["settings"]["speculative_config"] == spec | {"prompt_lookup_max": 3}
+    data, rows = _rows(benches["decode_pool"])
+    assert data["settings"]["speculative_config"] == SPEC
     assert set(rows) == {"colocated", "afd 1:1 k2"}
     for row in rows.values():
         assert row["status"] == "ok" and row["identical"] is True, row

@@ -9,6 +9,7 @@ tests/unit/test_pool_switch.py.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 from fastapi import FastAPI
@@ -74,6 +75,28 @@ def test_one_scale_at_a_time(group):
         with pytest.raises(scaling.ScaleError, match="another scale") as busy:
             scaling.scale_ffn_group(2)
     assert busy.value.status == 409
+
+
+def test_a_scale_the_front_ends_stop_overtook_stops_its_new_pool(group, monkeypatch, tmp_path):
+    """``stop_ffn_group`` (shutdown) runs while the new pool starts: the scale adopts nothing,
+    stops the new pool itself, and answers 503; the stopped front-end has no group again."""
+    new = dataclasses.replace(group, spec=dataclasses.replace(group.spec, num_ffn_ranks=2))
+    stopped = []
+
+    def launch(spec, afd, model_dir, device):
+        monkeypatch.setattr(lifecycle, "_GROUP", None)  # what stop_ffn_group does meanwhile
+        return new
+
+    monkeypatch.setattr(lifecycle, "_launch", launch)
+    monkeypatch.setattr(lifecycle, "_ffn_directory", lambda epoch: str(tmp_path / f"ffn{epoch}"))
+    monkeypatch.setattr(lifecycle, "supervise", lambda pool: None)
+    monkeypatch.setattr(lifecycle, "stop_ranks", stopped.append)
+    monkeypatch.delenv("VLLM_AFD_RUNTIME", raising=False)
+    with pytest.raises(scaling.ScaleError, match="stopped its FFN group") as refused:
+        scaling.scale_ffn_group(2)
+    assert refused.value.status == 503
+    assert stopped == [new] and lifecycle.current_group() is None
+    assert "VLLM_AFD_RUNTIME" not in os.environ
 
 
 def _client(keys: list[str], host: str) -> TestClient:

@@ -44,7 +44,9 @@ from vllm_afd.transport.directory import RankEntry
 logger = logging.getLogger("vllm.afd")
 
 
-_LOCK = threading.Lock()
+#: Held while the process's group changes hands: a start, a live scale's adoption, a stop
+#: (re-entrant: a start stops the previous group).
+_LOCK = threading.RLock()
 _GROUP: FFNGroup | None = None
 _GROUP_KEY: str | None = None
 #: Pools a live scale replaced that still serve an attention rank that has not switched yet
@@ -168,24 +170,31 @@ def current_group() -> FFNGroup | None:
     return _GROUP
 
 
-def adopt(pool: FFNGroup) -> None:
-    """A live scale's new pool (``scaling.py``) becomes this process's FFN group: it takes over
-    the Ray instance the old one owned, and the runtime spec that ``/afd/status``, ``/metrics``
-    and ``/health`` read. The old pool is the scale's to stop; an identical request for a group
-    starts a new one (the running size is not the one asked for)."""
+def adopt(pool: FFNGroup, replacing: FFNGroup) -> bool:
+    """A live scale's new pool (``scaling.py``) becomes this process's FFN group in place of
+    ``replacing``: it takes over the Ray instance the old one owned, and the runtime spec that
+    ``/afd/status``, ``/metrics`` and ``/health`` read. The old pool is the scale's to stop; an
+    identical request for a group starts a new one (the running size is not the one asked for).
+
+    False, and nothing adopted, when ``replacing`` is no longer the group: the front-end
+    stopped it (``stop_ffn_group``, at shutdown) while the new pool started, and the scale
+    must stop the new pool itself."""
     global _GROUP, _GROUP_KEY
     with _LOCK:
-        old, _GROUP, _GROUP_KEY = _GROUP, pool, None
-        if old is not None:
-            pool.owns_ray, old.owns_ray, old.hub = old.owns_ray, False, None
+        if _GROUP is not replacing:
+            return False
+        _GROUP, _GROUP_KEY = pool, None
+        pool.owns_ray, replacing.owns_ray, replacing.hub = replacing.owns_ray, False, None
         os.environ[envs.RUNTIME] = pool.spec.to_json()
+        return True
 
 
 def stop_ffn_group() -> None:
     """Stop this process's FFN group (and the local Ray it started). Idempotent."""
     global _GROUP, _GROUP_KEY
-    group, _GROUP, _GROUP_KEY = _GROUP, None, None
-    os.environ.pop(envs.RUNTIME, None)
+    with _LOCK:  # a live scale adopts its new pool before this, or not at all
+        group, _GROUP, _GROUP_KEY = _GROUP, None, None
+        os.environ.pop(envs.RUNTIME, None)
     shared.leave_group()  # a front-end that joined a group leaves it running
     if group is None:
         release_credentials()

@@ -163,9 +163,12 @@ def _scale(old: FFNGroup, count: int, switch_timeout_s: float) -> ScaleEvent:
         raise ScaleError(503, f"the new pool of {count} FFN rank(s) did not start: {exc}") from None
     new.request, new.hub = request, old.hub
     lifecycle.supervise(new)
+    # /afd/status, /metrics and /health see the new pool from now on
+    if not lifecycle.adopt(new, replacing=old):
+        _stop_quietly(new)
+        raise ScaleError(503, "the front-end stopped its FFN group while the new pool started")
     events = published.events if published else ()
     directory.publish_pool(spec.directory, directory.Pool(epoch, new.spec.to_json(), events))
-    lifecycle.adopt(new)  # /afd/status, /metrics and /health see the new pool from now on
     switched = _wait_for_switches(spec, epoch, switch_timeout_s)
     if switched is None:
         lifecycle.DRAINING.append(old)
@@ -200,6 +203,15 @@ def _scale(old: FFNGroup, count: int, switch_timeout_s: float) -> ScaleEvent:
         event.stall_s * 1e3,
     )
     return event
+
+
+def _stop_quietly(pool: FFNGroup) -> None:
+    """Stop a pool that nothing serves on; the front-end's stop may have taken Ray (and with
+    it the pool's actors) already."""
+    try:
+        lifecycle.stop_ranks(pool)
+    except Exception:  # noqa: BLE001 - Ray is gone: so are the actors it ran
+        logger.info("AFD: the unadopted pool's ranks went with Ray", exc_info=True)
 
 
 def _wait_for_switches(
