@@ -96,7 +96,22 @@ def test_a_scale_the_front_ends_stop_overtook_stops_its_new_pool(group, monkeypa
         scaling.scale_ffn_group(2)
     assert refused.value.status == 503
     assert stopped == [new] and lifecycle.current_group() is None
-    assert "VLLM_AFD_RUNTIME" not in os.environ
+    assert "VLLM_AFD_RUNTIME" not in os.environ and not lifecycle.DRAINING
+
+
+def test_a_stop_after_the_adoption_stops_the_replaced_pool_too(group, monkeypatch):
+    """Once a scale adopted its new pool, the replaced one is on ``DRAINING`` until the scale
+    takes it off to stop it: a stop of the group meanwhile stops both, and the scale then
+    stops nothing twice."""
+    new = dataclasses.replace(group, owns_ray=False)
+    stopped = []
+    monkeypatch.setattr(lifecycle, "stop_ranks", stopped.append)
+    monkeypatch.setattr(lifecycle, "release_credentials", lambda: None)
+    monkeypatch.setattr(lifecycle, "DRAINING", [])
+    assert lifecycle.adopt(new, replacing=group) and lifecycle.DRAINING == [group]
+    lifecycle.stop_ffn_group()
+    assert stopped == [group, new] and not lifecycle.DRAINING
+    assert not lifecycle.take_draining(group)  # the scale's turn: nothing left to stop
 
 
 def _client(keys: list[str], host: str) -> TestClient:

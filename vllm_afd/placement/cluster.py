@@ -36,7 +36,7 @@ logger = logging.getLogger("vllm.afd")
 START_TIMEOUT_S = 300.0
 
 
-@dataclass
+@dataclass(eq=False)  # a running group is itself, not its fields (``lifecycle.DRAINING``)
 class FFNGroup:
     """A running FFN executor group.
 

@@ -49,8 +49,8 @@ logger = logging.getLogger("vllm.afd")
 _LOCK = threading.RLock()
 _GROUP: FFNGroup | None = None
 _GROUP_KEY: str | None = None
-#: Pools a live scale replaced that still serve an attention rank that has not switched yet
-#: (``scaling.py``); stopped with the group.
+#: Pools a live scale replaced (``scaling.py``), from their replacement's adoption until the
+#: scale stops them (``take_draining``); a stop meanwhile stops them with the group.
 DRAINING: list[FFNGroup] = []
 
 
@@ -185,7 +185,18 @@ def adopt(pool: FFNGroup, replacing: FFNGroup) -> bool:
             return False
         _GROUP, _GROUP_KEY = pool, None
         pool.owns_ray, replacing.owns_ray, replacing.hub = replacing.owns_ray, False, None
+        DRAINING.append(replacing)
         os.environ[envs.RUNTIME] = pool.spec.to_json()
+        return True
+
+
+def take_draining(pool: FFNGroup) -> bool:
+    """Take the replaced ``pool`` off ``DRAINING`` for its scale to stop it; False when a stop
+    of the group took it (and stops it) already."""
+    with _LOCK:
+        if pool not in DRAINING:
+            return False
+        DRAINING.remove(pool)
         return True
 
 
@@ -194,13 +205,14 @@ def stop_ffn_group() -> None:
     global _GROUP, _GROUP_KEY
     with _LOCK:  # a live scale adopts its new pool before this, or not at all
         group, _GROUP, _GROUP_KEY = _GROUP, None, None
+        replaced, DRAINING[:] = list(DRAINING), []
         os.environ.pop(envs.RUNTIME, None)
     shared.leave_group()  # a front-end that joined a group leaves it running
     if group is None:
         release_credentials()
         return
-    while DRAINING:
-        stop_ranks(DRAINING.pop())
+    for pool in replaced:
+        stop_ranks(pool)
     stop_ranks(group)
     if group.hub is not None:
         group.hub.close()

@@ -171,7 +171,6 @@ def _scale(old: FFNGroup, count: int, switch_timeout_s: float) -> ScaleEvent:
     directory.publish_pool(spec.directory, directory.Pool(epoch, new.spec.to_json(), events))
     switched = _wait_for_switches(spec, epoch, switch_timeout_s)
     if switched is None:
-        lifecycle.DRAINING.append(old)
         threading.Thread(
             target=_drain_later, args=(old, epoch), name="afd-pool-drain", daemon=True
         ).start()
@@ -180,7 +179,8 @@ def _scale(old: FFNGroup, count: int, switch_timeout_s: float) -> ScaleEvent:
             f"not every attention rank switched to the new pool within {switch_timeout_s:g}s; "
             "the old pool serves the ones that did not and stops once they have",
         )
-    lifecycle.stop_ranks(old)
+    if lifecycle.take_draining(old):
+        lifecycle.stop_ranks(old)
     event = ScaleEvent(
         epoch,
         spec.num_ffn_ranks,
@@ -233,8 +233,7 @@ def _wait_for_switches(
 def _drain_later(old: FFNGroup, epoch: int) -> None:
     while old in lifecycle.DRAINING:
         if _wait_for_switches(old.spec, epoch, 1.0) is not None:
-            if old in lifecycle.DRAINING:
-                lifecycle.DRAINING.remove(old)
+            if lifecycle.take_draining(old):
                 lifecycle.stop_ranks(old)
             return
 
