@@ -8,7 +8,9 @@ everything they hold (KV cache, scheduler, requests in flight); only the FFN poo
 1. the new pool starts next to the running one: ``N`` FFN ranks in a placement group of their
    own, each loading its slice of the experts (contiguous placement over ``N``), with an FFN
    directory (and a failover supervisor) of its own, while the old pool serves;
-2. it is published as the next *epoch* of the deployment's pool (``directory.Pool``);
+2. the front-end adopts it as its group (``lifecycle.adopt``: refused when the front-end
+   stopped meanwhile, and the scale stops it, 503) and publishes it as the next *epoch* of
+   the deployment's pool (``directory.Pool``);
 3. every attention rank switches to it at a step boundary (``remote_experts._Session``): the
    steps before run entirely on the old pool, the steps after entirely on the new one, so a
    request in flight gets the tokens it would have had (same experts, same inputs; only the
