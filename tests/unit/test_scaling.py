@@ -101,7 +101,7 @@ def test_a_scale_the_front_ends_stop_overtook_stops_its_new_pool(group, monkeypa
 
 def test_a_stop_after_the_adoption_stops_the_replaced_pool_too(group, monkeypatch):
     """Once a scale adopted its new pool, the replaced one is on ``DRAINING`` until the scale
-    takes it off to stop it: a stop of the group meanwhile stops both, and the scale then
+    stops it (``stop_replaced``): a stop of the group meanwhile stops both, and the scale then
     stops nothing twice."""
     new = dataclasses.replace(group, owns_ray=False)
     stopped = []
@@ -111,7 +111,27 @@ def test_a_stop_after_the_adoption_stops_the_replaced_pool_too(group, monkeypatc
     assert lifecycle.adopt(new, replacing=group) and lifecycle.DRAINING == [group]
     lifecycle.stop_ffn_group()
     assert stopped == [group, new] and not lifecycle.DRAINING
-    assert not lifecycle.take_draining(group)  # the scale's turn: nothing left to stop
+    lifecycle.stop_replaced(group)  # the scale's turn: nothing left to stop
+    assert stopped == [group, new]
+
+
+def test_stopping_a_pool_after_ray_went_calls_no_actor(group, monkeypatch):
+    """``stop_ranks`` once Ray is shut down (a stop overtook the scale): no actor call, which
+    would start a new Ray; the pool's stats blocks are still unlinked."""
+    import ray
+
+    called, unlinked = [], []
+
+    class Gone:
+        def __getattr__(self, name):
+            called.append(name)
+            raise AttributeError(name)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "kill", lambda actor: called.append("kill"))
+    monkeypatch.setattr("vllm_afd.metrics.blocks.unlink_deployment_blocks", unlinked.append)
+    lifecycle.stop_ranks(dataclasses.replace(group, actors=[Gone()]))
+    assert not called and unlinked == [group.spec]
 
 
 def _client(keys: list[str], host: str) -> TestClient:

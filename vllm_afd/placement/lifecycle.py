@@ -50,7 +50,7 @@ _LOCK = threading.RLock()
 _GROUP: FFNGroup | None = None
 _GROUP_KEY: str | None = None
 #: Pools a live scale replaced (``scaling.py``), from their replacement's adoption until the
-#: scale stops them (``take_draining``); a stop meanwhile stops them with the group.
+#: scale stops them (``stop_replaced``); a stop meanwhile stops them with the group.
 DRAINING: list[FFNGroup] = []
 
 
@@ -190,14 +190,14 @@ def adopt(pool: FFNGroup, replacing: FFNGroup) -> bool:
         return True
 
 
-def take_draining(pool: FFNGroup) -> bool:
-    """Take the replaced ``pool`` off ``DRAINING`` for its scale to stop it; False when a stop
-    of the group took it (and stops it) already."""
+def stop_replaced(pool: FFNGroup) -> None:
+    """Take the replaced ``pool`` off ``DRAINING`` and stop it, unless a stop of the group took
+    it (and stops it) already."""
     with _LOCK:
         if pool not in DRAINING:
-            return False
+            return
         DRAINING.remove(pool)
-        return True
+    stop_ranks(pool)
 
 
 def stop_ffn_group() -> None:
@@ -225,20 +225,26 @@ def stop_ffn_group() -> None:
 
 def stop_ranks(group: FFNGroup) -> None:
     """Stop ``group``'s supervisor, FFN ranks and placement group, and unlink its ranks' stats
-    blocks (the front-end's Ray and credentials stay)."""
+    blocks (the front-end's Ray and credentials stay). With Ray shut down already (a stop of
+    the group overtook a live scale) the actors and placement group went with it: only the
+    blocks are left to unlink (an actor call would start a new Ray)."""
     if group.supervisor is not None:
         group.supervisor.stop()  # before the ranks: no replacement may start meanwhile
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    for actor in group.actors:
+    for actor in group.actors if ray.is_initialized() else ():
         try:
             ray.get(actor.stop.remote(), timeout=5)
         except Exception:  # noqa: BLE001 - best effort: the actor may be dead already
             pass
-        ray.kill(actor)
+        try:
+            ray.kill(actor)
+        except Exception:  # noqa: BLE001 - best effort: Ray may be shutting down
+            pass
     try:
-        remove_placement_group(group.placement_group)
+        if ray.is_initialized():
+            remove_placement_group(group.placement_group)
     except Exception:  # noqa: BLE001
         pass
     from vllm_afd.metrics.blocks import unlink_deployment_blocks

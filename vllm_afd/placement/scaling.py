@@ -167,7 +167,7 @@ def _scale(old: FFNGroup, count: int, switch_timeout_s: float) -> ScaleEvent:
     lifecycle.supervise(new)
     # /afd/status, /metrics and /health see the new pool from now on
     if not lifecycle.adopt(new, replacing=old):
-        _stop_quietly(new)
+        lifecycle.stop_ranks(new)
         raise ScaleError(503, "the front-end stopped its FFN group while the new pool started")
     events = published.events if published else ()
     directory.publish_pool(spec.directory, directory.Pool(epoch, new.spec.to_json(), events))
@@ -181,8 +181,7 @@ def _scale(old: FFNGroup, count: int, switch_timeout_s: float) -> ScaleEvent:
             f"not every attention rank switched to the new pool within {switch_timeout_s:g}s; "
             "the old pool serves the ones that did not and stops once they have",
         )
-    if lifecycle.take_draining(old):
-        lifecycle.stop_ranks(old)
+    lifecycle.stop_replaced(old)
     event = ScaleEvent(
         epoch,
         spec.num_ffn_ranks,
@@ -207,15 +206,6 @@ def _scale(old: FFNGroup, count: int, switch_timeout_s: float) -> ScaleEvent:
     return event
 
 
-def _stop_quietly(pool: FFNGroup) -> None:
-    """Stop a pool that nothing serves on; the front-end's stop may have taken Ray (and with
-    it the pool's actors) already."""
-    try:
-        lifecycle.stop_ranks(pool)
-    except Exception:  # noqa: BLE001 - Ray is gone: so are the actors it ran
-        logger.info("AFD: the unadopted pool's ranks went with Ray", exc_info=True)
-
-
 def _wait_for_switches(
     spec: TransportSpec, epoch: int, timeout_s: float
 ) -> list[directory.Switch] | None:
@@ -235,8 +225,7 @@ def _wait_for_switches(
 def _drain_later(old: FFNGroup, epoch: int) -> None:
     while old in lifecycle.DRAINING:
         if _wait_for_switches(old.spec, epoch, 1.0) is not None:
-            if lifecycle.take_draining(old):
-                lifecycle.stop_ranks(old)
+            lifecycle.stop_replaced(old)
             return
 
 
