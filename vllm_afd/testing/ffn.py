@@ -94,6 +94,22 @@ def serve_ffn(
         served += len(requests)
 
 
+class StopFlag:
+    """A stop flag for reference FFN ranks that killing one cannot wedge: a
+    ``multiprocessing.Event`` takes a lock in ``is_set``, so a rank SIGKILLed while it checks
+    (the failover tests kill ranks) leaves ``set`` in the parent blocked for ever. One shared
+    byte, no lock (``ctx``: the multiprocessing context the ranks start from)."""
+
+    def __init__(self, ctx) -> None:
+        self._value = ctx.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._value.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
+
+
 def ffn_worker_main(
     spec: TransportSpec, rank: int, forward: FFNForward, conn, stop_event, num_threads: int = 1
 ) -> None:

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import torch
 
-from vllm_afd.testing.ffn import ffn_worker_main
+from vllm_afd.testing.ffn import StopFlag, ffn_worker_main
 from vllm_afd.transport import (
     FFNTransport,
     TransportSpec,
@@ -63,7 +63,7 @@ class FFNCluster:
     def __init__(self, ctx, spec: TransportSpec, forwards: Sequence[FFNForward]) -> None:
         self.ctx = ctx
         self.requested = spec
-        self.stop_event = ctx.Event()
+        self.stop_event = StopFlag(ctx)  # ranks are killed here: no lock to wedge
         self.procs = []
         self.current = {}  # FFN rank -> its latest process
         addresses = [self._start(rank, forward) for rank, forward in enumerate(forwards)]
