@@ -7,13 +7,14 @@ A computation, not a measurement: nothing here needs a GPU. For each model and A
 (Qwen3-30B-A3B 7+1 on one node, Qwen3-235B-A22B 28+4 on four; ``--deployment`` adds others)
 and each decode microbatch of T tokens per attention rank, both planes move bf16 hidden states:
 
-* **slots** (the shm backend's protocol, the layout the device plane is to use in device
-  memory): each token goes once to each FFN rank holding any of its top-k experts, with its
-  int32 ids and float32 weights, and comes back once, weighted and summed
-  (``ShmBackend.round_trip_bytes`` per touched rank). Expected ranks touched per token with
-  uniform routing: ``F (1 - C(E - E/F, k) / C(E, k))``. Memory: one FFN rank's segment as
-  ``shm._Layout`` lays it out (A attention ranks x 2 slots of T tokens), held by the FFN GPU;
-  the attention GPUs map it and hold none of their own.
+* **slots** (``transport/slot_plane.py``, the shm backend's protocol in device memory): each
+  token goes once to each of the F FFN ranks, with its int32 ids and float32 weights, and
+  comes back once, weighted and summed (``ShmBackend.round_trip_bytes`` per FFN rank). Fixed
+  shapes, so no filtering by expert on the host: F ranks per token, where the shm backend's
+  filtered sends touch ``F (1 - C(E - E/F, k) / C(E, k))`` with uniform routing (the
+  ``FFN ranks/token`` column; equal at F = 1). Memory: one FFN rank's buffer as
+  ``slot_plane.PlaneLayout`` lays it out (A attention ranks x 2 slots of T tokens), held by
+  the FFN GPU; the attention GPUs map it and hold none of their own.
 * **deepep-ll** (retired): one row per (token, expert) each way
   (``DeepEPBackend.round_trip_bytes``), in a group of A + F ranks with ``(A + F) E / F``
   virtual experts; every rank of the group allocates the NVSHMEM buffer of DeepEP's
@@ -21,8 +22,8 @@ and each decode microbatch of T tokens per attention rank, both planes move bf16
   csrc/legacy/config.hpp ``LowLatencyLayout``), the same on attention and FFN GPUs.
 
 The table prints per layer per attention rank (MB each way) and per GPU buffer (GiB), and the
-JSON has every number. The slot plane on GPUs is designed, not built: its numbers are those of
-the layout it is to share with the CPU build.
+JSON has every number. The slot plane's numbers are those of its layout and protocol; its
+device layer has not run on a GPU yet unless issue 19's closing note says so.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 
 from vllm_afd.planner.models import MODEL_PRESETS, ModelSpec
 from vllm_afd.transport import TransportSpec, backend
-from vllm_afd.transport.shm import _Layout
+from vllm_afd.transport.slot_plane import PlaneLayout
 
 #: (model preset, attention GPUs, FFN GPUs): the deployments issue 19 asks about.
 DEPLOYMENTS = (("qwen3-30b-a3b", 7, 1), ("qwen3-235b-a22b", 28, 4))
@@ -71,7 +72,7 @@ class PlaneRow:
     attention: int
     ffn: int
     tokens: int  #: per attention rank and microbatch
-    ranks_touched: float
+    ranks_touched: float  #: by the shm backend's filtered sends (the slot plane sends to all F)
     slots_sent_bytes: float  #: per layer per attention rank
     slots_received_bytes: float
     slots_ffn_buffer_bytes: int  #: per FFN GPU (attention GPUs: none of their own)
@@ -109,9 +110,9 @@ def plane_row(model: ModelSpec, attention: int, ffn: int, tokens: int) -> PlaneR
         ffn=ffn,
         tokens=tokens,
         ranks_touched=touched,
-        slots_sent_bytes=sent * touched,
-        slots_received_bytes=received * touched,
-        slots_ffn_buffer_bytes=_Layout.of(slots).total_bytes,
+        slots_sent_bytes=sent * ffn,
+        slots_received_bytes=received * ffn,
+        slots_ffn_buffer_bytes=PlaneLayout.of(slots).total_bytes,
         deepep_sent_bytes=deepep_sent,
         deepep_received_bytes=deepep_received,
         deepep_buffer_bytes=deepep_ll_buffer_bytes(tokens, model.hidden_size, virtual),

@@ -1,0 +1,158 @@
+"""The slot plane (``transport/slot_plane.py``) through its host memory: layout, the protocol
+between threads and between processes (vLLM's DBO call order), the bounded wait, and the device
+check's CPU run (its device steps SKIP here, so it cannot rot)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from vllm_afd.testing import slot_plane_check
+from vllm_afd.transport.base import FFNTimeout, TransportSpec
+from vllm_afd.transport.reference import (
+    LocalMoE,
+    ScaleExperts,
+    SiluMulExperts,
+    reference_moe_combine,
+)
+from vllm_afd.transport.slot_plane import (
+    LINE,
+    AttentionPlane,
+    FFNPlane,
+    HostPlaneMemory,
+    PlaneLayout,
+    SlotViews,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_layout_keeps_flags_and_parts_apart_and_aligned():
+    layout = PlaneLayout(3, 2, 5, 24, 3, torch.bfloat16)
+    buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    spans = []
+    for a in range(3):
+        for s in range(2):
+            v = SlotViews(buffer, layout, a, s)
+            for t in (v.request, v.response, v.x, v.ids, v.weights, v.out):
+                start = t.data_ptr() - buffer.data_ptr()
+                assert start % LINE == 0
+                spans.append((start, start + t.numel() * t.element_size()))
+    spans.sort()
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
+    assert spans[-1][1] <= layout.total_bytes
+    # one microbatch's slots lie together: slot 0 of every attention rank, then slot 1
+    assert layout.slot_offset(2, 0) < layout.slot_offset(0, 1)
+    with pytest.raises(ValueError, match="PlaneLayout.max_tokens must be at least 1, got 0"):
+        PlaneLayout(1, 2, 0, 8, 2, torch.float32)
+
+
+def _spec(attention: int, ffn: int, slots: int = 2) -> TransportSpec:
+    return TransportSpec("slots", attention, ffn, 8, 16, 2, 6, torch.float32, num_slots=slots)
+
+
+def _silu_experts() -> SiluMulExperts:
+    g = torch.Generator().manual_seed(3)
+    return SiluMulExperts(
+        torch.randn(8, 16, 16, generator=g) / 4, torch.randn(8, 16, 8, generator=g) / 3
+    )
+
+
+def _routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 16, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(tokens)])
+    return x, ids, torch.rand(tokens, 2, generator=g)
+
+
+@pytest.mark.parametrize(
+    ("experts", "exact"),
+    [
+        (ScaleExperts(torch.arange(1.0, 9.0)), True),
+        (_silu_experts(), False),
+    ],
+)
+def test_two_attention_ranks_and_two_ffn_ranks_get_the_reference_moe(experts, exact):
+    """Every token goes to both FFN ranks; each computes its experts over the gathered rows of
+    both attention ranks; each attention rank sums the two answers (threads, host memory)."""
+    spec = _spec(attention=2, ffn=2)
+    layout = PlaneLayout.of(spec)
+    memory = HostPlaneMemory(timeout_s=20)
+    ffn = [FFNPlane(layout, memory, f) for f in range(2)]
+    attention = [AttentionPlane(layout, memory, a, [p.handle for p in ffn]) for a in range(2)]
+    rows = [[6, 3], [2, 5]]  # per use of slot 0: each attention rank's tokens
+    forwards = [LocalMoE.for_rank(experts, spec, f) for f in range(2)]
+
+    def serve(f: int) -> None:
+        for use in rows:
+            ffn[f].serve(0, use, lambda x, i, w, out, f=f: forwards[f](x, i, w, out))
+
+    servers = [threading.Thread(target=serve, args=(f,)) for f in range(2)]
+    for t in servers:
+        t.start()
+    got, want = {}, {}
+    for use, counts in enumerate(rows):
+        handles = []
+        for a, n in enumerate(counts):
+            x, ids, weights = _routing(n, seed=10 * use + a)
+            want[use, a] = reference_moe_combine(x, ids, weights, experts, 8, 2)
+            handles.append(attention[a].dispatch(0, x, ids, weights))
+        for a, h in enumerate(handles):
+            got[use, a] = attention[a].combine(h)
+    for t in servers:
+        t.join(20)
+    for key, value in want.items():
+        if exact:
+            assert torch.equal(got[key], value), key
+        else:
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_dbo_order_is_the_alternation_of_two_ubatch_threads():
+    assert slot_plane_check.dbo_order(2) == [
+        ("D", 0, 0),
+        ("D", 1, 0),
+        ("C", 0, 0),
+        ("D", 0, 1),
+        ("C", 1, 0),
+        ("D", 1, 1),
+        ("C", 0, 1),
+        ("C", 1, 1),
+    ]
+    assert slot_plane_check.dbo_order(1, microbatches=1) == [("D", 0, 0), ("C", 0, 0)]
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_an_ffn_process_serves_the_toy_model_identically_to_one_process(microbatches):
+    """Two processes, host memory, float32: the residual toy model of the device check, in
+    vLLM's DBO order for two microbatches, bit for bit the one-process reference."""
+    result = slot_plane_check.run_pair("host", torch.float32, steps=2, microbatches=microbatches)
+    assert result == {"max_abs_error": 0.0, "steps_checked": 2}
+
+
+def test_a_combine_nobody_answers_fails_within_the_timeout_naming_the_flag():
+    layout = PlaneLayout.of(_spec(attention=1, ffn=1))
+    memory = HostPlaneMemory(timeout_s=0.2)
+    ffn = FFNPlane(layout, memory, 0)
+    attention = AttentionPlane(layout, memory, 0, [ffn.handle])
+    x, ids, weights = _routing(3, seed=1)
+    handle = attention.dispatch(1, x, ids, weights)
+    with pytest.raises(FFNTimeout, match="response of FFN rank 0 to attention rank 0, slot 1"):
+        attention.combine(handle)
+    with pytest.raises(ValueError, match=r"dispatch of 7 tokens: allowed 1\.\.6"):
+        attention.dispatch(0, *_routing(7, seed=2))
+
+
+def test_the_device_check_runs_on_cpu_with_its_device_steps_skipped(tmp_path):
+    out = tmp_path / "check.json"
+    assert slot_plane_check.main(["--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["host-plane"]["status"] == "PASS"
+    assert report["host-plane"]["result"]["max_abs_error"] == 0.0
+    device = "PASS" if torch.cuda.is_available() else "SKIP"
+    assert {report[s]["status"] for s in ("cuda-plane", "cuda-graphs", "cuda-round-trip")} == {
+        device
+    }

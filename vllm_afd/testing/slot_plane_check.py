@@ -1,0 +1,415 @@
+"""Device check of the slot plane (issue 19): one attention and one FFN process exchange the MoE
+layers of a toy model through ``transport.slot_plane``, against a one-process reference.
+
+    python -m vllm_afd.testing.slot_plane_check [--json out.json]
+
+Steps, each in its own process group under its own timeout, one ``PASS``/``FAIL``/``SKIP`` line
+each (the whole well under 5 minutes):
+
+* ``probe``: ``nvidia-smi topo -m`` (SKIP without a GPU).
+* ``host-plane``: the protocol through host memory (``HostPlaneMemory``), two microbatches in
+  vLLM's DBO call order (D0, D1, C0, D0', C1, ...), float32, identical to the reference.
+* ``cuda-plane``: the same through device memory shared by CUDA IPC on GPU 0 (both processes on
+  one GPU), bfloat16, at bf16 tolerance.
+* ``cuda-graphs``: both sides' whole step captured as one CUDA graph each, then 3 replays with
+  fresh inputs, each against the reference: the device counters carry the protocol through
+  replays with no Python on the token path.
+* ``cuda-round-trip``: per decode-sized batch, the round trip per MoE layer (graph replays of a
+  step of ``LAYERS`` layers, FFN compute an echo) and the bytes it moves, against the time the
+  GPU's own copy takes for those bytes. Two processes time-slice one GPU here (no MPS), so the
+  latency is an upper bound that does not transfer to two GPUs.
+
+The toy model: per layer a router (``x @ R``, top-k, softmax) on the attention side, dense
+masked SiLU-gated experts on the FFN side (capturable: no data-dependent shapes), a residual
+``x = x + moe(x)``, so every layer's input depends on the previous layer's answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from vllm_afd.transport.slot_plane import AttentionPlane, FFNPlane, PlaneLayout
+
+LAYERS, EXPERTS, TOP_K, HIDDEN, INTER, TOKENS = 4, 8, 2, 256, 128, 16
+SKIP = 77
+#: (step, timeout in seconds): 300 s in all.
+STEPS = (
+    ("probe", 15),
+    ("host-plane", 45),
+    ("cuda-plane", 60),
+    ("cuda-graphs", 75),
+    ("cuda-round-trip", 100),
+)
+
+
+class ToyMoE:
+    """The toy model's per-layer router and experts, the same in every process (fixed seed)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, layers: int = LAYERS) -> None:
+        g = torch.Generator().manual_seed(19)
+
+        def rand(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(dtype).to(device)
+
+        self.router = rand(layers, HIDDEN, EXPERTS)
+        self.w13 = rand(layers, EXPERTS, 2 * INTER, HIDDEN)
+        self.w2 = rand(layers, EXPERTS, HIDDEN, INTER)
+
+    def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = (x @ self.router[layer]).float()
+        weights, ids = torch.topk(torch.softmax(logits, -1), TOP_K, dim=-1)
+        return ids.to(torch.int32), weights
+
+    def experts(self, layer: int) -> Callable:
+        def forward(x, ids, weights, out):
+            acc = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float32, device=x.device)
+            for e in range(EXPERTS):
+                w = (weights * (ids == e)).sum(-1, keepdim=True)
+                gate, up = (x @ self.w13[layer, e].t()).chunk(2, -1)
+                acc += w * ((F.silu(gate) * up) @ self.w2[layer, e].t()).float()
+            return out.copy_(acc)
+
+        return forward
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The step in one process: ``x = x + moe_l(x)`` for every layer."""
+        for layer in range(self.router.shape[0]):
+            ids, weights = self.route(layer, x)
+            x = x + self.experts(layer)(x, ids, weights, torch.empty_like(x))
+        return x
+
+
+def dbo_order(layers: int, microbatches: int = 2) -> list[tuple[str, int, int]]:
+    """vLLM's DBO call order for two microbatches whose threads alternate at every MoE layer:
+    D0, D1, then per layer C0, D0', C1, D1', ... (("D" | "C", microbatch, layer))."""
+    if microbatches == 1:
+        return [(op, 0, layer) for layer in range(layers) for op in "DC"]
+    order = [("D", 0, 0), ("D", 1, 0)]
+    for layer in range(layers):
+        for mb in (0, 1):
+            order.append(("C", mb, layer))
+            if layer + 1 < layers:
+                order.append(("D", mb, layer + 1))
+    return order
+
+
+def attention_step(plane: AttentionPlane, model: ToyMoE, xs: list[torch.Tensor], layers: int):
+    """One step on the attention side, in place on ``xs`` (one hidden state per microbatch)."""
+    handles = {}
+    for op, mb, layer in dbo_order(layers, len(xs)):
+        if op == "D":
+            ids, weights = model.route(layer, xs[mb])
+            handles[mb] = plane.dispatch(mb, xs[mb], ids, weights)
+        else:
+            xs[mb] += plane.combine(handles.pop(mb))
+
+
+def ffn_step(plane: FFNPlane, forwards: list[Callable], rows: int, microbatches: int) -> None:
+    """One step on the FFN side: per layer, each microbatch's slot in turn."""
+    for forward in forwards:
+        for slot in range(microbatches):
+            plane.serve(slot, [rows], forward)
+
+
+def _memory(kind: str, dtype: torch.dtype):
+    if kind == "host":
+        from vllm_afd.transport.slot_plane import HostPlaneMemory
+
+        return HostPlaneMemory(timeout_s=30.0)
+    from vllm_afd.transport.slot_plane_cuda import CudaPlaneMemory
+
+    torch.cuda.set_device(0)
+    return CudaPlaneMemory(0, max_spins=1 << 24)  # a bound well inside the step's timeout
+
+
+def _ffn_main(kind, dtype, layout_args, plan, to_attention, from_attention) -> None:
+    """The FFN process: create the buffer, send its handle, serve ``plan`` steps."""
+    memory = _memory(kind, dtype)
+    layout = PlaneLayout(*layout_args)
+    plane = FFNPlane(layout, memory, 0)
+    steps, rows, graphs, echo = plan
+    model = ToyMoE(dtype, memory.device)
+    if echo:
+        forwards = [lambda x, i, w, out: out.copy_(x)] * LAYERS
+    else:
+        forwards = [model.experts(layer) for layer in range(LAYERS)]
+    to_attention.put(plane.handle)
+    microbatches = layout.num_slots
+    if graphs:
+        graph = _capture(lambda: ffn_step(plane, forwards, rows, microbatches))
+        for _ in range(steps):
+            graph.replay()
+    else:
+        for _ in range(steps):
+            ffn_step(plane, forwards, rows, microbatches)
+    if memory.device.type == "cuda":
+        torch.cuda.synchronize()
+    memory.check()
+    from_attention.get(timeout=60)  # the attention side has mapped and used the buffer: done
+
+
+def _capture(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """Warm up once (eagerly, both sides in lockstep), then capture ``step``."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def run_pair(
+    kind: str,
+    dtype: torch.dtype,
+    steps: int = 2,
+    microbatches: int = 2,
+    rows: int = TOKENS,
+    graphs: bool = False,
+    echo: bool = False,
+) -> dict:
+    """Run ``steps`` steps between this process (attention) and an FFN child; returns the
+    largest deviation from the reference, and for ``echo`` the seconds per step."""
+    ctx = mp.get_context("spawn")
+    to_attention, from_attention = ctx.Queue(), ctx.Queue()
+    layout_args = (1, microbatches, rows, HIDDEN, TOP_K, dtype)
+    # with graphs both sides run one eager warm-up step, capture, then replay ``steps``
+    plan = (steps, rows, graphs, echo)
+    child = ctx.Process(
+        target=_ffn_main,
+        args=(kind, dtype, layout_args, plan, to_attention, from_attention),
+        daemon=True,
+    )
+    child.start()
+    try:
+        memory = _memory(kind, dtype)
+        plane = AttentionPlane(PlaneLayout(*layout_args), memory, 0, [to_attention.get(timeout=60)])
+        model = ToyMoE(dtype, memory.device)
+        g = torch.Generator().manual_seed(4)
+        xs = [
+            torch.zeros(rows, HIDDEN, dtype=dtype, device=memory.device)
+            for _ in range(microbatches)
+        ]
+        result = {"max_abs_error": 0.0, "steps_checked": 0}
+
+        def fresh_inputs() -> list[torch.Tensor]:
+            inputs = [torch.randn(rows, HIDDEN, generator=g).to(dtype) for _ in xs]
+            for x, new in zip(xs, inputs, strict=True):
+                x.copy_(new)
+            return inputs
+
+        def compare(inputs: list[torch.Tensor]) -> None:
+            for x, x0 in zip(xs, inputs, strict=True):
+                want = model.reference(x0.to(memory.device)) if not echo else None
+                if want is not None:
+                    err = (x.float() - want.float()).abs().max().item()
+                    result["max_abs_error"] = max(result["max_abs_error"], err)
+            result["steps_checked"] += 1
+
+        def step() -> None:
+            attention_step(plane, model, xs, LAYERS)
+
+        if graphs:
+            fresh_inputs()
+            graph = _capture(step)
+            start = time.perf_counter()
+            for _ in range(steps):
+                inputs = fresh_inputs()
+                graph.replay()
+                torch.cuda.synchronize()
+                if not echo:
+                    compare(inputs)
+            result["seconds_per_step"] = (time.perf_counter() - start) / steps
+        else:
+            for _ in range(steps):
+                inputs = fresh_inputs()
+                step()
+                if memory.device.type == "cuda":
+                    torch.cuda.synchronize()
+                compare(inputs)
+        memory.check()
+        from_attention.put("done")
+        child.join(60)
+        if child.exitcode != 0:
+            raise RuntimeError(f"FFN process exited with {child.exitcode}")
+        return result
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+
+
+def _no_cuda() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    return None
+
+
+def step_probe() -> dict:
+    if shutil.which("nvidia-smi") is None or not torch.cuda.is_available():
+        raise _Skip("no GPU (nvidia-smi not found or CUDA unavailable)")
+    topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=15)
+    print(topo.stdout)
+    return {"gpus": torch.cuda.device_count(), "name": torch.cuda.get_device_name(0)}
+
+
+def step_host_plane() -> dict:
+    result = run_pair("host", torch.float32, steps=2)
+    if result["max_abs_error"] != 0.0:
+        raise AssertionError(f"host plane differs from the reference: {result}")
+    return result
+
+
+def _bf16_close(result: dict) -> dict:
+    if not result["max_abs_error"] <= 5e-2:  # bf16, 4 residual layers of O(1) values
+        raise AssertionError(f"differs from the reference beyond bf16 tolerance: {result}")
+    return result
+
+
+def step_cuda_plane() -> dict:
+    _require_cuda()
+    return _bf16_close(run_pair("cuda", torch.bfloat16, steps=2))
+
+
+def step_cuda_graphs() -> dict:
+    _require_cuda()
+    return _bf16_close(run_pair("cuda", torch.bfloat16, steps=3, graphs=True))
+
+
+def step_cuda_round_trip() -> dict:
+    _require_cuda()
+    rows_out = []
+    for tokens in (1, 16, 64, 256):
+        timed = run_pair(
+            "cuda", torch.bfloat16, steps=20, microbatches=1, rows=tokens, graphs=True, echo=True
+        )
+        per_layer = timed["seconds_per_step"] / LAYERS
+        moved = 2 * tokens * HIDDEN * 2 + tokens * TOP_K * 8  # x out, answer back, routing
+        rows_out.append(
+            {
+                "tokens": tokens,
+                "round_trip_us": per_layer * 1e6,
+                "bytes": moved,
+                "copy_us": _copy_seconds(moved) * 1e6,
+            }
+        )
+        print(rows_out[-1])
+    big = 1 << 28
+    return {"rows": rows_out, "copy_gb_per_s": big / _copy_seconds(big) / 1e9}
+
+
+def _copy_seconds(nbytes: int) -> float:
+    """Seconds a device-to-device copy of ``nbytes`` takes on GPU 0 (median of 50)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(50):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+class _Skip(Exception):
+    pass
+
+
+def _require_cuda() -> None:
+    problem = _no_cuda()
+    if problem:
+        raise _Skip(problem)
+
+
+def _run_step(name: str, out: str) -> int:
+    """This process runs step ``name``; exit 0 (PASS), 77 (SKIP, reason on the last line)."""
+    function = globals()["step_" + name.replace("-", "_")]
+    try:
+        result = function()
+    except _Skip as skip:
+        print(skip)
+        return SKIP
+    with open(out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write every step's result here")
+    parser.add_argument("--step", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--only", nargs="+", help="run only these steps")
+    args = parser.parse_args(argv)
+    if args.step:
+        return _run_step(args.step, args.out)
+    report, failed = {}, False
+    for name, limit in STEPS:
+        if args.only and name not in args.only:
+            continue
+        status, detail = _spawn_step(name, limit)
+        report[name] = {"status": status, **detail}
+        failed |= status == "FAIL"
+        print(f"{status} {name}: {detail.get('line', '')}".rstrip(": "), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    print("SLOT PLANE CHECK:", "FAIL" if failed else "PASS")
+    return 1 if failed else 0
+
+
+def _spawn_step(name: str, limit: float) -> tuple[str, dict]:
+    """Run one step in a process group of its own; kill the group at ``limit``."""
+    import tempfile
+
+    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_afd.testing.slot_plane_check", "--step", name, "--out", out],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        return "FAIL", {"line": f"timed out after {limit} s", "log": log[-4000:]}
+    finally:
+        took = time.perf_counter() - start
+    lines = log.strip().splitlines() or [""]
+    if proc.returncode == SKIP:
+        return "SKIP", {"line": lines[-1]}
+    if proc.returncode != 0:
+        return "FAIL", {"line": f"exit {proc.returncode}: {lines[-1][:300]}", "log": log[-4000:]}
+    with open(out) as f:
+        result = json.load(f)
+    os.unlink(out)
+    return "PASS", {
+        "line": f"{took:.1f} s {json.dumps(result)[:400]}",
+        "result": result,
+        "log": log[-4000:],
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
