@@ -11,6 +11,8 @@
 # (one attention and one FFN process sharing GPU 0, or one GPU each: steps of one and two
 # microbatches and CUDA-graph replays against the dense reference, vllm_afd.testing.
 # deepep_round_trip). What it does not cover yet: vLLM serving with AFD on GPUs end to end.
+# The slot plane that is to replace deepep on the A:F hop has its own check, PyTorch and Triton
+# only (no vLLM): python -m vllm_afd.testing.slot_plane_check.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
