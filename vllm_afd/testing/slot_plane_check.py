@@ -92,8 +92,9 @@ class ToyMoE:
 
 
 def dbo_order(layers: int, microbatches: int = 2) -> list[tuple[str, int, int]]:
-    """vLLM's DBO call order for two microbatches whose threads alternate at every MoE layer:
-    D0, D1, then per layer C0, D0', C1, D1', ... (("D" | "C", microbatch, layer))."""
+    """vLLM's DBO call order for two microbatches whose threads alternate at one yield per
+    MoE layer: D0, D1, then per layer C0, D0', C1, D1', ... (("D" | "C", microbatch, layer)).
+    tests/unit/transport/test_slot_plane.py checks it against vLLM's own ubatch threads."""
     if microbatches == 1:
         return [(op, 0, layer) for layer in range(layers) for op in "DC"]
     order = [("D", 0, 0), ("D", 1, 0)]

@@ -247,20 +247,36 @@ class AttentionPlane:
     def combine(self, handle: PlaneHandle) -> torch.Tensor:
         """``[N, H]`` (``layout.dtype``): the FFN ranks' answers to ``handle``'s dispatch, summed
         in FFN rank order. A new tensor: the slot may be reused at once."""
+        hook, receive = self.combine_hook(handle)
+        hook()
+        return receive()
+
+    def combine_hook(
+        self, handle: PlaneHandle
+    ) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
+        """``combine`` in two parts, as DeepEP's ``return_recv_hook=True`` and vLLM's async
+        finalize split it: ``hook()`` waits for every FFN rank's answer (on devices with
+        streams, it queues the waits), ``receive()`` then sums them. Under vLLM's DBO the hook
+        goes to ``dbo_register_recv_hook`` and the other microbatch runs it before its next
+        send; ``receive`` runs after the yield."""
         slot, n = handle.slot, handle.num_tokens
-        outs = []
-        for f, v in enumerate(self.slots):
-            view = v[slot]
-            self.memory.wait(
-                view.response,
-                self.counters[f, slot : slot + 1],
-                f"response of FFN rank {f} to attention rank {self.rank}, slot {slot}",
-            )
-            outs.append(view.out[:n])
-        total = outs[0].clone()
-        for out in outs[1:]:
-            total += out
-        return total
+        views = [v[slot] for v in self.slots]
+
+        def hook() -> None:
+            for f, view in enumerate(views):
+                self.memory.wait(
+                    view.response,
+                    self.counters[f, slot : slot + 1],
+                    f"response of FFN rank {f} to attention rank {self.rank}, slot {slot}",
+                )
+
+        def receive() -> torch.Tensor:
+            total = views[0].out[:n].clone()
+            for view in views[1:]:
+                total += view.out[:n]
+            return total
+
+        return hook, receive
 
 
 class FFNPlane:

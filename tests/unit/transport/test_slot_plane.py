@@ -156,3 +156,99 @@ def test_the_device_check_runs_on_cpu_with_its_device_steps_skipped(tmp_path):
     assert {report[s]["status"] for s in ("cuda-plane", "cuda-graphs", "cuda-round-trip")} == {
         device
     }
+
+
+def _run_ubatches(monkeypatch, layers: int, moe_layer) -> tuple[list, dict, list, object]:
+    """Two microbatches of the toy model through the plane on vLLM's own DBO machinery
+    (``make_ubatch_contexts`` and the ``dbo_*`` calls: ubatch threads that alternate at every
+    yield, started as ``UBatchWrapper._run_ubatches`` starts them), with an FFN thread serving
+    layer by layer, each layer's microbatches in turn. ``moe_layer(ubatching, attention, model,
+    calls, ubatch, layer, x) -> x`` is one MoE layer of the attention side."""
+    from vllm.forward_context import override_forward_context
+    from vllm.v1.worker import ubatching
+
+    stream = object()  # CPU: one stand-in stream, so no thread switches CUDA streams
+    monkeypatch.setattr(ubatching, "current_stream", lambda: stream)
+    rows, hidden = 4, slot_plane_check.HIDDEN
+    layout = PlaneLayout(1, 2, rows, hidden, slot_plane_check.TOP_K, torch.float32)
+    memory = HostPlaneMemory(timeout_s=20)
+    ffn = FFNPlane(layout, memory, 0)
+    attention = AttentionPlane(layout, memory, 0, [ffn.handle])
+    model = slot_plane_check.ToyMoE(torch.float32, torch.device("cpu"), layers)
+    calls, results = [], {}
+    inputs = [torch.randn(rows, hidden) for _ in range(2)]
+
+    def forward(ctx, x):
+        with ctx:
+            for layer in range(layers):
+                x = moe_layer(ubatching, attention, model, calls, ctx.id, layer, x)
+        results[ctx.id] = x
+
+    forwards = [model.experts(layer) for layer in range(layers)]
+    server = threading.Thread(target=slot_plane_check.ffn_step, args=(ffn, forwards, rows, 2))
+    server.start()
+    barrier = threading.Barrier(3)
+    with override_forward_context(None):
+        contexts = ubatching.make_ubatch_contexts(2, stream, stream, [object(), object()], barrier)
+        threads = [
+            threading.Thread(target=forward, args=(c, x))
+            for c, x in zip(contexts, inputs, strict=True)
+        ]
+        for t in threads:
+            t.start()
+        barrier.wait()
+        contexts[0].cpu_wait_event.set()
+        for t in threads:
+            t.join(20)
+    server.join(20)
+    return calls, results, inputs, model
+
+
+def test_vllms_own_ubatch_threads_drive_the_plane_in_dbo_order(monkeypatch):
+    """One yield between each dispatch and its combine: the calls come in ``dbo_order``'s
+    order, and the answers are the one-process reference's, bit for bit."""
+
+    def moe_layer(ubatching, attention, model, calls, ubatch, layer, x):
+        handle = attention.dispatch(ubatch, x, *model.route(layer, x))
+        calls.append(("D", ubatch, layer))
+        ubatching.dbo_yield()
+        out = attention.combine(handle)
+        calls.append(("C", ubatch, layer))
+        return x + out
+
+    calls, results, inputs, model = _run_ubatches(monkeypatch, 3, moe_layer)
+    assert calls == slot_plane_check.dbo_order(3)
+    for mb, x0 in enumerate(inputs):
+        assert torch.equal(results[mb], model.reference(x0))
+
+
+def test_two_yields_and_receive_hooks_as_vllms_moe_kernels_place_them(monkeypatch):
+    """vLLM's async MoE protocol (``FusedMoEModularKernel._prepare``/``_finalize`` with
+    DeepEP low-latency's prepare/finalize): run the pending receive hook before each send,
+    yield after the dispatch, register the combine's wait (``combine_hook``) for the other
+    microbatch to run, yield, then receive. Each wait runs, in the other microbatch's thread,
+    before its own microbatch receives, and the answers are the reference's."""
+
+    def moe_layer(ubatching, attention, model, calls, ubatch, layer, x):
+        ubatching.dbo_maybe_run_recv_hook()
+        handle = attention.dispatch(ubatch, x, *model.route(layer, x))
+        calls.append(("D", ubatch, layer))
+        ubatching.dbo_yield()
+        ubatching.dbo_maybe_run_recv_hook()
+        hook, receive = attention.combine_hook(handle)
+
+        def wait() -> None:
+            calls.append(("W", ubatch, layer))
+            hook()
+
+        ubatching.dbo_register_recv_hook(wait)
+        ubatching.dbo_yield()
+        out = receive()
+        calls.append(("C", ubatch, layer))
+        return x + out
+
+    calls, results, inputs, model = _run_ubatches(monkeypatch, 2, moe_layer)
+    order = "D00 D10 W00 C00 W10 D01 C10 D11 W01 C01 W11 C11".split()
+    assert calls == [(op[0], int(op[1]), int(op[2])) for op in order]
+    for mb, x0 in enumerate(inputs):
+        assert torch.equal(results[mb], model.reference(x0))
