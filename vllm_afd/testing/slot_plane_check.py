@@ -15,9 +15,9 @@ each (the whole well under 5 minutes):
   fresh inputs, each against the reference: the device counters carry the protocol through
   replays with no Python on the token path.
 * ``cuda-round-trip``: per decode-sized batch, the round trip per MoE layer (graph replays of a
-  step of ``LAYERS`` layers, FFN compute an echo) and the bytes it moves, against the time the
-  GPU's own copy takes for those bytes. Two processes time-slice one GPU here (no MPS), so the
-  latency is an upper bound that does not transfer to two GPUs.
+  step of ``LAYERS`` layers, the router included, FFN compute an echo) and the bytes it moves,
+  against the time the GPU's own copy takes for those bytes. Two processes time-slice one GPU
+  here (no MPS), so the latency is an upper bound that does not transfer to two GPUs.
 
 The toy model: per layer a router (``x @ R``, top-k, softmax) on the attention side, dense
 masked SiLU-gated experts on the FFN side (capturable: no data-dependent shapes), a residual
@@ -124,7 +124,7 @@ def ffn_step(plane: FFNPlane, forwards: list[Callable], rows: int, microbatches:
             plane.serve(slot, [rows], forward)
 
 
-def _memory(kind: str, dtype: torch.dtype):
+def _memory(kind: str):
     if kind == "host":
         from vllm_afd.transport.slot_plane import HostPlaneMemory
 
@@ -137,7 +137,7 @@ def _memory(kind: str, dtype: torch.dtype):
 
 def _ffn_main(kind, dtype, layout_args, plan, to_attention, from_attention) -> None:
     """The FFN process: create the buffer, send its handle, serve ``plan`` steps."""
-    memory = _memory(kind, dtype)
+    memory = _memory(kind)
     layout = PlaneLayout(*layout_args)
     plane = FFNPlane(layout, memory, 0)
     steps, rows, graphs, echo = plan
@@ -194,7 +194,7 @@ def run_pair(
     )
     child.start()
     try:
-        memory = _memory(kind, dtype)
+        memory = _memory(kind)
         plane = AttentionPlane(PlaneLayout(*layout_args), memory, 0, [to_attention.get(timeout=60)])
         model = ToyMoE(dtype, memory.device)
         g = torch.Generator().manual_seed(4)
@@ -211,11 +211,12 @@ def run_pair(
             return inputs
 
         def compare(inputs: list[torch.Tensor]) -> None:
+            if echo:  # timing only
+                return
             for x, x0 in zip(xs, inputs, strict=True):
-                want = model.reference(x0.to(memory.device)) if not echo else None
-                if want is not None:
-                    err = (x.float() - want.float()).abs().max().item()
-                    result["max_abs_error"] = max(result["max_abs_error"], err)
+                want = model.reference(x0.to(memory.device))
+                err = (x.float() - want.float()).abs().max().item()
+                result["max_abs_error"] = max(result["max_abs_error"], err)
             result["steps_checked"] += 1
 
         def step() -> None:
@@ -229,8 +230,7 @@ def run_pair(
                 inputs = fresh_inputs()
                 graph.replay()
                 torch.cuda.synchronize()
-                if not echo:
-                    compare(inputs)
+                compare(inputs)
             result["seconds_per_step"] = (time.perf_counter() - start) / steps
         else:
             for _ in range(steps):
