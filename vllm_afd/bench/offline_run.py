@@ -159,6 +159,11 @@ def _ffn_report() -> list[dict]:
 
 
 def main() -> None:
+    """The child's entry; run by hand, it takes ``DEFAULT_ENV`` for what the caller left unset
+    (without ``VLLM_CPU_KVCACHE_SPACE`` vLLM's CPU build sizes the KV cache from the host's
+    memory: tens of GiB next to the FFN ranks)."""
+    for key, value in DEFAULT_ENV.items():
+        os.environ.setdefault(key, value)
     result = _generate(json.loads(sys.argv[1]))
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 

@@ -7,6 +7,7 @@ tests/unit/patches/test_cpu_comm.py.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -365,3 +366,20 @@ def test_main_writes_json_table_and_plot(tmp_path, monkeypatch, capsys):
     assert afd["s_all"] == pytest.approx(2 / 3) and "tokens_by_request" not in afd
     assert png.stat().st_size > 1000
     assert "afd 1:1 k1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("given", "used"), [(None, "1"), ("3", "3")])
+def test_offline_run_by_hand_caps_the_kv_cache_unless_told(monkeypatch, capsys, given, used):
+    """``python -m vllm_afd.bench.offline_run JOB`` run by hand gets the small KV cache its
+    parent would give it (vLLM's CPU build otherwise sizes it from the host's memory)."""
+    from vllm_afd.bench import offline_run
+
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    if given is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = given
+    monkeypatch.setattr(os, "environ", env)  # what main sets stays out of this process
+    monkeypatch.setattr(offline_run, "_generate", lambda job: {"kv": os.environ[job["key"]]})
+    monkeypatch.setattr("sys.argv", ["offline_run", json.dumps({"key": "VLLM_CPU_KVCACHE_SPACE"})])
+    offline_run.main()
+    line = capsys.readouterr().out.strip()
+    assert json.loads(line.removeprefix(offline_run.RESULT_PREFIX)) == {"kv": used}
