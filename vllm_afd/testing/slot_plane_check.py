@@ -365,7 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, limit in STEPS:
         if args.only and name not in args.only:
             continue
-        status, detail = _spawn_step(name, limit)
+        no_cuda = _no_cuda() if name.startswith("cuda-") else None
+        if no_cuda:  # known here: no process to start
+            status, detail = "SKIP", {"line": no_cuda}
+        else:
+            status, detail = _spawn_step(name, limit)
         report[name] = {"status": status, **detail}
         failed |= status == "FAIL"
         print(f"{status} {name}: {detail.get('line', '')}".rstrip(": "), flush=True)
