@@ -7,8 +7,10 @@ Steps, each in its own process group under its own timeout, one ``PASS``/``FAIL`
 each (the whole well under 5 minutes):
 
 * ``probe``: ``nvidia-smi topo -m`` (SKIP without a GPU).
-* ``host-plane``: the protocol through host memory (``HostPlaneMemory``), two microbatches in
-  vLLM's DBO call order (D0, D1, C0, D0', C1, ...), float32, identical to the reference.
+* ``host-plane``: the protocol through host memory (``HostPlaneMemory``): two attention ranks
+  (in one process, taking turns) whose rows the FFN rank serves in one forward, two
+  microbatches in vLLM's DBO call order (D0, D1, C0, D0', C1, ...), float32, identical to the
+  reference.
 * ``cuda-plane``: the same through device memory shared by CUDA IPC on GPU 0 (both processes on
   one GPU), bfloat16, at bf16 tolerance.
 * ``cuda-graphs``: both sides' whole step captured as one CUDA graph each, then 3 replays with
@@ -106,22 +108,28 @@ def dbo_order(layers: int, microbatches: int = 2) -> list[tuple[str, int, int]]:
     return order
 
 
-def attention_step(plane: AttentionPlane, model: ToyMoE, xs: list[torch.Tensor], layers: int):
-    """One step on the attention side, in place on ``xs`` (one hidden state per microbatch)."""
+def attention_step(
+    planes: list[AttentionPlane], model: ToyMoE, xs: list[list[torch.Tensor]], layers: int
+) -> None:
+    """One step of every attention rank (``planes[a]``, its hidden states ``xs[a]``, one per
+    microbatch), in place; the ranks take turns at every call."""
     handles = {}
-    for op, mb, layer in dbo_order(layers, len(xs)):
-        if op == "D":
-            ids, weights = model.route(layer, xs[mb])
-            handles[mb] = plane.dispatch(mb, xs[mb], ids, weights)
-        else:
-            xs[mb] += plane.combine(handles.pop(mb))
+    for op, mb, layer in dbo_order(layers, len(xs[0])):
+        for a, plane in enumerate(planes):
+            x = xs[a][mb]
+            if op == "D":
+                handles[a, mb] = plane.dispatch(mb, x, *model.route(layer, x))
+            else:
+                x += plane.combine(handles.pop((a, mb)))
 
 
 def ffn_step(plane: FFNPlane, forwards: list[Callable], rows: int, microbatches: int) -> None:
-    """One step on the FFN side: per layer, each microbatch's slot in turn."""
+    """One step on the FFN side: per layer, each microbatch's slot in turn, ``rows`` tokens
+    from every attention rank."""
+    counts = [rows] * plane.layout.num_attention_ranks
     for forward in forwards:
         for slot in range(microbatches):
-            plane.serve(slot, [rows], forward)
+            plane.serve(slot, counts, forward)
 
 
 def _memory(kind: str):
@@ -179,12 +187,14 @@ def run_pair(
     rows: int = TOKENS,
     graphs: bool = False,
     echo: bool = False,
+    attention_ranks: int = 1,
 ) -> dict:
-    """Run ``steps`` steps between this process (attention) and an FFN child; returns the
-    largest deviation from the reference, and for ``echo`` the seconds per step."""
+    """Run ``steps`` steps between this process (``attention_ranks`` attention ranks) and an
+    FFN child; returns the largest deviation from the reference, and for ``echo`` the seconds
+    per step."""
     ctx = mp.get_context("spawn")
     to_attention, from_attention = ctx.Queue(), ctx.Queue()
-    layout_args = (1, microbatches, rows, HIDDEN, TOP_K, dtype)
+    layout_args = (attention_ranks, microbatches, rows, HIDDEN, TOP_K, dtype)
     # with graphs both sides run one eager warm-up step, capture, then replay ``steps``
     plan = (steps, rows, graphs, echo)
     child = ctx.Process(
@@ -195,32 +205,40 @@ def run_pair(
     child.start()
     try:
         memory = _memory(kind)
-        plane = AttentionPlane(PlaneLayout(*layout_args), memory, 0, [to_attention.get(timeout=60)])
+        layout = PlaneLayout(*layout_args)
+        handle = to_attention.get(timeout=60)
+        planes = [AttentionPlane(layout, memory, a, [handle]) for a in range(attention_ranks)]
         model = ToyMoE(dtype, memory.device)
         g = torch.Generator().manual_seed(4)
         xs = [
-            torch.zeros(rows, HIDDEN, dtype=dtype, device=memory.device)
-            for _ in range(microbatches)
+            [
+                torch.zeros(rows, HIDDEN, dtype=dtype, device=memory.device)
+                for _ in range(microbatches)
+            ]
+            for _ in planes
         ]
         result = {"max_abs_error": 0.0, "steps_checked": 0}
 
         def fresh_inputs() -> list[torch.Tensor]:
-            inputs = [torch.randn(rows, HIDDEN, generator=g).to(dtype) for _ in xs]
-            for x, new in zip(xs, inputs, strict=True):
+            inputs = [
+                torch.randn(rows, HIDDEN, generator=g).to(dtype)
+                for _ in range(len(planes) * microbatches)
+            ]
+            for x, new in zip((x for rank in xs for x in rank), inputs, strict=True):
                 x.copy_(new)
             return inputs
 
         def compare(inputs: list[torch.Tensor]) -> None:
             if echo:  # timing only
                 return
-            for x, x0 in zip(xs, inputs, strict=True):
+            for x, x0 in zip((x for rank in xs for x in rank), inputs, strict=True):
                 want = model.reference(x0.to(memory.device))
                 err = (x.float() - want.float()).abs().max().item()
                 result["max_abs_error"] = max(result["max_abs_error"], err)
             result["steps_checked"] += 1
 
         def step() -> None:
-            attention_step(plane, model, xs, LAYERS)
+            attention_step(planes, model, xs, LAYERS)
 
         if graphs:
             fresh_inputs()
@@ -270,7 +288,7 @@ def step_probe() -> dict:
 
 
 def step_host_plane() -> dict:
-    result = run_pair("host", torch.float32, steps=2)
+    result = run_pair("host", torch.float32, steps=2, attention_ranks=2)
     if result["max_abs_error"] != 0.0:
         raise AssertionError(f"host plane differs from the reference: {result}")
     return result
@@ -284,12 +302,12 @@ def _bf16_close(result: dict) -> dict:
 
 def step_cuda_plane() -> dict:
     _require_cuda()
-    return _bf16_close(run_pair("cuda", torch.bfloat16, steps=2))
+    return _bf16_close(run_pair("cuda", torch.bfloat16, steps=2, attention_ranks=2))
 
 
 def step_cuda_graphs() -> dict:
     _require_cuda()
-    return _bf16_close(run_pair("cuda", torch.bfloat16, steps=3, graphs=True))
+    return _bf16_close(run_pair("cuda", torch.bfloat16, steps=3, graphs=True, attention_ranks=2))
 
 
 def step_cuda_round_trip() -> dict:
