@@ -1,6 +1,7 @@
 """The slot plane (``transport/slot_plane.py``) through its host memory: layout, the protocol
-between threads and between processes (vLLM's DBO call order), the bounded wait, and the device
-check's CPU run (its device steps SKIP here, so it cannot rot)."""
+between threads and between processes, driven by vLLM's own ubatch threads (one yield per MoE
+layer, and the two yields with receive hooks of vLLM's MoE kernels), the bounded wait, and the
+device check's CPU run (its device steps SKIP here, so it cannot rot)."""
 
 from __future__ import annotations
 
