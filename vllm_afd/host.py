@@ -227,6 +227,12 @@ def unlink_segment(name: str) -> bool:
         return False
 
 
+def unlink_if_creator(name: str, creator_pid: int) -> None:
+    """A creator's finalizer for its segment: a forked child inherits it and must not unlink."""
+    if os.getpid() == creator_pid:
+        unlink_segment(name)
+
+
 def read_segment_header(name: str, words: int) -> Sequence[int] | None:
     """The first ``words`` int64 words of ``/dev/shm/<name>``, or ``None`` if unreadable, short
     or not this user's own file (``open_owned_segment``: another user's file is never read)."""

@@ -102,7 +102,7 @@ from vllm_afd.host import (
     process_start_time,
     reap_segments,
     shm_platform_problem,
-    unlink_segment,
+    unlink_if_creator,
 )
 from vllm_afd.transport.base import (
     FFNRankLost,
@@ -340,12 +340,6 @@ class _Segment:
             pass  # an FFNRequest view is still alive; the mapping goes when it does
 
 
-def _unlink_if_creator(name: str, creator_pid: int) -> None:
-    """Finalizer of the FFN side: a forked child inherits it and must not unlink."""
-    if os.getpid() == creator_pid:
-        unlink_segment(name)
-
-
 def reap_stale_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
     """Unlink segments named ``<prefix><pid>_...`` whose creator (same pid namespace) is dead.
 
@@ -570,7 +564,7 @@ class ShmFFNTransport(FFNTransport):
         self._layout = layout = _Layout.of(spec)
         self._segment = self._create(prefix, rank, layout)
         name = self._segment.name
-        self._finalizer = weakref.finalize(self, _unlink_if_creator, name, os.getpid())
+        self._finalizer = weakref.finalize(self, unlink_if_creator, name, os.getpid())
         self._write_header(layout)
         self._words = self._segment.words
         self._slots = [

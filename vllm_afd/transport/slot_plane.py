@@ -77,7 +77,12 @@ from typing import Any, Protocol
 
 import torch
 
-from vllm_afd.host import create_segment, open_owned_segment, shm_platform_problem, unlink_segment
+from vllm_afd.host import (
+    create_segment,
+    open_owned_segment,
+    shm_platform_problem,
+    unlink_if_creator,
+)
 from vllm_afd.transport.base import FFNTimeout, TransportSpec
 
 #: Alignment of flags and payload parts: a GPU's L2 line (128 bytes), two x86 cache lines.
@@ -354,7 +359,7 @@ class HostPlaneMemory:
     def create(self, nbytes: int) -> tuple[torch.Tensor, str]:
         name = f"{self.prefix}{os.getpid()}_{secrets.token_hex(8)}"
         fd = create_segment(name, nbytes)
-        weakref.finalize(self, _unlink_if, name, os.getpid())
+        weakref.finalize(self, unlink_if_creator, name, os.getpid())
         return self._map(fd, nbytes), name
 
     def attach(self, handle: str, nbytes: int) -> torch.Tensor:
@@ -391,8 +396,3 @@ class HostPlaneMemory:
 
     def check(self) -> None:
         pass  # a host wait raises where it gives up
-
-
-def _unlink_if(name: str, creator_pid: int) -> None:
-    if os.getpid() == creator_pid:  # not in a forked child
-        unlink_segment(name)
