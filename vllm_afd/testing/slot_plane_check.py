@@ -14,8 +14,9 @@ each (the whole well under 5 minutes):
 * ``cuda-plane``: the same through device memory shared by CUDA IPC on GPU 0 (both processes on
   one GPU), bfloat16, at bf16 tolerance.
 * ``cuda-graphs``: both sides' whole step captured as one CUDA graph each, then 3 replays with
-  fresh inputs, each against the reference: the device counters carry the protocol through
-  replays with no Python on the token path.
+  fresh inputs, each against the reference: each side sets its step word before a replay and
+  the flag values the kernels compute from it carry the protocol, with no Python on the token
+  path.
 * ``cuda-round-trip``: per decode-sized batch, the round trip per MoE layer (graph replays of a
   step of ``LAYERS`` layers, the router included, FFN compute an echo) and the bytes it moves,
   against the time the GPU's own copy takes for those bytes. Two processes time-slice one GPU
@@ -42,7 +43,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from vllm_afd.transport.slot_plane import AttentionPlane, FFNPlane, PlaneLayout
+from vllm_afd.transport.slot_plane import AttentionPlane, FFNPlane, Part, PlaneLayout
 
 LAYERS, EXPERTS, TOP_K, HIDDEN, INTER, TOKENS = 4, 8, 2, 256, 128, 16
 SKIP = 77
@@ -112,24 +113,32 @@ def attention_step(
     planes: list[AttentionPlane], model: ToyMoE, xs: list[list[torch.Tensor]], layers: int
 ) -> None:
     """One step of every attention rank (``planes[a]``, its hidden states ``xs[a]``, one per
-    microbatch), in place; the ranks take turns at every call."""
+    microbatch), in place; the ranks take turns at every call. Layer ``l`` is position ``l``
+    of the step; the step itself is set before (``AttentionPlane.begin``)."""
     handles = {}
     for op, mb, layer in dbo_order(layers, len(xs[0])):
         for a, plane in enumerate(planes):
             x = xs[a][mb]
             if op == "D":
-                handles[a, mb] = plane.dispatch(mb, x, *model.route(layer, x))
+                handles[a, mb] = plane.dispatch(mb, layer, x, *model.route(layer, x))
             else:
                 x += plane.combine(handles.pop((a, mb)))
 
 
 def ffn_step(plane: FFNPlane, forwards: list[Callable], rows: int, microbatches: int) -> None:
     """One step on the FFN side: per layer, each microbatch's slot in turn, ``rows`` tokens
-    from every attention rank."""
-    counts = [rows] * plane.layout.num_attention_ranks
-    for forward in forwards:
+    from every attention rank (the step set before: ``FFNPlane.begin``)."""
+    ranks = range(plane.layout.num_attention_ranks)
+    for layer, forward in enumerate(forwards):
+        parts = [Part(a, rows, layer) for a in ranks]
         for slot in range(microbatches):
-            plane.serve(slot, counts, forward)
+            plane.serve(slot, parts, forward)
+
+
+def ffn_begin(plane: FFNPlane, step: int) -> None:
+    """Every attention rank is at ``step`` (both sides count steps from 1 here)."""
+    for a in range(plane.layout.num_attention_ranks):
+        plane.begin(a, step)
 
 
 def _memory(kind: str):
@@ -157,11 +166,14 @@ def _ffn_main(kind, dtype, layout_args, plan, to_attention, from_attention) -> N
     to_attention.put(plane.handle)
     microbatches = layout.num_slots
     if graphs:
+        ffn_begin(plane, 1)
         graph = _capture(lambda: ffn_step(plane, forwards, rows, microbatches))
-        for _ in range(steps):
+        for step in range(2, steps + 2):
+            ffn_begin(plane, step)  # outside the graph: the replay reads the step word
             graph.replay()
     else:
-        for _ in range(steps):
+        for step in range(1, steps + 1):
+            ffn_begin(plane, step)
             ffn_step(plane, forwards, rows, microbatches)
     if memory.device.type == "cuda":
         torch.cuda.synchronize()
@@ -240,19 +252,26 @@ def run_pair(
         def step() -> None:
             attention_step(planes, model, xs, LAYERS)
 
+        def begin(step: int) -> None:
+            for plane in planes:
+                plane.begin(step)
+
         if graphs:
             fresh_inputs()
+            begin(1)
             graph = _capture(step)
             start = time.perf_counter()
-            for _ in range(steps):
+            for k in range(2, steps + 2):
                 inputs = fresh_inputs()
+                begin(k)
                 graph.replay()
                 torch.cuda.synchronize()
                 compare(inputs)
             result["seconds_per_step"] = (time.perf_counter() - start) / steps
         else:
-            for _ in range(steps):
+            for k in range(1, steps + 1):
                 inputs = fresh_inputs()
+                begin(k)
                 step()
                 if memory.device.type == "cuda":
                     torch.cuda.synchronize()

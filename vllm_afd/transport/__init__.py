@@ -29,6 +29,7 @@ from vllm_afd.transport.base import (
 _BACKENDS: dict[str, str] = {
     "shm": "vllm_afd.transport.shm:ShmBackend",
     "tcp": "vllm_afd.transport.tcp:TcpBackend",
+    "slots": "vllm_afd.transport.slots:SlotsBackend",
     "deepep": "vllm_afd.transport.deepep:DeepEPBackend",
 }
 

@@ -46,7 +46,7 @@ import dataclasses
 import functools
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -279,6 +279,17 @@ class AttentionTransport(abc.ABC):
         may be combined again).
         """
 
+    def combine_hook(
+        self, handle: DispatchHandle
+    ) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
+        """``combine`` in two parts, as DeepEP's ``return_recv_hook=True`` splits it:
+        ``hook()`` waits for the answers (on a device, it queues the waits), ``receive()``
+        returns ``combine``'s result. Under vLLM's DBO the hook is registered with
+        ``dbo_register_recv_hook`` for the other microbatch to run before its next send, and
+        ``receive`` runs after the yield (``remote_experts._round_trip``). By default the hook
+        does nothing and ``receive`` is ``combine``."""
+        return (lambda: None), (lambda: self.combine(handle))
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release buffers and connections."""
 
@@ -356,6 +367,11 @@ class Backend:
     #: steps of its own, to fail only the request an FFN error follows
     #: (``remote_experts._isolate``); a collective backend cannot.
     isolates_requests: ClassVar[bool] = True
+    #: Several front-ends may share one FFN group of it (``vllm-afd ffn-server`` and
+    #: ``--afd-join``): its FFN side serves each attention rank's requests as they come; a
+    #: backend whose FFN side waits for a step of every attention rank (``slots``) cannot,
+    #: since front-ends do not step together.
+    shares_group: ClassVar[bool] = True
     #: Which side applies the routing weights: ``"ffn"`` (the FFN side answers rows weighted
     #: and summed over its experts) or ``"attention"`` (the combine weights them).
     weights_applied_on: ClassVar[str] = "ffn"

@@ -255,7 +255,7 @@ class P2PState:
     sent: dict[int, int]
 
 
-def _check_dispatch_args(spec: TransportSpec, x: torch.Tensor, topk_ids: torch.Tensor) -> int:
+def check_dispatch_args(spec: TransportSpec, x: torch.Tensor, topk_ids: torch.Tensor) -> int:
     """Validate ``dispatch`` inputs cheaply and return the number of tokens ``T``.
 
     Raises:
@@ -331,7 +331,7 @@ class PointToPointAttentionTransport(AttentionTransport):
         the handle keeps ``x``, ``topk_ids`` and ``topk_weights`` for failover (leave them
         unchanged until ``combine``). A failed send frees the slot and raises."""
         spec = self.spec
-        num_tokens = _check_dispatch_args(spec, x, topk_ids)
+        num_tokens = check_dispatch_args(spec, x, topk_ids)
         split = split_by_ffn_rank(spec, topk_ids, self._rows[num_tokens])
         step = self.step
         if not split:

@@ -1,67 +1,84 @@
 """The slot plane: the shm backend's slot protocol as stream-ordered operations, written once and
-run on two memories (issue 19; docs/architecture.md, "The slot plane").
+run on two memories (issue 19; docs/architecture.md, "The slot plane"). The ``slots`` backend
+(``slots.py``) serves a deployment on it.
 
 Why. On GPUs the A:F hop must move each token once per FFN rank (not once per expert, as
 DeepEP's low-latency kernels with virtual experts do), keep its buffers to the slots (not the
 gigabytes of NVSHMEM those kernels take on every GPU) and make no host synchronization on the
 token path, so that both sides' steps can be captured as CUDA graphs
 (../shared/design/reviews/gpu-path-2.md). The shm backend's layout already has that shape; what
-it lacks on a GPU is a way to publish and wait that is not a host spin. So the layout and the
-protocol live here, expressed in a handful of operations a device executes in stream order, and
-a ``PlaneMemory`` supplies only the memory and the publish/wait primitive:
+it lacks on a GPU is a way to publish and wait that is not a host spin. So the layout, the
+protocol, the step schedules and the failure signalling live here, expressed in a handful of
+operations a device executes in stream order, and a ``PlaneMemory`` supplies only the memory and
+the publish/wait primitive:
 
 * ``HostPlaneMemory`` (this file): a ``/dev/shm`` segment, plain stores (x86-64 total store
-  order, as in shm.py) and a host spin. Every CI run exercises the protocol through it.
-* ``CudaPlaneMemory`` (``slot_plane_cuda.py``): device memory shared by CUDA IPC, a Triton store
-  with release semantics and a Triton spin-wait with acquire semantics at system scope; every
-  operation is a kernel on the current stream, so CUDA graphs capture the whole exchange.
+  order, as in shm.py) and a host spin. Every CI run exercises the protocol through it, with
+  either wait semantics: the host's (a wait that fails raises at once) or the device's
+  (``device_waits``: it is recorded and ``check()`` raises at the step's end), the CPU stand-in
+  of the GPU layer's host-side logic.
+* ``CudaPlaneMemory`` (``slot_plane_cuda.py``): device memory shared by CUDA IPC, a Triton
+  store with release semantics and a Triton spin-wait with acquire semantics at system scope;
+  every operation is a kernel on the current stream, so CUDA graphs capture the whole exchange.
 
 No library does this: DeepEP's kernels are the wrong tool for the asymmetric hop (above); vLLM's
 custom all-reduce has the pattern (IPC buffers, device flags) but only as an all-reduce; PyTorch
 symmetric memory's ``put_signal``/``wait_signal`` need every rank to allocate the same buffer
 through a rendezvous of one process group. The CUDA layer here uses PyTorch and Triton only.
 
-Layout. One buffer per FFN rank, owned by it, mapped by every attention rank::
+Layout. One data buffer per FFN rank, owned by it, mapped by every attention rank::
 
     flags          int64, one 128-byte line each: request flag and response flag of every
                    (attention rank a, slot s)
     slot (s, a)    x [T, H] spec.dtype | topk_ids [T, K] int32 | topk_weights [T, K] float32 |
                    out [T, H] spec.dtype       (T = max_tokens, each part 128-byte aligned)
 
-Protocol. Both sides count every use of a channel (attention rank a, FFN rank f, slot s) in a
-device-resident counter of their own, so a graph replay advances them without Python:
+and one control block per FFN rank in host shared memory (``ControlBlock``, on every device:
+the FFN rank's host reads it): the FFN process's identity, the data buffer's handle, and each
+attention rank's last announced ``StepSchedule`` (``control.py``).
 
-    attention, dispatch(s):  c[f, s] += 1; copy x, ids, weights into f's slot (s, a);
-                             signal(request flag (a, s) of f, c[f, s])            for every f
-    FFN f, serve(s):         c'[a, s] += 1; wait(request flag (a, s), c'[a, s])   for every a;
-                             one forward over all attention ranks' rows; answers into out;
-                             signal(response flag (a, s), c'[a, s])               for every a
-    attention, combine(h):   wait(response flag (a, s) of f, c[f, s]); sum the f answers
+Protocol. Slot ``s`` carries microbatch ``s``. Every use of a slot is tagged by its flag value,
+``use_value(step, position) = step << POSITION_BITS | position + 1``: the sender's step and the
+layer's position in that step's schedule. Both sides hold the step as a device word
+(``begin``), so the value is computed on the device and a CUDA graph replay, whose host code
+does not run, uses the step announced before it::
 
-A signal is a store ordered after the payload (release); a wait returns once the flag equals the
-counter (acquire), so the reader never sees a half-written payload, and a flag never moves
-backwards, so a replay cannot be fooled by the previous use. Each slot is one microbatch's
-alone; slots of different microbatches never share a flag, so any interleaving of two
-microbatches' dispatches and combines (vLLM's DBO runs D0, D1, C0, D0', C1, ...) is served as
-long as the FFN side serves each slot's uses in order (layer by layer, the microbatches of a
-layer in turn).
+    attention a, begin(step):   step word = step << 16; schedule into every control block
+    attention a, dispatch(s, p): copy x, ids, weights into slot (s, a) of every FFN rank f;
+                                signal(request flag (a, s) of f, value(step, p))
+    FFN f, begin(a, step):      f's step word of a = step << 16 (read from a's schedule)
+    FFN f, take(s, a, p):       wait(request flag (a, s), value(step_a, p))
+    FFN f, answer(s, a, p):     signal(response flag (a, s), value(step_a, p)), after writing
+                                the weighted sum of f's experts into out; ``fail``: the
+                                negated value, the error text in out
+    attention a, combine(h):    wait(response flag (a, s) of f, value(step, p)) for every f;
+                                sum the f answers
+
+A signal is a store ordered after the payload (release); a wait returns once ``|flag|`` reaches
+the awaited value (acquire), so the reader never sees a half-written payload. Values only grow
+(steps grow, and positions within a step), so a replay cannot be fooled by the previous use,
+and a wait that finds a larger value knows its peer moved on (an attention rank that abandoned
+a step after an error): it ends instead of waiting for a use that will never come. Slots of
+different microbatches never share a flag, so any interleaving of two microbatches'
+dispatches and combines (vLLM's DBO runs D0, D1, C0, D0', C1, ...) is served as long as the FFN
+side serves each slot's uses in order (layer by layer, the microbatches of a layer in turn).
+Tags are thereby checked on every message, on the device, and steps resynchronise the two sides
+at every announcement: a step abandoned half-way leaves nothing behind.
 
 Fixed shapes. Every dispatch sends all its ``n`` rows to every FFN rank (no host-side filtering
 by expert, which needs the routing on the host), so traffic per layer is ``n x H x F`` each way,
 against ``n x H x (FFN ranks a token touches)`` for the shm backend's filtered sends: equal at
 F = 1 (7:1), 4 against 3.6 for Qwen3-235B at 28 + 4. The FFN side masks the experts it does not
-hold. The row counts a step sends (``rows``) come from the announced step schedule, once per
-step, as the CUDA graph to replay does.
+hold. The row counts of a use come from the announced step schedule, as the CUDA graph to
+replay does; a dispatch may send fewer (an upper bound was announced: the rest is not read).
 
-Failure. A host wait raises ``FFNTimeout`` naming the flag after ``timeout_s``. A device wait
-gives up after its spin budget, records it in a device word and lets the stream go on (a kernel
-cannot raise); ``check()`` reads that word on the host (the step's end, where vLLM synchronizes
-anyway) and raises. Recovery (a new FFN rank, new buffer and counters from zero) is the shm
-backend's failover, not yet wired to this plane.
-
-Not yet: this plane is not a registered backend; the FFN executor and the attention-side hook do
-not drive it (the next step of issue 19). ``vllm_afd.testing.slot_plane_check`` runs it between
-two processes: on CPU through host memory, on a GPU through device memory with graph capture.
+Failure. A host wait raises ``FFNTimeout`` naming the flag after ``timeout_s`` and reports a
+flag that moved past the awaited value to its caller; its ``watch`` callback (every
+``WATCH_INTERVAL_S``) lets the caller end it early (the FFN process died, the sender announced
+a newer step). A device wait gives up after its spin budget, or on an error answer or a peer
+that moved on, records it in a device word and lets the stream go on (a kernel cannot raise);
+``check()`` reads that word on the host (at step boundaries, where the host looks anyway) and
+raises.
 """
 
 from __future__ import annotations
@@ -73,24 +90,41 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from vllm_afd.host import (
     create_segment,
     open_owned_segment,
+    pid_namespace,
+    process_start_time,
+    reap_segments,
     shm_platform_problem,
     unlink_if_creator,
 )
 from vllm_afd.transport.base import FFNTimeout, TransportSpec
+from vllm_afd.transport.control import StepSchedule, schedule_words
 
 #: Alignment of flags and payload parts: a GPU's L2 line (128 bytes), two x86 cache lines.
 LINE = 128
 _FLAG_WORDS = LINE // 8
+#: Bits of a flag value below the step: the layer's position in the step (+1).
+POSITION_BITS = 16
+#: Name prefix of the data segments ``HostPlaneMemory`` creates.
+PLANE_PREFIX = "vllm_afd_plane_"
+#: How often a waiting host calls its ``watch`` (seconds).
+WATCH_INTERVAL_S = 0.05
 #: ``forward(x [N, H], topk_ids [N, K] int32, topk_weights [N, K] float32, out [N, H]) -> out``,
 #: already weighted and summed over the FFN rank's experts (``transport.reference.FFNForward``).
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def use_value(step: int, position: int) -> int:
+    """The flag value of the use of a slot by layer ``position`` of ``step``."""
+    if not 0 <= position < (1 << POSITION_BITS) - 1:
+        raise ValueError(f"layer position {position} does not fit {POSITION_BITS} bits")
+    return step << POSITION_BITS | position + 1
 
 
 def _align(n: int, to: int = LINE) -> int:
@@ -99,7 +133,7 @@ def _align(n: int, to: int = LINE) -> int:
 
 @dataclass(frozen=True)
 class PlaneLayout:
-    """Byte layout of one FFN rank's buffer (module docstring)."""
+    """Byte layout of one FFN rank's data buffer (module docstring)."""
 
     num_attention_ranks: int
     num_slots: int
@@ -124,6 +158,18 @@ class PlaneLayout:
             spec.hidden_size,
             spec.top_k,
             spec.dtype,
+        )
+
+    @property
+    def params(self) -> tuple[int, ...]:
+        """What a control block records and attachers check."""
+        return (
+            self.num_attention_ranks,
+            self.num_slots,
+            self.max_tokens,
+            self.hidden,
+            self.top_k,
+            self.dtype.itemsize,
         )
 
     @property
@@ -183,36 +229,92 @@ class SlotViews:
         self.weights = part(torch.float32, layout.top_k, layout.routing_bytes)
         self.out = part(layout.dtype, layout.hidden, layout.x_bytes)
 
+    def write_error(self, message: str) -> None:
+        """An error answer's text into ``out`` (its length first, as one int64)."""
+        area = self.out.view(-1).view(torch.uint8)
+        text = (message.encode() or b"?")[: area.numel() - 8]
+        data = bytearray(len(text).to_bytes(8, "little") + text)
+        area[: len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))
+
+    def read_error(self) -> str:
+        """The text ``write_error`` left in ``out`` (host memory only)."""
+        area = self.out.view(-1).view(torch.uint8)
+        length = int.from_bytes(area[:8].numpy().tobytes(), "little")
+        if not 0 < length <= area.numel() - 8:
+            return f"(unreadable error answer: {length} bytes)"
+        return area[8 : 8 + length].numpy().tobytes().decode(errors="replace")
+
+
+#: ``watch()``, called by a waiting host every ``WATCH_INTERVAL_S``: raises to end the wait.
+Watch = Callable[[], None]
+
 
 class PlaneMemory(Protocol):
     """What differs per device: where buffers live and how a flag is published and awaited.
+
     ``signal`` and ``wait`` are stream-ordered on devices with streams (they return at once and
-    run in order with the copies around them); on the host they run when called."""
+    run in order with the copies around them); on the host they run when called. ``step`` is a
+    one-element int64 tensor on the memory's device holding ``step << POSITION_BITS``; the value
+    a flag carries for a use is ``step + position + 1`` (``use_value``)."""
 
     device: torch.device
 
-    def create(self, nbytes: int) -> tuple[torch.Tensor, Any]:
-        """A zeroed ``uint8`` buffer of ``nbytes`` and a picklable handle peers attach it by."""
+    def create(self, nbytes: int) -> tuple[torch.Tensor, str]:
+        """A zeroed ``uint8`` buffer of ``nbytes`` and the text peers attach it by."""
 
-    def attach(self, handle: Any, nbytes: int) -> torch.Tensor:
+    def attach(self, handle: str, nbytes: int) -> torch.Tensor:
         """The buffer ``handle`` names, mapped into this process."""
 
-    def signal(self, flag: torch.Tensor, value: torch.Tensor) -> None:
-        """Store ``value`` (one int64) into ``flag`` after every earlier write (release)."""
+    def signal(
+        self, flag: torch.Tensor, step: torch.Tensor, position: int, failed: bool = False
+    ) -> None:
+        """Store the use's value (negated when ``failed``) into ``flag`` after every earlier
+        write (release)."""
 
-    def wait(self, flag: torch.Tensor, value: torch.Tensor, what: str) -> None:
-        """Until ``flag == value`` (acquire), bounded; ``what`` names the flag in the error."""
+    def wait(
+        self,
+        flag: torch.Tensor,
+        step: torch.Tensor,
+        position: int,
+        what: str,
+        watch: Watch | None = None,
+    ) -> int | None:
+        """Until ``|flag|`` reaches the use's value (acquire), bounded; ``what`` names the flag
+        in errors. Returns the flag's value on the host (the caller tells an answer, an error
+        answer and a peer that moved on apart); ``None`` where the wait only records a
+        failure (``check``)."""
 
     def check(self) -> None:
-        """Raise if a wait gave up (devices record it; the host raises in ``wait``)."""
+        """Raise if a wait failed since the last check (where waits only record it)."""
+
+    def close(self) -> None:
+        """Release what ``create`` and ``attach`` mapped (the creator's buffers go)."""
+
+
+def step_word(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
+def _set_step(word: torch.Tensor, step: int) -> None:
+    word.fill_(step << POSITION_BITS)  # a kernel on a device: in stream order, no host sync
 
 
 @dataclass(frozen=True)
 class PlaneHandle:
-    """What ``dispatch`` returns and ``combine`` consumes: the slot and the rows sent."""
+    """What ``dispatch`` returns and ``combine`` consumes: the slot, the layer's position in
+    the step and the rows sent."""
 
     slot: int
+    position: int
     num_tokens: int
+
+
+class PlaneError(Exception):
+    """A host wait found another value than the one it waited for (``found``)."""
+
+    def __init__(self, message: str, found: int) -> None:
+        super().__init__(message)
+        self.found = found
 
 
 class AttentionPlane:
@@ -220,60 +322,77 @@ class AttentionPlane:
     order), dispatches into its own slots there and combines the answers."""
 
     def __init__(
-        self, layout: PlaneLayout, memory: PlaneMemory, rank: int, handles: Sequence[Any]
+        self, layout: PlaneLayout, memory: PlaneMemory, rank: int, handles: Sequence[str]
     ) -> None:
         self.layout, self.memory, self.rank = layout, memory, rank
         self.buffers = [memory.attach(h, layout.total_bytes) for h in handles]
         self.slots = [
             [SlotViews(b, layout, rank, s) for s in range(layout.num_slots)] for b in self.buffers
         ]
-        #: Uses of each (FFN rank, slot) channel, on the device: graph replays advance them.
-        self.counters = torch.zeros(
-            len(self.buffers), layout.num_slots, dtype=torch.int64, device=memory.device
-        )
+        self.step = step_word(memory.device)
+
+    def begin(self, step: int) -> None:
+        """The step the next dispatches belong to (after its schedule is announced)."""
+        _set_step(self.step, step)
 
     def dispatch(
-        self, slot: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self,
+        slot: int,
+        position: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
     ) -> PlaneHandle:
         """Send ``x`` ``[N, H]`` (``layout.dtype``), ``topk_ids`` ``[N, K]`` (integer, global
         expert ids) and ``topk_weights`` ``[N, K]`` (floating) through ``slot`` to every FFN
-        rank; returns at once on devices with streams."""
+        rank, as layer ``position`` of the step; returns at once on devices with streams.
+        ``N`` may be 0 (a tensor-parallel rank with no share of a small batch): the flag is
+        still published, so the FFN ranks' wait ends."""
         n = x.shape[0]
-        if not 0 < n <= self.layout.max_tokens:
-            raise ValueError(f"dispatch of {n} tokens: allowed 1..{self.layout.max_tokens}")
-        self.counters[:, slot] += 1
+        if not 0 <= n <= self.layout.max_tokens:
+            raise ValueError(f"dispatch of {n} tokens: allowed 0..{self.layout.max_tokens}")
         views = [v[slot] for v in self.slots]
-        dsts = [t for v in views for t in (v.x[:n], v.ids[:n], v.weights[:n])]
-        torch._foreach_copy_(dsts, [x, topk_ids, topk_weights] * len(views))
-        for f, v in enumerate(views):
-            self.memory.signal(v.request, self.counters[f, slot : slot + 1])
-        return PlaneHandle(slot, n)
+        if n:
+            dsts = [t for v in views for t in (v.x[:n], v.ids[:n], v.weights[:n])]
+            torch._foreach_copy_(dsts, [x, topk_ids, topk_weights] * len(views))
+        for v in views:
+            self.memory.signal(v.request, self.step, position)
+        return PlaneHandle(slot, position, n)
 
-    def combine(self, handle: PlaneHandle) -> torch.Tensor:
+    def combine(self, handle: PlaneHandle, watch: Watch | None = None) -> torch.Tensor:
         """``[N, H]`` (``layout.dtype``): the FFN ranks' answers to ``handle``'s dispatch, summed
         in FFN rank order. A new tensor: the slot may be reused at once."""
-        hook, receive = self.combine_hook(handle)
+        hook, receive = self.combine_hook(handle, watch)
         hook()
         return receive()
 
     def combine_hook(
-        self, handle: PlaneHandle
+        self, handle: PlaneHandle, watch: Watch | None = None
     ) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
         """``combine`` in two parts, as DeepEP's ``return_recv_hook=True`` and vLLM's async
         finalize split it: ``hook()`` waits for every FFN rank's answer (on devices with
         streams, it queues the waits), ``receive()`` then sums them. Under vLLM's DBO the hook
         goes to ``dbo_register_recv_hook`` and the other microbatch runs it before its next
-        send; ``receive`` runs after the yield."""
-        slot, n = handle.slot, handle.num_tokens
+        send; ``receive`` runs after the yield.
+
+        On the host, ``hook`` raises ``PlaneError`` for an error answer (its text) or an
+        answer to another use."""
+        slot, position, n = handle.slot, handle.position, handle.num_tokens
         views = [v[slot] for v in self.slots]
+        want = None
 
         def hook() -> None:
+            nonlocal want
             for f, view in enumerate(views):
-                self.memory.wait(
-                    view.response,
-                    self.counters[f, slot : slot + 1],
-                    f"response of FFN rank {f} to attention rank {self.rank}, slot {slot}",
-                )
+                what = f"response of FFN rank {f} to attention rank {self.rank}, slot {slot}"
+                found = self.memory.wait(view.response, self.step, position, what, watch)
+                if found is None:
+                    continue
+                want = want or int(self.step) + position + 1
+                if found == -want:
+                    raise PlaneError(f"FFN rank {f}: {view.read_error()}", found)
+                if found != want:
+                    raise PlaneError(f"{what} carries {found:#x}, awaited {want:#x}", found)
 
         def receive() -> torch.Tensor:
             total = views[0].out[:n].clone()
@@ -282,6 +401,16 @@ class AttentionPlane:
             return total
 
         return hook, receive
+
+
+@dataclass(frozen=True)
+class Part:
+    """One attention rank's share of a use of a slot on the FFN side: its rows (from its
+    schedule) and the layer's position in its step."""
+
+    attention_rank: int
+    rows: int
+    position: int
 
 
 class FFNPlane:
@@ -295,11 +424,9 @@ class FFNPlane:
             [SlotViews(self.buffer, layout, a, s) for a in attention]
             for s in range(layout.num_slots)
         ]
-        self.counters = torch.zeros(
-            layout.num_attention_ranks, layout.num_slots, dtype=torch.int64, device=memory.device
-        )
+        self.steps = [step_word(memory.device) for _ in attention]
         rows = layout.num_attention_ranks * layout.max_tokens
-        #: Every attention rank's rows gathered for one forward (unused with one attention rank).
+        #: Every attention rank's rows gathered for one forward (``serve``).
         self._gathered = (
             torch.empty(rows, layout.hidden, dtype=layout.dtype, device=memory.device),
             torch.empty(rows, layout.top_k, dtype=torch.int32, device=memory.device),
@@ -307,27 +434,49 @@ class FFNPlane:
             torch.empty(rows, layout.hidden, dtype=layout.dtype, device=memory.device),
         )
 
-    def serve(self, slot: int, rows: Sequence[int], forward: Forward) -> None:
-        """Serve one use of ``slot``: wait for every attention rank's request (``rows[a]`` tokens
-        from attention rank ``a``, from the step schedule), run ``forward`` once over all of
-        them and publish each answer."""
-        if len(rows) != self.layout.num_attention_ranks:
-            raise ValueError(f"rows: one count per attention rank, got {len(rows)}")
-        views = self.slots[slot]
-        self.counters[:, slot] += 1
-        for a, v in enumerate(views):
-            self.memory.wait(
-                v.request,
-                self.counters[a, slot : slot + 1],
-                f"request of attention rank {a} to FFN rank {self.rank}, slot {slot}",
-            )
+    def begin(self, attention_rank: int, step: int) -> None:
+        """Serve ``step`` of ``attention_rank`` (its announced schedule) from now on."""
+        _set_step(self.steps[attention_rank], step)
+
+    def take(self, slot: int, part: Part, watch: Watch | None = None) -> SlotViews:
+        """Wait for ``part``'s request in ``slot``; returns the slot's views (the request's
+        rows are ``[:part.rows]``). On the host raises ``PlaneError`` when the attention rank
+        moved past this use."""
+        a = part.attention_rank
+        view = self.slots[slot][a]
+        what = f"request of attention rank {a} to FFN rank {self.rank}, slot {slot}"
+        found = self.memory.wait(view.request, self.steps[a], part.position, what, watch)
+        if found is not None:
+            want = int(self.steps[a]) + part.position + 1
+            if found != want:
+                raise PlaneError(f"{what} carries {found:#x}, awaited {want:#x}", found)
+        return view
+
+    def answer(self, slot: int, part: Part) -> None:
+        """Publish ``part``'s answer, already in its slot's ``out``."""
+        a = part.attention_rank
+        self.memory.signal(self.slots[slot][a].response, self.steps[a], part.position)
+
+    def fail(self, slot: int, part: Part, message: str) -> None:
+        """Answer ``part`` with an error: its attention rank's combine raises ``message``."""
+        a = part.attention_rank
+        view = self.slots[slot][a]
+        view.write_error(message)
+        self.memory.signal(view.response, self.steps[a], part.position, failed=True)
+
+    def serve(self, slot: int, parts: Sequence[Part], forward: Forward) -> None:
+        """One use of ``slot``, whole and in stream order (the device check and a captured FFN
+        step): wait for every part's request, run ``forward`` once over all their rows and
+        publish each answer."""
+        views = [self.take(slot, part) for part in parts]
+        rows = [part.rows for part in parts]
         if len(views) == 1:
             v, n = views[0], rows[0]
             forward(v.x[:n], v.ids[:n], v.weights[:n], v.out[:n])
         else:
             self._serve_gathered(views, rows, forward)
-        for a, v in enumerate(views):
-            self.memory.signal(v.response, self.counters[a, slot : slot + 1])
+        for part in parts:
+            self.answer(slot, part)
 
     def _serve_gathered(self, views: list[SlotViews], rows: Sequence[int], forward: Forward):
         """One forward over the attention ranks' rows: gathered by one ``cat`` per part, the
@@ -343,23 +492,54 @@ class FFNPlane:
         )
 
 
-class HostPlaneMemory:
+class RecordedWaits:
+    """The device's way to fail a wait, shared by ``CudaPlaneMemory`` and ``HostPlaneMemory``
+    with ``device_waits``: a wait cannot raise (a kernel), so one that ends without its
+    answer (gave up, an error answer, a peer that moved on) is counted in ``errors``, a word
+    on the memory's device, and ``check()`` reads it on the host and raises."""
+
+    errors: torch.Tensor
+    #: What a wait gives up after, for the message (``"30 s"``, ``"67108864 polls"``).
+    bound: str
+
+    def check(self) -> None:
+        failed = int(self.errors)  # a device sync: at step boundaries only
+        if failed:
+            self.errors.zero_()
+            raise FFNTimeout(
+                f"slot plane: {failed} wait(s) ended without their answer (given up after "
+                f"{self.bound}, an error answer, or a peer that moved on)"
+            )
+
+
+class HostPlaneMemory(RecordedWaits):
     """Host memory: a ``/dev/shm`` segment (mode 0600, ``host.create_segment``), plain stores
-    and a host spin. x86-64 only, for the reason shm.py gives (total store order)."""
+    and a host spin. x86-64 only, for the reason shm.py gives (total store order).
+
+    ``device_waits``: waits with the device's semantics (``RecordedWaits``) instead of raising
+    where they fail; the CPU stand-in of ``CudaPlaneMemory``'s host-side logic."""
 
     device = torch.device("cpu")
 
-    def __init__(self, timeout_s: float = 30.0, prefix: str = "vllm_afd_plane_") -> None:
+    def __init__(
+        self,
+        timeout_s: float = 30.0,
+        prefix: str = PLANE_PREFIX,
+        device_waits: bool = False,
+    ) -> None:
         problem = shm_platform_problem()
         if problem is not None:
             raise RuntimeError(problem)
-        self.timeout_s, self.prefix = timeout_s, prefix
+        self.timeout_s, self.prefix, self.device_waits = timeout_s, prefix, device_waits
+        self.errors = torch.zeros(1, dtype=torch.int64)
+        self.bound = f"{timeout_s} s"
         self._maps: list[mmap.mmap] = []
+        self._created: list[weakref.finalize] = []
 
     def create(self, nbytes: int) -> tuple[torch.Tensor, str]:
         name = f"{self.prefix}{os.getpid()}_{secrets.token_hex(8)}"
         fd = create_segment(name, nbytes)
-        weakref.finalize(self, unlink_if_creator, name, os.getpid())
+        self._created.append(weakref.finalize(self, unlink_if_creator, name, os.getpid()))
         return self._map(fd, nbytes), name
 
     def attach(self, handle: str, nbytes: int) -> torch.Tensor:
@@ -378,21 +558,239 @@ class HostPlaneMemory:
         self._maps.append(mm)
         return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
 
-    def signal(self, flag: torch.Tensor, value: torch.Tensor) -> None:
-        flag.copy_(value)  # after the payload's stores (x86-64 TSO)
+    def signal(
+        self, flag: torch.Tensor, step: torch.Tensor, position: int, failed: bool = False
+    ) -> None:
+        value = int(step) + position + 1
+        flag.fill_(-value if failed else value)  # after the payload's stores (x86-64 TSO)
 
-    def wait(self, flag: torch.Tensor, value: torch.Tensor, what: str) -> None:
-        want = int(value)
-        if int(flag) == want:
-            return
+    def wait(
+        self,
+        flag: torch.Tensor,
+        step: torch.Tensor,
+        position: int,
+        what: str,
+        watch: Watch | None = None,
+    ) -> int | None:
+        want = int(step) + position + 1
+        seen = int(flag)
+        if abs(seen) >= want:
+            return self._outcome(seen, want)
         start = time.perf_counter()
-        deadline = start + self.timeout_s
-        while int(flag) != want:
+        deadline, next_watch = start + self.timeout_s, start + WATCH_INTERVAL_S
+        while abs(seen := int(flag)) < want:
             now = time.perf_counter()
+            if now > next_watch:
+                if watch is not None:
+                    watch()
+                next_watch = now + WATCH_INTERVAL_S
             if now > deadline:
+                if self.device_waits:
+                    self.errors += 1
+                    return None
                 raise FFNTimeout(f"slot plane: {what} did not come within {self.timeout_s} s")
             if now - start > 1e-3:
                 time.sleep(50e-6)
+        return self._outcome(seen, want)
+
+    def _outcome(self, seen: int, want: int) -> int | None:
+        if not self.device_waits:
+            return seen
+        if seen != want:
+            self.errors += 1
+        return None
 
     def check(self) -> None:
-        pass  # a host wait raises where it gives up
+        if self.device_waits:
+            super().check()
+
+    def close(self) -> None:
+        """Unmap (a mapping still viewed by a live tensor stays until that goes) and unlink
+        the segments this memory created."""
+        for finalizer in self._created:
+            finalizer()
+        for mm in self._maps:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+        self._maps.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# The control block: the step schedules, in host memory whatever the data plane's memory.
+# --------------------------------------------------------------------------------------------
+
+CONTROL_PREFIX = "vllm_afd_slots_"
+_MAGIC = 0x3130_5354_4F4C_5341  # b"ASLOTS01" little-endian
+_VERSION = 1
+_OPEN, _CLOSED = 1, 2
+# header words: magic, version, pid, pid namespace, state, handle bytes, schedule words, then
+# the layout's params from word 8
+_W_MAGIC, _W_VERSION, _W_PID, _W_PIDNS, _W_STATE, _W_HANDLE, _W_SCHEDULE = range(7)
+_W_PARAMS = 8
+_HEADER_WORDS = 16
+#: Room for the data buffer's handle (a segment name; a CUDA IPC handle as JSON).
+HANDLE_BYTES = 2048
+
+
+class ControlBlock:
+    """An FFN rank's control block (``/dev/shm``, mode 0600): who the FFN process is, the
+    handle of its data buffer, and per attention rank the last ``StepSchedule`` it announced
+    (``control.StepSchedule.words``).
+
+    A schedule is written as a seqlock over x86-64 store order: its step word is zeroed, the
+    other words written, then the step word; a reader takes the step word, the rest, and the
+    step word again, and keeps only a read where both agree."""
+
+    def __init__(self, name: str, mm: mmap.mmap, layout: PlaneLayout, words_per: int) -> None:
+        self.name, self.mm, self.layout, self.words_per = name, mm, layout, words_per
+        self.words = memoryview(mm).cast("q")
+
+    @staticmethod
+    def size(layout: PlaneLayout, words_per: int) -> int:
+        return 8 * (_HEADER_WORDS + layout.num_attention_ranks * words_per) + HANDLE_BYTES
+
+    @classmethod
+    def create(
+        cls, layout: PlaneLayout, moe_layers: Sequence[int], handle: str, prefix: str, rank: int
+    ) -> ControlBlock:
+        words_per = schedule_words(moe_layers)
+        data = handle.encode()
+        if len(data) > HANDLE_BYTES:
+            raise ValueError(f"data buffer handle of {len(data)} bytes, room for {HANDLE_BYTES}")
+        size = cls.size(layout, words_per)
+        name = f"{prefix}{os.getpid()}_f{rank}_{secrets.token_hex(8)}"
+        fd = create_segment(name, size)
+        try:
+            block = cls(name, mmap.mmap(fd, size), layout, words_per)
+        finally:
+            os.close(fd)
+        block._finalizer = weakref.finalize(block, unlink_if_creator, name, os.getpid())
+        words = block.words
+        for i, value in enumerate(layout.params):
+            words[_W_PARAMS + i] = value
+        block.mm[size - HANDLE_BYTES : size - HANDLE_BYTES + len(data)] = data
+        words[_W_HANDLE], words[_W_SCHEDULE] = len(data), words_per
+        words[_W_VERSION], words[_W_PID], words[_W_PIDNS] = _VERSION, os.getpid(), pid_namespace()
+        words[_W_STATE] = _OPEN
+        words[_W_MAGIC] = _MAGIC
+        return block
+
+    @classmethod
+    def attach(cls, name: str, layout: PlaneLayout, moe_layers: Sequence[int]) -> ControlBlock:
+        """Map an FFN rank's block (``host.open_owned_segment``: ours, mode 0600).
+
+        Raises:
+            ValueError: if its layout is not ``layout``'s (the two sides disagree on the spec).
+        """
+        words_per = schedule_words(moe_layers)
+        size = cls.size(layout, words_per)
+        fd = open_owned_segment(name, writable=True)
+        try:
+            if os.fstat(fd).st_size != size:
+                raise ValueError(
+                    f"control block {name!r} is {os.fstat(fd).st_size} bytes, the spec needs "
+                    f"{size}: attention and FFN ranks disagree on the TransportSpec"
+                )
+            block = cls(name, mmap.mmap(fd, size), layout, words_per)
+        finally:
+            os.close(fd)
+        words = block.words
+        found = tuple(words[_W_PARAMS : _W_PARAMS + len(layout.params)])
+        if words[_W_MAGIC] != _MAGIC or words[_W_VERSION] != _VERSION or found != layout.params:
+            block.close()
+            raise ValueError(
+                f"control block {name!r} has layout {found}, expected {layout.params} "
+                "(attention ranks, slots, max_tokens, hidden, top_k, itemsize): attention and "
+                "FFN ranks disagree on the TransportSpec"
+            )
+        return block
+
+    @property
+    def handle(self) -> str:
+        start = len(self.mm) - HANDLE_BYTES
+        return bytes(self.mm[start : start + self.words[_W_HANDLE]]).decode()
+
+    @property
+    def pid(self) -> int:
+        return self.words[_W_PID]
+
+    @property
+    def same_pid_namespace(self) -> bool:
+        return self.words[_W_PIDNS] == pid_namespace()
+
+    @property
+    def closed(self) -> bool:
+        return self.words[_W_STATE] == _CLOSED
+
+    def _base(self, attention_rank: int) -> int:
+        return _HEADER_WORDS + attention_rank * self.words_per
+
+    def announce(self, attention_rank: int, schedule: StepSchedule) -> None:
+        """Write ``attention_rank``'s schedule (the seqlock of the class docstring)."""
+        words, base = self.words, self._base(attention_rank)
+        encoded = schedule.words(self.words_per)
+        words[base] = 0
+        for i in range(len(encoded) - 1, 0, -1):
+            words[base + i] = encoded[i]
+        words[base] = encoded[0]
+
+    def announced_step(self, attention_rank: int) -> int:
+        """The step ``attention_rank`` announced last (0: none, or one being written)."""
+        return self.words[self._base(attention_rank)]
+
+    def schedule(self, attention_rank: int) -> StepSchedule | None:
+        """``attention_rank``'s last schedule, or ``None`` if none or being written."""
+        words, base = self.words, self._base(attention_rank)
+        step = words[base]
+        if not step:
+            return None
+        encoded = words[base : base + self.words_per].tolist()
+        if words[base] != step:
+            return None
+        return StepSchedule.from_words(encoded)
+
+    def close(self, creator: bool = False) -> None:
+        """Unmap; the creator marks the block closed (waiting attention ranks fail fast) and
+        unlinks it."""
+        if creator:
+            self.words[_W_STATE] = _CLOSED
+            self._finalizer()
+        self.words.release()
+        self.mm.close()
+
+
+def reap_stale_control_blocks(prefix: str = CONTROL_PREFIX) -> list[str]:
+    """Unlink control blocks (and their data segments on the host) whose creator, in this pid
+    namespace, is dead. Returns the names unlinked."""
+    own_ns = pid_namespace()
+
+    def is_stale(name: str, header) -> bool:
+        if header[_W_MAGIC] != _MAGIC or header[_W_PIDNS] != own_ns:
+            return False
+        return process_start_time(header[_W_PID]) is None
+
+    def creator_dead(name: str, header) -> bool:
+        pid = name[len(PLANE_PREFIX) :].split("_", 1)[0]
+        return pid.isdigit() and process_start_time(int(pid)) is None
+
+    return reap_segments(prefix, _HEADER_WORDS, is_stale) + reap_segments(
+        PLANE_PREFIX, 0, creator_dead
+    )
+
+
+__all__ = [
+    "AttentionPlane",
+    "ControlBlock",
+    "FFNPlane",
+    "HostPlaneMemory",
+    "Part",
+    "PlaneError",
+    "PlaneHandle",
+    "PlaneLayout",
+    "PlaneMemory",
+    "RecordedWaits",
+    "SlotViews",
+    "use_value",
+]

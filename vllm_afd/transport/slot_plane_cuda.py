@@ -4,23 +4,33 @@ protocol. PyTorch and Triton only (the GPU machine this project is lent has no v
 
 Why these primitives. ``signal`` is an ``atomic_xchg`` with release semantics at system scope:
 the payload copies queued before it on the stream have finished (stream order) and their
-stores are visible to any peer that acquires the flag. ``wait`` spins on an acquire load
-(``atomic_add(flag, 0)``) at system scope until the flag equals the expected count, which it
-reads from the waiter's own device counter, so a captured graph waits for the right use on
-every replay without Python. A kernel cannot raise: after ``max_spins`` polls it records the
-failure in a device word and returns; ``check()`` reads that word on the host. CUDA IPC, not
-PyTorch symmetric memory: it needs no process-group rendezvous (NCCL refuses two ranks on one
-GPU) and works for two processes sharing a device (``torch.multiprocessing.reductions``; the
-producer keeps the buffer alive). Across nodes the same protocol would sit on NVSHMEM (docs/
-architecture.md). NOT YET RUN ON A GPU unless the closing note of issue 19 says otherwise.
+stores are visible to any peer that acquires the flag. The value it stores is computed on the
+device from the sender's step word (``slot_plane.use_value``), so a captured graph publishes
+the right value on every replay without Python. ``wait`` spins on an acquire load
+(``atomic_add(flag, 0)``) at system scope until ``|flag|`` reaches the awaited value. A kernel
+cannot raise: a wait that gives up after ``max_spins`` polls, or ends on another value than
+its own (an error answer, a peer that moved on), is counted in a device word
+(``slot_plane.RecordedWaits``), and ``check()`` reads that word on the host at a step boundary.
+
+CUDA IPC, not PyTorch symmetric memory: it needs no process-group rendezvous (NCCL refuses two
+ranks on one GPU) and works for two processes sharing a device. The handle peers attach by is
+the storage's IPC handle as text (``UntypedStorage._share_cuda_``, what
+``torch.multiprocessing``'s reductions send, here written into the FFN rank's control block);
+the creator keeps the buffer alive until ``close``. Across nodes the same protocol would sit
+on NVSHMEM (docs/architecture.md).
+
+NOT YET RUN ON A GPU unless the closing note of issue 19 says otherwise.
 """
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from typing import Any
 
 import torch
+
+from vllm_afd.transport.slot_plane import RecordedWaits, Watch
 
 #: Polls a device wait makes before it gives up (about 1 us each at system scope on an H200,
 #: more when two processes time-slice one GPU): a bound, not a deadline.
@@ -33,16 +43,16 @@ def _kernels() -> tuple[Any, Any]:
     import triton.language as tl
 
     @triton.jit
-    def signal_kernel(flag_ptr, value_ptr):
-        value = tl.load(value_ptr)
+    def signal_kernel(flag_ptr, step_ptr, offset, sign):
+        value = (tl.load(step_ptr) + offset) * sign
         tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
 
     @triton.jit
-    def wait_kernel(flag_ptr, value_ptr, error_ptr, max_spins):
-        want = tl.load(value_ptr)
+    def wait_kernel(flag_ptr, step_ptr, offset, error_ptr, max_spins):
+        want = tl.load(step_ptr) + offset
         seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
         spins = 0
-        while (seen != want) & (spins < max_spins):
+        while (seen < want) & (seen > -want) & (spins < max_spins):
             seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
             spins += 1
         if seen != want:
@@ -51,42 +61,66 @@ def _kernels() -> tuple[Any, Any]:
     return signal_kernel, wait_kernel
 
 
-class CudaPlaneMemory:
+def _hex(data: bytes | None) -> str | None:
+    return None if data is None else data.hex()
+
+
+def _bytes(text: str | None) -> bytes | None:
+    return None if text is None else bytes.fromhex(text)
+
+
+class CudaPlaneMemory(RecordedWaits):
     """Device memory of ``device`` for the slot plane (``slot_plane.PlaneMemory``)."""
 
     def __init__(self, device: torch.device | int = 0, max_spins: int = DEFAULT_MAX_SPINS):
         self.device = torch.device("cuda", device) if isinstance(device, int) else device
         self.max_spins = max_spins
-        #: Waits that gave up, counted on the device (``check``).
         self.errors = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._keep: list[torch.Tensor] = []
+        self.bound = f"{max_spins} polls"
+        self._keep: list[torch.Tensor] = []  # created buffers: peers map them
 
-    def create(self, nbytes: int) -> tuple[torch.Tensor, Any]:
-        from torch.multiprocessing.reductions import reduce_tensor
-
+    def create(self, nbytes: int) -> tuple[torch.Tensor, str]:
         buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        self._keep.append(buffer)  # peers map it: it must outlive them
-        return buffer, reduce_tensor(buffer)
+        self._keep.append(buffer)
+        device, handle, size, offset, ref_handle, ref_offset, event, sync = (
+            buffer.untyped_storage()._share_cuda_()
+        )
+        fields = [device, _hex(handle), size, offset, _hex(ref_handle), ref_offset, _hex(event)]
+        return buffer, json.dumps([*fields, bool(sync), nbytes])
 
-    def attach(self, handle: Any, nbytes: int) -> torch.Tensor:
-        rebuild, args = handle
-        buffer = rebuild(*args)
-        if buffer.numel() != nbytes or buffer.device != self.device:
-            raise ValueError(
-                f"plane buffer of {buffer.numel()} bytes on {buffer.device}, the layout needs "
-                f"{nbytes} on {self.device}"
-            )
-        return buffer
+    def attach(self, handle: str, nbytes: int) -> torch.Tensor:
+        """Opened in this process's context on ``self.device`` (the producer's device index is
+        its own numbering): a peer GPU's buffer is reached over NVLink (peer access)."""
+        _, ipc, size, offset, ref_handle, ref_offset, event, sync, length = json.loads(handle)
+        if length != nbytes:
+            raise ValueError(f"plane buffer of {length} bytes, the layout needs {nbytes}")
+        torch.cuda._lazy_init()
+        storage = torch.UntypedStorage._new_shared_cuda(
+            self.device.index,
+            _bytes(ipc),
+            size,
+            offset,
+            _bytes(ref_handle),
+            ref_offset,
+            _bytes(event),
+            sync,
+        )
+        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (nbytes,))
 
-    def signal(self, flag: torch.Tensor, value: torch.Tensor) -> None:
-        _kernels()[0][(1,)](flag, value, num_warps=1)
+    def signal(
+        self, flag: torch.Tensor, step: torch.Tensor, position: int, failed: bool = False
+    ) -> None:
+        _kernels()[0][(1,)](flag, step, position + 1, -1 if failed else 1, num_warps=1)
 
-    def wait(self, flag: torch.Tensor, value: torch.Tensor, what: str) -> None:
-        _kernels()[1][(1,)](flag, value, self.errors, self.max_spins, num_warps=1)
+    def wait(
+        self,
+        flag: torch.Tensor,
+        step: torch.Tensor,
+        position: int,
+        what: str,
+        watch: Watch | None = None,
+    ) -> None:
+        _kernels()[1][(1,)](flag, step, position + 1, self.errors, self.max_spins, num_warps=1)
 
-    def check(self) -> None:
-        failed = int(self.errors)
-        if failed:
-            raise TimeoutError(
-                f"slot plane: {failed} device wait(s) gave up after {self.max_spins} polls"
-            )
+    def close(self) -> None:
+        self._keep.clear()

@@ -24,6 +24,7 @@ from vllm_afd.transport.slot_plane import (
     AttentionPlane,
     FFNPlane,
     HostPlaneMemory,
+    Part,
     PlaneLayout,
     SlotViews,
 )
@@ -84,12 +85,18 @@ def test_two_attention_ranks_and_two_ffn_ranks_get_the_reference_moe(experts, ex
     memory = HostPlaneMemory(timeout_s=20)
     ffn = [FFNPlane(layout, memory, f) for f in range(2)]
     attention = [AttentionPlane(layout, memory, a, [p.handle for p in ffn]) for a in range(2)]
-    rows = [[6, 3], [2, 5]]  # per use of slot 0: each attention rank's tokens
+    rows = [[6, 3], [2, 5]]  # per use of slot 0 (layer position 0, 1): each rank's tokens
     forwards = [LocalMoE.for_rank(experts, spec, f) for f in range(2)]
+    for plane in ffn:
+        for a in range(2):
+            plane.begin(a, 7)
+    for plane in attention:
+        plane.begin(7)
 
     def serve(f: int) -> None:
-        for use in rows:
-            ffn[f].serve(0, use, lambda x, i, w, out, f=f: forwards[f](x, i, w, out))
+        for position, use in enumerate(rows):
+            parts = [Part(a, n, position) for a, n in enumerate(use)]
+            ffn[f].serve(0, parts, lambda x, i, w, out, f=f: forwards[f](x, i, w, out))
 
     servers = [threading.Thread(target=serve, args=(f,)) for f in range(2)]
     for t in servers:
@@ -100,7 +107,7 @@ def test_two_attention_ranks_and_two_ffn_ranks_get_the_reference_moe(experts, ex
         for a, n in enumerate(counts):
             x, ids, weights = _routing(n, seed=10 * use + a)
             want[use, a] = reference_moe_combine(x, ids, weights, experts, 8, 2)
-            handles.append(attention[a].dispatch(0, x, ids, weights))
+            handles.append(attention[a].dispatch(0, use, x, ids, weights))
         for a, h in enumerate(handles):
             got[use, a] = attention[a].combine(h)
     for t in servers:
@@ -140,11 +147,12 @@ def test_a_combine_nobody_answers_fails_within_the_timeout_naming_the_flag():
     ffn = FFNPlane(layout, memory, 0)
     attention = AttentionPlane(layout, memory, 0, [ffn.handle])
     x, ids, weights = _routing(3, seed=1)
-    handle = attention.dispatch(1, x, ids, weights)
+    attention.begin(1)
+    handle = attention.dispatch(1, 0, x, ids, weights)
     with pytest.raises(FFNTimeout, match="response of FFN rank 0 to attention rank 0, slot 1"):
         attention.combine(handle)
-    with pytest.raises(ValueError, match=r"dispatch of 7 tokens: allowed 1\.\.6"):
-        attention.dispatch(0, *_routing(7, seed=2))
+    with pytest.raises(ValueError, match=r"dispatch of 7 tokens: allowed 0\.\.6"):
+        attention.dispatch(0, 0, *_routing(7, seed=2))
 
 
 def test_the_device_check_runs_on_cpu_with_its_device_steps_skipped(tmp_path):
@@ -186,6 +194,8 @@ def _run_ubatches(monkeypatch, layers: int, moe_layer) -> tuple[list, dict, list
         results[ctx.id] = x
 
     forwards = [model.experts(layer) for layer in range(layers)]
+    slot_plane_check.ffn_begin(ffn, 1)
+    attention.begin(1)
     server = threading.Thread(target=slot_plane_check.ffn_step, args=(ffn, forwards, rows, 2))
     server.start()
     barrier = threading.Barrier(3)
@@ -210,7 +220,7 @@ def test_vllms_own_ubatch_threads_drive_the_plane_in_dbo_order(monkeypatch):
     order, and the answers are the one-process reference's, bit for bit."""
 
     def moe_layer(ubatching, attention, model, calls, ubatch, layer, x):
-        handle = attention.dispatch(ubatch, x, *model.route(layer, x))
+        handle = attention.dispatch(ubatch, layer, x, *model.route(layer, x))
         calls.append(("D", ubatch, layer))
         ubatching.dbo_yield()
         out = attention.combine(handle)
@@ -232,7 +242,7 @@ def test_two_yields_and_receive_hooks_as_vllms_moe_kernels_place_them(monkeypatc
 
     def moe_layer(ubatching, attention, model, calls, ubatch, layer, x):
         ubatching.dbo_maybe_run_recv_hook()
-        handle = attention.dispatch(ubatch, x, *model.route(layer, x))
+        handle = attention.dispatch(ubatch, layer, x, *model.route(layer, x))
         calls.append(("D", ubatch, layer))
         ubatching.dbo_yield()
         ubatching.dbo_maybe_run_recv_hook()

@@ -1,0 +1,290 @@
+"""The ``slots`` backend (``transport/slots.py``) on host memory, with both wait semantics: steps
+of several attention and FFN ranks against the reference, every attention rank's rows of a use
+in one FFN request batch, errors, a rank that abandons a step or never announces one, a dead FFN
+rank, the device's recorded waits (the CPU stand-in of the GPU layer), the control block, and
+what the backend refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+from transport_testlib import EXPERTS, expected, routing
+
+from vllm_afd.testing.ffn import serve_ffn
+from vllm_afd.transport import (
+    FFNRankLost,
+    FFNServeError,
+    FFNTimeout,
+    ProtocolError,
+    TransportSpec,
+    backend,
+    create_attention_transport,
+    create_ffn_transport,
+)
+from vllm_afd.transport.control import StepSchedule
+from vllm_afd.transport.reference import LocalMoE
+from vllm_afd.transport.slot_plane import ControlBlock, PlaneLayout
+
+pytestmark = pytest.mark.timeout(120)
+LAYERS = (1, 3, 4)
+
+
+def _spec(attention: int = 2, ffn: int = 2, **overrides) -> TransportSpec:
+    fields = dict(
+        backend="slots",
+        num_attention_ranks=attention,
+        num_ffn_ranks=ffn,
+        num_experts=8,
+        hidden_size=32,
+        top_k=2,
+        max_tokens=16,
+        timeout_s=10.0,
+        moe_layers=LAYERS,
+    )
+    return TransportSpec(**{**fields, **overrides})
+
+
+class Group:
+    """FFN endpoints served by threads (the reference loop), attention endpoints attached."""
+
+    def __init__(self, spec: TransportSpec, forward=None) -> None:
+        self.ffn = [create_ffn_transport(spec, f) for f in range(spec.num_ffn_ranks)]
+        self.spec = dataclasses.replace(spec, addresses=tuple(f.address for f in self.ffn))
+        self.attention = [
+            create_attention_transport(self.spec, a) for a in range(spec.num_attention_ranks)
+        ]
+        self.batches: list[list[int]] = []  # per recv: the attention ranks of its requests
+        self.stop = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._serve, args=(f, forward), daemon=True)
+            for f in range(spec.num_ffn_ranks)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _serve(self, f: int, forward) -> None:
+        endpoint = self.ffn[f]
+        recv = endpoint.recv
+
+        def recording(timeout_s):
+            requests = recv(timeout_s)
+            if requests:
+                self.batches.append([r.src_rank for r in requests])
+            return requests
+
+        endpoint.recv = recording
+        serve_ffn(endpoint, forward or LocalMoE.for_rank(EXPERTS, self.spec, f), self.stop.is_set)
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(15)
+        for endpoint in self.attention + self.ffn:
+            endpoint.close()
+
+
+@pytest.fixture
+def group():
+    made = []
+
+    def make(spec, forward=None) -> Group:
+        made.append(Group(spec, forward))
+        return made[-1]
+
+    yield make
+    for g in made:
+        g.close()
+
+
+def _step(endpoint, step: int, tokens: tuple[int, ...], seed: int, layers=LAYERS) -> dict:
+    """One step of ``endpoint``: per layer, dispatch every microbatch, then combine them (the
+    order of two microbatches taking turns); returns ``{(layer, mb): (got, want)}``."""
+    endpoint.begin_step(StepSchedule(step, tokens, layers))
+    results = {}
+    for layer in layers:
+        handles = {}
+        for mb, n in enumerate(tokens):
+            x, ids, weights = routing(n, endpoint.spec, seed + 10 * layer + mb)
+            handles[mb] = (endpoint.dispatch(layer, x, ids, weights, mb), (x, ids, weights))
+        for mb, (handle, inputs) in handles.items():
+            results[layer, mb] = (endpoint.combine(handle), expected(endpoint.spec, *inputs))
+    return results
+
+
+def _run_ranks(endpoints, body) -> list:
+    """``body(a, endpoint)`` on a thread per attention rank; their results, errors raised."""
+    out, errors = [None] * len(endpoints), []
+
+    def run(a):
+        try:
+            out[a] = body(a, endpoints[a])
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(a,)) for a in range(len(endpoints))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.mark.parametrize("waits", ["host", "device"])
+def test_steps_of_two_attention_and_two_ffn_ranks_match_the_reference(group, waits):
+    """Three steps of two microbatches (a TP rank's empty share among them), every answer
+    exactly the reference's, and each FFN batch holds both attention ranks' rows of a use."""
+    g = group(_spec(config={"waits": waits}))
+    sizes = [[(5, 3), (16, 1), (2, 0)], [(4, 4), (7, 2), (1, 1)]]
+
+    def body(a, endpoint):
+        got = {}
+        for step, tokens in enumerate(sizes[a], start=1):
+            got.update({(step, *k): v for k, v in _step(endpoint, step, tokens, 100 * a).items()})
+        return got
+
+    for per_rank in _run_ranks(g.attention, body):
+        for key, (got, want) in per_rank.items():
+            assert torch.equal(got, want), key
+    # 3 steps x 3 layers x 2 microbatches per FFN rank, each one batch of both attention ranks
+    assert len(g.batches) == 2 * 3 * 3 * 2
+    assert all(sorted(b) == [0, 1] for b in g.batches)
+
+
+def test_an_error_answer_fails_that_rank_only_and_the_next_step_is_served(group):
+    def forward(x, ids, weights, out):
+        if x.shape[0] == 9:  # attention rank 0's rows in step 1
+            raise RuntimeError("poisoned rows")
+        return LocalMoE.for_rank(EXPERTS, g.spec, 0)(x, ids, weights, out)
+
+    g = group(_spec(ffn=1), forward)
+    sizes = [(9,), (3,)]
+
+    def body(a, endpoint):
+        try:
+            _step(endpoint, 1, sizes[a], a)
+        except FFNServeError as error:
+            outcome = str(error)
+        else:
+            outcome = "ok"
+        return outcome, _step(endpoint, 2, (2,), 50 + a)
+
+    (first, second), (other, other_second) = _run_ranks(g.attention, body)
+    assert "FFN rank 0: RuntimeError: poisoned rows" in first
+    assert other == "ok"
+    for got, want in [*second.values(), *other_second.values()]:
+        assert torch.equal(got, want)
+
+
+def test_a_rank_that_abandons_a_step_is_left_out_at_once(group):
+    """Attention rank 0 leaves step 1 after its first layer (as after an error); the FFN rank
+    stops waiting for it when it announces step 2, long before the timeout, and serves on."""
+    g = group(_spec(attention=1, ffn=1, timeout_s=30.0))
+    endpoint = g.attention[0]
+    endpoint.begin_step(StepSchedule(1, (4,), LAYERS))
+    x, ids, weights = routing(4, endpoint.spec, 1)
+    endpoint.combine(endpoint.dispatch(LAYERS[0], x, ids, weights))
+    start = time.perf_counter()
+    results = _step(endpoint, 2, (3,), 7)
+    assert time.perf_counter() - start < 10
+    for got, want in results.values():
+        assert torch.equal(got, want)
+
+
+def test_a_rank_that_announces_no_step_is_left_out_after_half_the_timeout(group):
+    g = group(_spec(timeout_s=2.0, ffn=1))
+    results = _step(g.attention[0], 1, (3,), 5)  # attention rank 1 never announces
+    for got, want in results.values():
+        assert torch.equal(got, want)
+    assert all(b == [0] for b in g.batches)
+
+
+def test_device_waits_record_a_failed_wait_and_raise_it_at_the_next_announcement():
+    spec = _spec(attention=1, ffn=1, timeout_s=0.3, config={"waits": "device"})
+    ffn = create_ffn_transport(spec, 0)  # never served
+    endpoint = create_attention_transport(dataclasses.replace(spec, addresses=(ffn.address,)), 0)
+    try:
+        endpoint.begin_step(StepSchedule(1, (2,), LAYERS))
+        x, ids, weights = routing(2, spec, 3)
+        endpoint.combine(endpoint.dispatch(LAYERS[0], x, ids, weights))  # no raise: recorded
+        with pytest.raises(FFNTimeout, match=r"1 wait\(s\) ended without their answer"):
+            endpoint.begin_step(StepSchedule(2, (2,), LAYERS))
+        endpoint.begin_step(StepSchedule(3, (2,), LAYERS))  # checked once
+    finally:
+        endpoint.close()
+        ffn.close()
+
+
+def test_a_closed_ffn_rank_fails_the_wait_within_the_watch_interval():
+    spec = _spec(attention=1, ffn=1, timeout_s=30.0)
+    ffn = create_ffn_transport(spec, 0)
+    endpoint = create_attention_transport(dataclasses.replace(spec, addresses=(ffn.address,)), 0)
+    try:
+        endpoint.begin_step(StepSchedule(1, (2,), LAYERS))
+        handle = endpoint.dispatch(LAYERS[0], *routing(2, spec, 3))
+        ffn.close()
+        start = time.perf_counter()
+        with pytest.raises(FFNRankLost, match="FFN rank 0 .* closed its slots endpoint"):
+            endpoint.combine(handle)
+        assert time.perf_counter() - start < 5
+    finally:
+        endpoint.close()
+
+
+def test_misuse_is_refused_naming_what_was_announced():
+    spec = _spec(attention=1, ffn=1)
+    ffn = create_ffn_transport(spec, 0)
+    endpoint = create_attention_transport(dataclasses.replace(spec, addresses=(ffn.address,)), 0)
+    try:
+        x, ids, weights = routing(3, spec, 1)
+        with pytest.raises(ProtocolError, match="outside an announced step"):
+            endpoint.dispatch(1, x, ids, weights)
+        endpoint.begin_step(StepSchedule(1, (2, 2), LAYERS))
+        with pytest.raises(ProtocolError, match=r"dispatched 3 tokens of microbatch 0; step 1 "):
+            endpoint.dispatch(1, x, ids, weights)
+        with pytest.raises(ProtocolError, match="layer 2 outside an announced step"):
+            endpoint.dispatch(2, x[:2], ids[:2], weights[:2])
+        endpoint.dispatch(1, x[:2], ids[:2], weights[:2])
+        with pytest.raises(RuntimeError, match="slot 0 is busy"):
+            endpoint.dispatch(3, x[:2], ids[:2], weights[:2])
+        wrong = dataclasses.replace(spec, addresses=(ffn.address,), max_tokens=8)
+        with pytest.raises(ValueError, match="disagree on the TransportSpec"):
+            create_attention_transport(wrong, 0)
+    finally:
+        endpoint.close()
+        ffn.close()
+
+
+def test_what_the_backend_takes_and_refuses():
+    slots = backend("slots")
+    assert slots.config_problem({"waits": "device"}) is None
+    assert "waits takes one of host, device, got 'gpu'" in slots.config_problem({"waits": "gpu"})
+    assert "takes no setting foo" in slots.config_problem({"foo": 1})
+    assert slots.device_problem("cpu", "cpu") is None
+    assert slots.device_problem("cuda", "cuda") is None
+    assert "attention ranks on cuda and FFN ranks on cpu" in slots.device_problem("cuda", "cpu")
+    assert not (slots.shares_group or slots.supports_failover or slots.scales_live)
+
+
+def test_a_schedule_read_while_it_is_written_is_not_taken():
+    layout = PlaneLayout(2, 2, 4, 8, 2, torch.float32)
+    block = ControlBlock.create(layout, LAYERS, "data-handle", "afdtestctl_", 0)
+    try:
+        peer = ControlBlock.attach(block.name, layout, LAYERS)
+        assert peer.handle == "data-handle" and peer.schedule(1) is None
+        schedule = StepSchedule(4, (3, 1), LAYERS)
+        peer.announce(1, schedule)
+        assert block.schedule(1) == schedule and block.announced_step(1) == 4
+        base = block._base(1)
+        block.words[base] = 0  # a writer between its first and its last store
+        assert block.schedule(1) is None and block.announced_step(1) == 0
+        peer.close()
+        with pytest.raises(ValueError, match="has layout"):
+            ControlBlock.attach(block.name, PlaneLayout(2, 2, 4, 8, 3, torch.float32), LAYERS)
+    finally:
+        block.close(creator=True)
