@@ -6,15 +6,15 @@ then start the FFN group before vLLM's engines) -> ``placement`` (the FFN ranks 
 
 One token, on the data path: ``remote_experts`` (the hook at the routing boundary on attention
 ranks) -> ``microbatch`` (ping-pong overlap point) -> ``transport/`` (``p2p`` dispatch and
-combine over ``shm``/``tcp``, or ``deepep``) -> ``ffn/`` (``executor`` serve loop, ``kernels``;
-``weights`` at start-up) -> back through ``transport/`` into the model. ``metrics/`` is the sink
-both sides record into.
+combine over ``shm``/``tcp``, or the slot plane: ``slots``) -> ``ffn/`` (``executor`` serve
+loop, ``kernels``; ``weights`` at start-up) -> back through ``transport/`` into the model.
+``metrics/`` is the sink both sides record into.
 
 Around it: ``patches/`` (every touch of a vLLM internal, by process, with its ledger),
 ``planner/`` (the A:F model; ``calibrate`` and ``auto_ratio`` connect it to running vLLM),
 ``bench/`` (demo, offline runs, A/B harness, tiny models), ``cli`` (``vllm-afd``), ``host``
 (processes, CPUs and ``/dev/shm`` segments of this host), ``testing/`` (reference FFN ranks,
-a CPU model of DeepEP's low-latency contract).
+the slot plane's device check).
 
 ``register`` is the ``vllm.general_plugins`` entry point: vLLM calls it in every process,
 possibly many times.

@@ -72,6 +72,7 @@ def ffn_server(argv: list[str]) -> None:
     afd = AFDConfig.of(engine_args)
     if afd is None or afd.join is not None or afd.ratio is None:
         raise AFDConfigError("vllm-afd ffn-server: --afd-ratio A:F is required (not auto, no join)")
+    check_shared_transport(afd)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -84,6 +85,23 @@ def ffn_server(argv: list[str]) -> None:
             scaling.answer_scale_requests(shared.scale_requests_dir())
     finally:
         placement.stop_ffn_group()
+
+
+def check_shared_transport(afd) -> None:
+    """``AFDConfigError`` unless the transport lets front-ends that join separately share the
+    group (``Backend.shares_group``), ``auto`` resolved as the front-end would."""
+    from vllm_afd.config import AUTO_TRANSPORT, AFDConfigError
+    from vllm_afd.deployment import _resolve_transport
+    from vllm_afd.transport import backend
+
+    if afd.transport == AUTO_TRANSPORT:
+        afd = _resolve_transport(afd)
+    if not backend(afd.transport).shares_group:
+        raise AFDConfigError(
+            f"vllm-afd ffn-server: --afd-transport {afd.transport}: its FFN ranks serve a step "
+            "of every attention rank at once, and front-ends that join separately do not step "
+            "together; use shm (one host) or tcp"
+        )
 
 
 def scale(argv: list[str]) -> None:

@@ -114,7 +114,7 @@ def json_object_arg(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc})") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(
-            f"expected a JSON object such as '{{\"allow_mnnvl\": true}}', got {text!r}"
+            f'expected a JSON object such as \'{{"waits": "device"}}\', got {text!r}'
         )
     return value
 
@@ -155,8 +155,9 @@ class AFDConfig:
         metadata=_flag(
             "--afd-transport",
             "Dispatch/combine backend between attention and FFN ranks: auto (shm on one CPU "
-            "host, deepep on GPUs), shm (one host, shared memory), tcp (across hosts), deepep "
-            "(GPUs, NVLink/RDMA), or an out-of-tree backend as package.module:BackendClass.",
+            "host, slots on GPUs), shm (one host, shared memory), tcp (across hosts), slots "
+            "(one node: the slot plane, device memory on GPUs, CUDA-graph safe), or an "
+            "out-of-tree backend as package.module:BackendClass.",
             type=_transport_arg,
         ),
     )
@@ -168,7 +169,7 @@ class AFDConfig:
         metadata=_flag(
             "--afd-transport-config",
             "Settings of the transport backend itself, as a JSON object, e.g. "
-            "'{\"allow_mnnvl\": true}' for deepep; an unknown key is refused with the "
+            '\'{"waits": "device"}\' for slots; an unknown key is refused with the '
             "backend's list.",
             "JSON",
             type=json_object_arg,
@@ -640,11 +641,8 @@ def check_supported(vllm_config: Any) -> None:
         raise AFDConfigError("--afd-ratio: --enable-eplb is not supported with AFD")
     from vllm.platforms import current_platform
 
-    on_gpus = not current_platform.is_cpu()
-    if on_gpus:
-        _fit_cuda_graphs(vllm_config)
-        if afd.microbatches > 1:
-            _use_dbo(vllm_config, afd)
+    if not current_platform.is_cpu():
+        _check_gpu_config(vllm_config, afd)
     elif afd.microbatches > 1:
         _check_microbatching(vllm_config)
     _check_kv_transfer(vllm_config, afd)
@@ -760,38 +758,34 @@ def _can_bind(info: tuple) -> bool:
         return False
 
 
-def _use_dbo(vllm_config: Any, afd: AFDConfig) -> None:
-    """On GPUs, ``--afd-microbatches 2`` is vLLM's own dual-batch overlap (``--enable-dbo``,
-    two microbatches, on the V1 and the V2 model runner alike): the AFD op's overlap point is
-    ``dbo_yield`` and its microbatch the ubatch id (``microbatch.py``). The CPU ping-pong
-    mechanism and its blockers are the CPU build's only."""
-    if afd.microbatches != 2:
+def _check_gpu_config(vllm_config: Any, afd: AFDConfig) -> None:
+    """On GPUs, the config vLLM validated is the one AFD runs: ``deployment.prepare_engine_args``
+    set DBO, CUDA graphs without piecewise graphs and the V2 model runner before vLLM built it.
+    What vLLM decided itself is checked here: with FULL CUDA graphs the model runner must be
+    V2, whose replays patch G1 announces to the FFN ranks (vLLM falls back to V1 when
+    ``VLLM_USE_V2_MODEL_RUNNER=0`` or a feature V2 does not run with DBO is on: LoRA,
+    speculative decoding, pipeline or context parallelism, multimodal models)."""
+    if afd.microbatches > 2:
         raise AFDConfigError(
             f"--afd-microbatches (additional_config.afd.microbatches) {afd.microbatches}: on "
             "GPUs microbatching is vLLM's dual-batch overlap, two microbatches; use 2 or 1"
         )
-    vllm_config.parallel_config.enable_dbo = True
-
-
-def _fit_cuda_graphs(vllm_config: Any) -> None:
-    """CUDA graphs with AFD (GPUs). The AFD op runs inside ``vllm::moe_forward``, which a
-    piecewise graph captures whole: its replay would launch the DeepEP kernels without the
-    op's Python, which announces each step to the FFN ranks. So piecewise graphs are dropped
-    (``without_piecewise``: FULL_AND_PIECEWISE becomes FULL_DECODE_ONLY, as the peer plugin's
-    recipes run; prefill and mixed steps run eagerly) and FULL graphs need the runner that
-    announces their replays, the V2 model runner (patch G1)."""
-    compilation = vllm_config.compilation_config
-    mode = compilation.cudagraph_mode
+    mode = vllm_config.compilation_config.cudagraph_mode
     if mode is None:
         return
     if mode.has_piecewise_cudagraphs():
-        compilation.cudagraph_mode = mode = mode.without_piecewise()
-        logger.info("AFD: CUDA graphs %s (piecewise graphs would capture the AFD op)", mode)
-    if mode.has_full_cudagraphs() and not vllm_config.use_v2_model_runner:
         raise AFDConfigError(
-            f"--afd-ratio: FULL CUDA graphs ({mode.name}) with vLLM's V1 model runner: its "
-            "graph replays would not announce their steps to the FFN ranks; use the V2 model "
-            "runner (vLLM's default on GPUs) or --enforce-eager"
+            f"--compilation-config cudagraph_mode {mode.name}: piecewise CUDA graphs would "
+            "capture the AFD op without the Python that announces each step to the FFN ranks; "
+            "use FULL_DECODE_ONLY (AFD's default) or --enforce-eager"
+        )
+    if mode.has_full_cudagraphs() and not vllm_config.use_v2_model_runner:
+        why = "microbatches" if vllm_config.parallel_config.enable_dbo else "settings"
+        raise AFDConfigError(
+            f"--afd-ratio: FULL CUDA graphs ({mode.name}) with vLLM's V1 model runner (chosen "
+            f"for these {why}: VLLM_USE_V2_MODEL_RUNNER=0, or a feature V2 does not run with "
+            "dual-batch overlap): its graph replays would not announce their steps to the FFN "
+            "ranks; use --enforce-eager, --afd-microbatches 1, or drop that feature"
         )
 
 

@@ -52,30 +52,21 @@ def prepare_engine_args(engine_args, usage_context) -> None:
     """Defaults that fit AFD, set before vLLM builds its config from ``engine_args``:
 
     - ``--afd-transport auto`` becomes the backend for these devices (``_resolve_transport``);
-    - a backend with a per-round token cap (deepep: 256) caps ``--max-num-batched-tokens``
-      when the user gave none (a value above it is refused later, naming the flag);
+    - on GPUs, what AFD needs of vLLM's config (``_fit_gpu_engine_args``), so that vLLM
+      validates the config AFD runs and every engine core's re-validation passes;
     - one flag is enough: ``serve MODEL --afd-ratio 7:1`` gets 7 data-parallel attention
       ranks, when the user asked for no parallelism at all (data and tensor parallel size 1),
       for servers only: vLLM's offline ``LLM`` class runs a single engine, where tensor
       parallelism is the way to get several attention ranks.
     """
-    from vllm_afd.transport import backend
-
     afd = AFDConfig.of(engine_args)
     if afd is None:
         return
     if afd.transport == AUTO_TRANSPORT and afd.join is None:  # a joining one takes its group's
         afd = _resolve_transport(afd)
         engine_args.additional_config = {**engine_args.additional_config, "afd": afd.to_dict()}
-    cap = None if afd.join is not None else backend(afd.transport).max_tokens_per_round
-    if cap is not None and engine_args.max_num_batched_tokens is None:
-        engine_args.max_num_batched_tokens = cap
-        logger.info(
-            "AFD: --max-num-batched-tokens %d, the most the %s transport takes per attention "
-            "rank and round (longer prompts are prefilled in chunks)",
-            cap,
-            afd.transport,
-        )
+    if _attention_device() == "cuda":
+        _fit_gpu_engine_args(engine_args, afd)
     if engine_args.data_parallel_size != 1 or engine_args.tensor_parallel_size != 1:
         return
     from vllm.usage.usage_lib import UsageContext
@@ -91,6 +82,57 @@ def prepare_engine_args(engine_args, usage_context) -> None:
         ratio[1],
         ratio[0],
     )
+
+
+#: vLLM's switch between its model runners (``VllmConfig.use_v2_model_runner``).
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def _fit_gpu_engine_args(engine_args, afd: AFDConfig) -> None:
+    """On GPUs, set what AFD needs of vLLM's config before vLLM builds and validates it:
+
+    - ``--afd-microbatches 2`` is vLLM's dual-batch overlap (``--enable-dbo``; more than two
+      microbatches is refused): the op's overlap points are DBO's yields and receive hooks;
+    - CUDA graphs without piecewise graphs (none given: ``FULL_DECODE_ONLY``): a piecewise
+      graph would capture the AFD op inside ``vllm::moe_forward`` without the Python that
+      announces each step, a FULL graph's replay is announced by patch G1;
+    - the V2 model runner, explicitly (``VLLM_USE_V2_MODEL_RUNNER=1`` unless the user set
+      it): with DBO on and the variable unset, vLLM picks the V1 runner silently, whose FULL
+      graph replays G1 does not see (``config.check_supported`` refuses that combination).
+
+    vLLM's own check that microbatching runs over a DeepEP/NIXL all-to-all is answered by
+    patch M6, in the front-end's validation and every engine core's re-validation alike.
+    """
+    import os
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    if afd.microbatches > 2:
+        raise AFDConfigError(
+            f"--afd-microbatches (additional_config.afd.microbatches) {afd.microbatches}: on "
+            "GPUs microbatching is vLLM's dual-batch overlap, two microbatches; use 2 or 1"
+        )
+    if afd.microbatches == 2:
+        engine_args.enable_dbo = True
+    if engine_args.enforce_eager:
+        return
+    compilation = engine_args.compilation_config
+    get = compilation.get if isinstance(compilation, dict) else compilation.__dict__.get
+    mode = get("cudagraph_mode")
+    if isinstance(mode, str):
+        mode = CUDAGraphMode[mode.upper()]
+    fitted = CUDAGraphMode.FULL_DECODE_ONLY if mode is None else mode.without_piecewise()
+    if fitted != mode:
+        if isinstance(compilation, dict):
+            compilation["cudagraph_mode"] = fitted
+        else:
+            compilation.cudagraph_mode = fitted
+        logger.info("AFD: CUDA graphs %s (piecewise graphs would capture the AFD op)", fitted)
+    if fitted.has_full_cudagraphs() and os.environ.get(V2_RUNNER_ENV) is None:
+        os.environ[V2_RUNNER_ENV] = "1"
+        logger.info(
+            "AFD: %s=1 (the model runner whose FULL graph replays AFD announces)", V2_RUNNER_ENV
+        )
 
 
 def setup_afd(vllm_config) -> None:
@@ -112,14 +154,7 @@ def setup_afd(vllm_config) -> None:
         from vllm_afd.planner.auto_ratio import plan_hardware
 
         plan_hardware(_attention_device() == "cpu", "--afd-autoscale")
-    check_devices(
-        afd,
-        info,
-        ranks,
-        attention_device=_attention_device(),
-        max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-        dtype=vllm_config.model_config.dtype,
-    )
+    check_devices(afd, ranks, _attention_device())
     log_kv_transfer_requirements(vllm_config)
     from vllm_afd.placement import start_ffn_group
 
@@ -221,27 +256,18 @@ def _attention_device() -> str:
 
 
 def check_devices(
-    afd: AFDConfig,
-    info,
-    ranks: int,
-    attention_device: str,
-    max_tokens: int,
-    dtype,
-    gpus_on_node: int | None = None,
-    num_sms: int | None = None,
+    afd: AFDConfig, ranks: int, attention_device: str, gpus_on_node: int | None = None
 ) -> None:
     """Refuse, before anything starts, a deployment its devices cannot run (the GPU path):
 
     - what the transport cannot connect (``Backend.device_problem``: the point-to-point
       transports with a CUDA model, whose hidden states they would move through host memory;
-      deepep anywhere but on GPUs at both ends);
+      the slot plane across two kinds of memory);
     - with a local Ray instance, attention ranks and FFN ranks on GPUs that do not fit the
       node's GPUs side by side (``A + F``: the FFN ranks get GPUs of their own,
-      ``placement.ffn_gpu``);
-    - what the transport cannot take (``Backend.limits_problem``; deepep: hidden size after
-      vLLM's padding, dtype, tokens per round, dispatches in flight, virtual experts).
+      ``placement.ffn_gpu``).
 
-    ``gpus_on_node`` and ``num_sms`` default to this machine's (tests pass them).
+    ``gpus_on_node`` defaults to this machine's (tests pass it).
     """
     from vllm_afd.transport import backend
 
@@ -263,18 +289,6 @@ def check_devices(
                 f"{gpus_on_node}; use fewer ranks, or --afd-ray-address to place the FFN ranks "
                 "on other nodes"
             )
-    problem = transport.limits_problem(
-        hidden_size=info.hidden_size,
-        dtype=dtype,
-        max_tokens=max_tokens,
-        microbatches=afd.microbatches,
-        num_attention_ranks=ranks,
-        num_ffn_ranks=num_ffn,
-        num_experts=info.num_experts,
-        num_sms=num_sms,
-    )
-    if problem is not None:
-        raise AFDConfigError(f"--afd-transport {transport.name}: {problem}")
 
 
 def check_settings(afd: AFDConfig, info, ranks: int) -> None:

@@ -32,8 +32,10 @@ forward (an EAGLE head, a draft model).
 This module is the mechanism only (no vLLM or package imports). Its hooks into vLLM's CPU
 model runner, and their ledger entries M1-M7, are in vllm_afd/patches/ (cpu_runner.py).
 
-On GPUs, ``--afd-microbatches 2`` turns on vLLM's own DBO instead (``config._use_dbo``; V1 and
-V2 model runners): ``overlap_point`` is ``dbo_yield`` and ``current_microbatch`` the ubatch id.
+On GPUs, ``--afd-microbatches 2`` turns on vLLM's own DBO instead
+(``deployment._fit_gpu_engine_args``, the V2 model runner): ``current_microbatch`` is the
+ubatch id, and the op yields twice per MoE layer with a receive hook, as vLLM's own MoE kernels
+do (``remote_experts._dbo_exchange``).
 
 Limits (CPU): V1 model runner only (the V2 runner is refused); no LoRA, multimodal or M-RoPE models,
 pooling models; with DP > 1 an idle rank's dummy batch vetoes microbatching for that step, and

@@ -45,6 +45,7 @@ from vllm_afd.metrics.blocks import AttentionStatsBlock
 from vllm_afd.microbatch import current_microbatch, overlap_point, vllm_dbo
 from vllm_afd.transport import (
     AttentionTransport,
+    DispatchHandle,
     TransportSpec,
     backend,
     create_attention_transport,
@@ -218,10 +219,13 @@ class _Steps:
     context. Outside any forward context (a test calling the op) every call is a step.
     """
 
-    def __init__(self, endpoint: AttentionTransport) -> None:
+    def __init__(self, endpoint: AttentionTransport, tp_rank: int = 0, tp_size: int = 1) -> None:
         self.endpoint = endpoint
         #: The model's MoE layers; an empty list (a spec made by hand) announces nothing.
         self.layers = endpoint.spec.moe_layers
+        #: Under tensor parallelism this rank sends rows ``tp_rank::tp_size`` of every batch
+        #: (``remote_experts_impl``): its schedules announce that share.
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self._contexts: tuple[weakref.ref, ...] = ()
         #: Runs before each step is announced, at the step boundary (the session's switch to
         #: a new FFN pool: ``_Session.switch_pending``).
@@ -239,8 +243,9 @@ class _Steps:
         failed forward into such steps)."""
         if not self.layers:
             return
-        endpoint = self.endpoint
-        schedule = StepSchedule(endpoint.step + 1, tuple(microbatch_tokens), tuple(layers), _mode())
+        endpoint, rank, size = self.endpoint, self.tp_rank, self.tp_size
+        tokens = tuple(len(range(rank, n, size)) for n in microbatch_tokens)
+        schedule = StepSchedule(endpoint.step + 1, tokens, tuple(layers), _mode())
         endpoint.begin_step(schedule)
 
     def current(self, num_tokens: int) -> None:
@@ -442,7 +447,7 @@ def connect() -> _Session:
         local = get_dp_group().rank_in_group * tp.world_size + tp.rank_in_group
         endpoint = create_attention_transport(spec, spec.attention_rank_offset + local)
         stats = recorder.endpoint_block(endpoint)
-        steps = _Steps(endpoint)
+        steps = _Steps(endpoint, tp.rank_in_group, tp.world_size)
         session = _Session(key, endpoint, tp.rank_in_group, tp.world_size, stats, steps)
         if spec.directory and backend(spec.backend).scales_live:
             session.epoch = directory.epoch_of(spec.directory)
@@ -489,11 +494,17 @@ def _round_trip(
     """dispatch -> (other microbatches run) -> combine, counted for /metrics: the wait in
     combine is the FFN time the overlap did not hide."""
     endpoint = session.endpoint
+    ubatching = vllm_dbo()
     try:
-        handle = endpoint.dispatch(layer, x, topk_ids, topk_weights, current_microbatch() or 0)
-        overlap_point()  # ping-pong microbatches: the next one runs while the FFN group works
-        start = time.perf_counter()
-        out = endpoint.combine(handle)
+        if ubatching is not None:
+            handle, receive = _dbo_exchange(ubatching, endpoint, layer, x, topk_ids, topk_weights)
+            start = time.perf_counter()
+            out = receive()
+        else:
+            handle = endpoint.dispatch(layer, x, topk_ids, topk_weights, current_microbatch() or 0)
+            overlap_point()  # ping-pong microbatches: the next one runs while the FFN works
+            start = time.perf_counter()
+            out = endpoint.combine(handle)
     except Exception as exc:
         recorder.record_error(recorder.error_kind(exc), rank=endpoint.rank)
         raise
@@ -501,6 +512,31 @@ def _round_trip(
         session.stats.record_combine(handle, time.perf_counter() - start)
         session.stats.set_redispatched(endpoint.redispatched)
     return out
+
+
+def _dbo_exchange(
+    ubatching,
+    endpoint: AttentionTransport,
+    layer: int,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> tuple[DispatchHandle, Callable[[], torch.Tensor]]:
+    """Dispatch and combine under vLLM's DBO (GPUs), with the two yields and the receive hook
+    vLLM's own MoE kernels use (``FusedMoEModularKernel`` with DeepEP low-latency's
+    prepare/finalize): run the pending receive hook before the send, yield after it, register
+    this combine's wait for the other ubatch to run before its next send, yield again. The
+    caller then receives (``endpoint.combine_hook``): the wait ran, in stream order, while the
+    other ubatch's attention was queued."""
+    ubatching.dbo_maybe_run_recv_hook()
+    microbatch = ubatching.dbo_current_ubatch_id()
+    handle = endpoint.dispatch(layer, x, topk_ids, topk_weights, microbatch)
+    ubatching.dbo_yield()
+    ubatching.dbo_maybe_run_recv_hook()
+    hook, receive = endpoint.combine_hook(handle)
+    ubatching.dbo_register_recv_hook(hook)
+    ubatching.dbo_yield()
+    return handle, receive
 
 
 # --------------------------------------------------------------------------------------------

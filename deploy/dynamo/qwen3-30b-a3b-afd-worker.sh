@@ -11,5 +11,4 @@ set -euo pipefail
 exec python -m dynamo.vllm \
     --model Qwen/Qwen3-30B-A3B \
     --data-parallel-size 7 \
-    --max-num-batched-tokens 256 \
-    --additional-config '{"afd": {"ratio": "7:1", "transport": "deepep"}}'
+    --additional-config '{"afd": {"ratio": "7:1", "transport": "slots"}}'

@@ -39,27 +39,29 @@ def test_ffn_rank_count_must_be_whole():
 
 
 def test_unknown_transport_lists_allowed():
-    with pytest.raises(AFDConfigError, match="--afd-transport.*allowed: deepep, shm, slots, tcp"):
+    with pytest.raises(AFDConfigError, match="--afd-transport.*allowed: shm, slots, tcp"):
         AFDConfig(ratio=(1, 1), transport="carrier-pigeon")
 
 
 def test_transport_settings_are_checked_against_the_backends_declaration():
     """``--afd-transport-config``: each backend declares what it takes (``Backend.settings``)."""
     cfg = AFDConfig.from_dict(
-        {"ratio": "1:1", "transport": "deepep", "transport_config": '{"allow_mnnvl": true}'}
+        {"ratio": "1:1", "transport": "slots", "transport_config": '{"waits": "device"}'}
     )
-    assert cfg.transport_config == {"allow_mnnvl": True}
+    assert cfg.transport_config == {"waits": "device"}
     assert AFDConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(
         AFDConfigError,
         match=r"--afd-transport-config \(additional_config.afd.transport_config\): shm takes "
-        r"no setting allow_mnnvl; its settings: none",
+        r"no setting waits; its settings: none",
     ):
-        AFDConfig(ratio=(1, 1), transport="shm", transport_config={"allow_mnnvl": True})
-    with pytest.raises(AFDConfigError, match=r"no setting mnnvl; its settings: allow_mnnvl \(bool"):
-        AFDConfig(ratio=(1, 1), transport="deepep", transport_config={"mnnvl": True})
-    with pytest.raises(AFDConfigError, match="setting allow_mnnvl takes a bool, got 1"):
-        AFDConfig(ratio=(1, 1), transport="deepep", transport_config={"allow_mnnvl": 1})
+        AFDConfig(ratio=(1, 1), transport="shm", transport_config={"waits": "host"})
+    with pytest.raises(AFDConfigError, match=r"no setting wait; its settings: waits \(str"):
+        AFDConfig(ratio=(1, 1), transport="slots", transport_config={"wait": "host"})
+    with pytest.raises(AFDConfigError, match="setting waits takes a str, got True"):
+        AFDConfig(ratio=(1, 1), transport="slots", transport_config={"waits": True})
+    with pytest.raises(AFDConfigError, match="waits takes one of host, device, got 'gpu'"):
+        AFDConfig(ratio=(1, 1), transport="slots", transport_config={"waits": "gpu"})
     with pytest.raises(AFDConfigError, match="--afd-transport-config.*not JSON"):
         AFDConfig.from_dict({"ratio": "1:1", "transport_config": "{allow_mnnvl: true}"})
     with pytest.raises(AFDConfigError, match="--afd-transport-config.*a JSON object"):

@@ -148,7 +148,7 @@ def test_liveness_fails_only_on_what_failover_cannot_heal(monkeypatch, tmp_path)
     assert healing() == [False]  # failover off: nothing will replace it
     monkeypatch.setenv(
         "VLLM_AFD_RUNTIME",
-        dataclasses.replace(_spec(tmp_path, failover_s=60.0), backend="deepep").to_json(),
+        dataclasses.replace(_spec(tmp_path, failover_s=60.0), backend="slots").to_json(),
     )
     assert healing() == [False]  # a backend failover cannot cover
 

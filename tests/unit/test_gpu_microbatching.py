@@ -3,6 +3,7 @@ stand-in for ``vllm.v1.worker.ubatching`` and a platform that says it is not the
 
 from __future__ import annotations
 
+import os
 import sys
 from types import SimpleNamespace
 
@@ -62,31 +63,85 @@ def _vllm_config(microbatches: int, v2: bool = True, graphs=CUDAGraphMode.FULL_A
     )
 
 
-def test_two_microbatches_on_a_gpu_turn_on_vllms_dbo_with_the_v2_runner(monkeypatch):
-    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
-    config = _vllm_config(2, v2=True)
-    check_supported(config)  # the V2 runner is no blocker on GPUs
-    assert config.parallel_config.enable_dbo is True
+def _engine_args(microbatches: int, eager: bool = False, graphs=None):
+    from vllm.config import CompilationConfig
+
+    return SimpleNamespace(
+        additional_config={"afd": {"ratio": "1:1", "microbatches": microbatches}},
+        enable_dbo=False,
+        enforce_eager=eager,
+        compilation_config=CompilationConfig(cudagraph_mode=graphs),
+        data_parallel_size=1,
+        tensor_parallel_size=1,
+    )
+
+
+def test_on_gpus_afd_sets_dbo_graphs_and_the_v2_runner_before_vllm_validates(monkeypatch):
+    """``deployment.prepare_engine_args`` (patch P3, before vLLM builds its config): DBO for two
+    microbatches, FULL graphs without piecewise ones, and the V2 model runner, explicitly."""
+    from vllm.usage.usage_lib import UsageContext
+
+    from vllm_afd import deployment
+
+    monkeypatch.setattr(deployment, "_attention_device", lambda: "cuda")
+    monkeypatch.setenv(deployment.V2_RUNNER_ENV, "")  # so that teardown restores it
+    monkeypatch.delenv(deployment.V2_RUNNER_ENV)
+    two = _engine_args(2)
+    deployment.prepare_engine_args(two, UsageContext.LLM_CLASS)
+    assert two.enable_dbo is True and two.additional_config["afd"]["transport"] == "slots"
+    assert two.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    assert os.environ[deployment.V2_RUNNER_ENV] == "1"  # engine cores inherit it
+    given = _engine_args(1, graphs=CUDAGraphMode.FULL_AND_PIECEWISE)
+    deployment.prepare_engine_args(given, UsageContext.LLM_CLASS)
+    assert given.enable_dbo is False
+    assert given.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    monkeypatch.setenv(deployment.V2_RUNNER_ENV, "0")  # the user's choice stays
+    eager = _engine_args(2, eager=True)
+    deployment.prepare_engine_args(eager, UsageContext.LLM_CLASS)
+    assert eager.enable_dbo and eager.compilation_config.cudagraph_mode is None
+    assert os.environ[deployment.V2_RUNNER_ENV] == "0"
     with pytest.raises(AFDConfigError, match="--afd-microbatches .* 3: on GPUs .* use 2 or 1"):
-        check_supported(_vllm_config(3))
-    one = _vllm_config(1)
-    check_supported(one)
-    assert one.parallel_config.enable_dbo is False
+        deployment.prepare_engine_args(_engine_args(3), UsageContext.LLM_CLASS)
 
 
-def test_cuda_graphs_are_full_decode_only_and_need_the_v2_runner(monkeypatch):
-    """Piecewise graphs would capture the AFD op without its announcing Python; FULL graph
-    replays are announced by the V2 runner's patch (G1) only."""
+def test_on_gpus_the_config_vllm_validated_is_checked_not_changed(monkeypatch):
+    """What vLLM decided itself: FULL graphs on the V1 runner (whose replays G1 does not see)
+    are refused naming what to change; piecewise graphs too."""
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
-    config = _vllm_config(1, v2=True)
-    check_supported(config)
-    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    check_supported(_vllm_config(2, v2=True, graphs=CUDAGraphMode.FULL_DECODE_ONLY))
     with pytest.raises(AFDConfigError, match=r"FULL CUDA graphs \(FULL_DECODE_ONLY\) .* V1"):
-        check_supported(_vllm_config(1, v2=False))
-    piecewise = _vllm_config(1, v2=False, graphs=CUDAGraphMode.PIECEWISE)
-    check_supported(piecewise)
-    assert piecewise.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+        check_supported(_vllm_config(2, v2=False, graphs=CUDAGraphMode.FULL_DECODE_ONLY))
+    with pytest.raises(AFDConfigError, match="cudagraph_mode PIECEWISE: piecewise CUDA graphs"):
+        check_supported(_vllm_config(1, v2=True, graphs=CUDAGraphMode.PIECEWISE))
     check_supported(_vllm_config(1, v2=False, graphs=CUDAGraphMode.NONE))
+    with pytest.raises(AFDConfigError, match="--afd-microbatches .* 3: on GPUs .* use 2 or 1"):
+        check_supported(_vllm_config(3, graphs=CUDAGraphMode.NONE))
+
+
+def test_an_engine_cores_revalidation_passes_for_a_config_in_which_afd_microbatches(tiny_qwen3):
+    """A real ``VllmConfig`` of an AFD server, re-validated as every engine core does after its
+    handshake (``VllmConfig.__post_init__()`` again) once microbatching is on (M1 in the CPU
+    worker; on GPUs DBO, on from the start): vLLM's all-to-all assertion would kill it, M6 lets
+    it pass and leaves the user's all-to-all backend as it was."""
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_afd
+
+    vllm_afd.register()
+    create = EngineArgs.create_engine_config
+    create = getattr(create, "__wrapped__", create)  # vLLM's own: no FFN group starts here
+    args = EngineArgs(
+        model=tiny_qwen3, additional_config={"afd": {"ratio": "1:1"}}, max_model_len=256
+    )
+    config = create(args)
+    chosen = config.parallel_config.all2all_backend
+    config.parallel_config.ubatch_size = 2
+    config.__post_init__()
+    assert config.parallel_config.use_ubatching
+    assert config.parallel_config.all2all_backend == chosen
+    with pytest.raises(AssertionError, match="Microbatching currently only supports"):
+        VllmConfig.__post_init__.__wrapped__(config)
 
 
 def test_on_the_cpu_build_the_v2_runner_still_blocks_ping_pong_microbatches():
@@ -153,3 +208,106 @@ def test_a_replayed_full_cuda_graph_announces_its_step_first(monkeypatch):
     assert order == [("replay", 1), ("replay", 2)]
     assert [s.microbatch_tokens for s in steps.endpoint.schedules] == [(16, 16)] * 2
     assert [s.step for s in steps.endpoint.schedules] == [1, 2]
+
+
+class _Forward(SimpleNamespace):
+    """A forward context for vLLM's ubatch threads (weak-referenceable; no DP metadata)."""
+
+
+def test_vllms_ubatch_threads_drive_the_afd_op_with_two_yields_and_receive_hooks(monkeypatch):
+    """vLLM's own DBO machinery (``make_ubatch_contexts`` threads that alternate at every
+    ``dbo_yield``) runs three MoE layers of two ubatches through the product's op
+    (``remote_experts_impl``) over the slots transport, an FFN thread serving: the op places its
+    two yields and its receive hook as vLLM's MoE kernels do, so each combine's wait runs in the
+    other ubatch's thread before its owner receives, and every answer is the reference's."""
+    import threading
+
+    from vllm.forward_context import override_forward_context
+    from vllm.v1.worker import ubatching
+
+    from vllm_afd.testing.ffn import serve_ffn
+    from vllm_afd.transport import create_attention_transport, create_ffn_transport
+    from vllm_afd.transport.reference import LocalMoE, ScaleExperts, reference_moe_combine
+
+    stream = object()  # CPU: one stand-in stream, so no thread switches CUDA streams
+    monkeypatch.setattr(ubatching, "current_stream", lambda: stream)
+    experts = ScaleExperts(torch.arange(1.0, 9.0) / 4)
+    layers, rows = (0, 1, 2), 4
+    spec = TransportSpec("slots", 1, 1, 8, 32, 2, 8, moe_layers=layers, timeout_s=20.0)
+    ffn = create_ffn_transport(spec, 0)
+    spec = TransportSpec(**{**spec.__dict__, "addresses": (ffn.address,)})
+    endpoint = create_attention_transport(spec, 0)
+    calls = []
+    dispatch, combine_hook = endpoint.dispatch, endpoint.combine_hook
+
+    def recording_dispatch(layer, x, ids, weights, microbatch=0):
+        calls.append(f"D{microbatch}{layer}")
+        return dispatch(layer, x, ids, weights, microbatch)
+
+    def recording_combine_hook(handle):
+        hook, receive = combine_hook(handle)
+        tag = f"{handle.microbatch}{handle.layer}"
+
+        def wait():
+            calls.append("W" + tag)
+            hook()
+
+        def received():
+            calls.append("C" + tag)
+            return receive()
+
+        return wait, received
+
+    monkeypatch.setattr(endpoint, "dispatch", recording_dispatch)
+    monkeypatch.setattr(endpoint, "combine_hook", recording_combine_hook)
+    session = remote_experts._Session("test", endpoint, 0, 1, None, remote_experts._Steps(endpoint))
+    monkeypatch.setattr(remote_experts, "_SESSION", session)
+
+    def route(x):
+        weights, ids = torch.softmax(x[:, :8], -1).topk(2, dim=-1)
+        return weights, ids
+
+    stop = threading.Event()
+    server = threading.Thread(
+        target=serve_ffn, args=(ffn, LocalMoE.for_rank(experts, spec, 0), stop.is_set)
+    )
+    server.start()
+    inputs = [torch.randn(rows, 32) for _ in range(2)]
+    results = {}
+
+    def forward(ctx, x):
+        with ctx:
+            for layer in layers:
+                weights, ids = route(x)
+                x = x + remote_experts.remote_experts_impl(x, weights, ids, layer)
+        results[ctx.id] = x
+
+    barrier = threading.Barrier(3)
+    try:
+        with override_forward_context(None):
+            contexts = ubatching.make_ubatch_contexts(
+                2, stream, stream, [_Forward(dp_metadata=None) for _ in range(2)], barrier
+            )
+            threads = [
+                threading.Thread(target=forward, args=(c, x))
+                for c, x in zip(contexts, inputs, strict=True)
+            ]
+            for t in threads:
+                t.start()
+            barrier.wait()
+            contexts[0].cpu_wait_event.set()
+            for t in threads:
+                t.join(20)
+    finally:
+        stop.set()
+        server.join(20)
+        endpoint.close()
+        ffn.close()
+    order = "D00 D10 W00 C00 W10 D01 C10 D11 W01 C01 W11 D02 C11 D12 W02 C02 W12 C12"
+    assert calls == order.split()
+    for x0, got in zip(inputs, (results[0], results[1]), strict=True):
+        x = x0
+        for _ in layers:
+            weights, ids = route(x)
+            x = x + reference_moe_combine(x, ids, weights, experts, 8, 1)
+        assert torch.equal(got, x)

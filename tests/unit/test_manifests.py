@@ -12,7 +12,6 @@ import shlex
 import tempfile
 from pathlib import Path
 
-import torch
 import yaml
 
 from vllm_afd.config import AFDConfig, MoEModelInfo
@@ -35,12 +34,12 @@ def _checked(parser, argv: list[str], monkeypatch) -> tuple[argparse.Namespace, 
             argparse.Namespace(**{**vars(args), "model": local})
         )
     monkeypatch.setattr(deployment, "_attention_device", lambda: "cuda")
+    monkeypatch.setenv(deployment.V2_RUNNER_ENV, "")  # prepare sets it: teardown restores it
+    monkeypatch.delenv(deployment.V2_RUNNER_ENV)
     deployment.prepare_engine_args(engine_args, UsageContext.OPENAI_API_SERVER)
     afd = AFDConfig.of(engine_args)
     ranks = engine_args.data_parallel_size * engine_args.tensor_parallel_size
-    deployment.check_devices(
-        afd, QWEN3_30B, ranks, "cuda", engine_args.max_num_batched_tokens, torch.bfloat16, 8
-    )
+    deployment.check_devices(afd, ranks, "cuda", gpus_on_node=8)
     assert ranks + afd.num_ffn_ranks(ranks) == 8
     return args, afd
 
@@ -53,7 +52,7 @@ def test_the_leaderworkerset_serves_with_probes_a_secret_and_a_drain(serve_parse
     (container,) = pod["containers"]
     assert container["command"] == ["vllm", "serve"]
     args, afd = _checked(serve_parser, container["args"], monkeypatch)
-    assert afd.transport == "deepep" and afd.ratio == (7, 1)
+    assert afd.transport == "slots" and afd.ratio == (7, 1)
     assert args.api_server_count == 1  # draining with DP needs one API server
     assert pod["terminationGracePeriodSeconds"] > args.shutdown_timeout
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8

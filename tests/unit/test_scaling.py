@@ -59,9 +59,9 @@ def test_the_size_the_pool_has_is_no_scale(group):
     assert scaling.scale_ffn_group(1) is None
 
 
-def test_a_collective_backend_or_no_group_cannot_scale(group, monkeypatch):
-    monkeypatch.setattr(group, "spec", dataclasses.replace(group.spec, backend="deepep"))
-    with pytest.raises(scaling.ScaleError, match="deepep cannot change its FFN pool live") as e:
+def test_a_step_serving_backend_or_no_group_cannot_scale(group, monkeypatch):
+    monkeypatch.setattr(group, "spec", dataclasses.replace(group.spec, backend="slots"))
+    with pytest.raises(scaling.ScaleError, match="slots cannot change its FFN pool live") as e:
         scaling.scale_ffn_group(2)
     assert e.value.status == 409
     monkeypatch.setattr(lifecycle, "_GROUP", None)

@@ -9,14 +9,14 @@ and each decode microbatch of T tokens per attention rank, both planes move bf16
 
 * **slots** (``transport/slot_plane.py``, the shm backend's protocol in device memory): each
   token goes once to each of the F FFN ranks, with its int32 ids and float32 weights, and
-  comes back once, weighted and summed (``ShmBackend.round_trip_bytes`` per FFN rank). Fixed
+  comes back once, weighted and summed (``SlotsBackend.round_trip_bytes`` per FFN rank). Fixed
   shapes, so no filtering by expert on the host: F ranks per token, where the shm backend's
   filtered sends touch ``F (1 - C(E - E/F, k) / C(E, k))`` with uniform routing (the
   ``FFN ranks/token`` column; equal at F = 1). Memory: one FFN rank's buffer as
   ``slot_plane.PlaneLayout`` lays it out (A attention ranks x 2 slots of T tokens), held by
   the FFN GPU; the attention GPUs map it and hold none of their own.
-* **deepep-ll** (retired): one row per (token, expert) each way
-  (``DeepEPBackend.round_trip_bytes``), in a group of A + F ranks with ``(A + F) E / F``
+* **deepep-ll** (the retired ``deepep`` backend): one row per (token, expert) each way
+  (``deepep_ll_round_trip_bytes``), in a group of A + F ranks with ``(A + F) E / F``
   virtual experts; every rank of the group allocates the NVSHMEM buffer of DeepEP's
   ``get_low_latency_rdma_size_hint`` (ported below from DeepEP dd758ca,
   csrc/legacy/config.hpp ``LowLatencyLayout``), the same on attention and FFN GPUs.
@@ -59,6 +59,13 @@ def deepep_ll_buffer_bytes(max_tokens: int, hidden: int, num_experts: int) -> in
     return (total + _DEEPEP_ALIGNMENT) // _DEEPEP_ALIGNMENT * _DEEPEP_ALIGNMENT
 
 
+def deepep_ll_round_trip_bytes(tokens: int, top_k: int, hidden: int) -> tuple[int, int]:
+    """(sent, received) bytes of a low-latency dispatch and combine of ``tokens`` bf16 rows:
+    one row per (token, expert) pair each way, at most; ids and weights stay behind."""
+    rows = tokens * top_k * hidden * 2
+    return rows, rows
+
+
 def ffn_ranks_touched(num_experts: int, num_ffn: int, top_k: int) -> float:
     """Expected FFN ranks holding any of a token's ``top_k`` experts (uniform routing over
     ``num_experts`` split evenly across ``num_ffn`` ranks)."""
@@ -99,11 +106,12 @@ def _spec(model: ModelSpec, attention: int, ffn: int, tokens: int, name: str) ->
 def plane_row(model: ModelSpec, attention: int, ffn: int, tokens: int) -> PlaneRow:
     """Both planes' bytes and buffers for one deployment and microbatch size."""
     touched = ffn_ranks_touched(model.num_experts, ffn, model.top_k)
-    slots = _spec(model, attention, ffn, tokens, "shm")
-    sent, received = backend("shm").round_trip_bytes(slots, tokens)
+    slots = _spec(model, attention, ffn, tokens, "slots")
+    sent, received = backend("slots").round_trip_bytes(slots, tokens)
     virtual = (attention + ffn) * model.num_experts // ffn
-    deepep = _spec(model, attention, ffn, tokens, "deepep")
-    deepep_sent, deepep_received = backend("deepep").round_trip_bytes(deepep, tokens)
+    deepep_sent, deepep_received = deepep_ll_round_trip_bytes(
+        tokens, model.top_k, model.hidden_size
+    )
     return PlaneRow(
         model=model.name,
         attention=attention,

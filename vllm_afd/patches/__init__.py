@@ -5,7 +5,8 @@ so ``apply()`` applies every group in every process. A group that does not belon
 is inert there: it wraps a class that process never calls.
 
 - front-end (the process that parses flags and builds the ``VllmConfig``):
-  ``engine_args.py`` (P1-P3), ``health.py`` (P4), ``metrics_registry.py`` (P6).
+  ``engine_args.py`` (P1-P3, and M6, which the engine core's re-validation runs too),
+  ``health.py`` (P4), ``metrics_registry.py`` (P6).
 - worker (the processes that run the model): ``layers.py`` (P5, P7, P8), ``cpu_runner.py``
   (M1-M7), ``gpu_runner.py`` (G1-G2, GPUs only), ``cpu_comm.py`` (S1-S2), ``cpu_amx.py``
   (S3, every process), ``dp_store.py`` (S4), ``request_errors.py`` (W1, W3).
@@ -50,9 +51,10 @@ P3 ``EngineArgs.create_engine_config``, wrapped.
    Why: the FFN group must be validated and started in the front-end before any engine or
    worker process exists, and its address handed to them.
    How: before: ``deployment.prepare_engine_args`` (``--afd-transport auto`` resolved for the
-   devices, deepep's token cap as ``--max-num-batched-tokens`` when none is given, and a
-   server given only ``--afd-ratio A:F`` gets A data-parallel attention ranks); after the
-   stock config is built, ``deployment.setup_afd(vllm_config)``.
+   devices; on GPUs DBO, CUDA graphs without piecewise graphs and the V2 model runner, so that
+   vLLM validates the config AFD runs; a server given only ``--afd-ratio A:F`` gets A
+   data-parallel attention ranks); after the stock config is built,
+   ``deployment.setup_afd(vllm_config)``.
    Upstream: none for a generic hook; AFD inside vLLM (RFC vllm-project/vllm#22799) would own
    this lifecycle.
    Remove when: vLLM grows a "deployment plugin" lifecycle hook.
@@ -144,18 +146,22 @@ M5 ``vllm.forward_context._forward_context`` (private module global), written.
    vLLM's own ``UBatchContext`` does in v1/worker/ubatching.py).
    Upstream: none; a thread-local or settable forward context would remove it.
    Remove when: M4 is upstream, or vLLM offers a public setter.
-M6 ``VllmConfig.__post_init__``, wrapped.
-   Why: a server's engine core re-validates its config after its handshake
-   (``v1/engine/core.py``, ``_perform_handshakes``), after the in-process worker was built; M1
-   has then turned microbatching on in that same config, and vLLM's check that microbatching
-   runs over a DeepEP/NIXL all2all backend fails: ``vllm-afd serve MODEL --afd-ratio 1:2``
-   (one attention rank) died at start. The check is about MoE all-to-alls, which an AFD
-   attention rank never runs (its routed experts go through the AFD transport).
-   How: when M1 marked the parallel config (``_afd_ubatch_size``), run the stock
-   ``__post_init__`` with ``ubatch_size = 0`` (the config as first validated), then put M1's
-   value back.
-   Upstream: none; the check would have to ask the MoE layers whether they use all2all.
-   Remove when: M1 is upstream (vLLM microbatches on CPU for out-of-tree MoE kernels).
+M6 ``VllmConfig.__post_init__``, wrapped (``engine_args.py``; front-end and engine core, every
+   platform).
+   Why: vLLM asserts that microbatching runs over a DeepEP or NIXL all-to-all backend
+   (``config/vllm.py``, "Microbatching currently only supports ..."). AFD microbatches
+   (``--afd-microbatches 2``: on GPUs vLLM's DBO, set before vLLM validates the config,
+   ``deployment._fit_gpu_engine_args``; on the CPU build ``ubatch_size``, set by M1 in the
+   worker) and runs no all-to-all on its attention ranks, so the front-end's validation failed
+   on GPUs, and every server's engine core, which re-validates its config after the handshake
+   (``v1/engine/core.py``, ``_perform_handshakes``), failed on both.
+   How: while an AFD config (``additional_config["afd"]``) with ``use_ubatching`` is
+   validated, ``all2all_backend`` reads ``deepep_low_latency`` (the backend whose receive-hook
+   protocol the AFD op follows under DBO; nothing else in the validation reads it but for
+   DeepEP high-throughput and MoonEP), and the user's value is put back after.
+   Upstream: none; the check would have to ask the MoE layers whether they use an all-to-all.
+   Remove when: vLLM lets an out-of-tree MoE method that owns its dispatch and combine opt in
+   to microbatching (its "passthrough" all-to-all backend, once DBO accepts it).
 M7 ``SharedExperts.__init__`` wrapped, and its ``_output_idx`` property's getter
    (fused_moe/runner/shared_experts.py).
    Why: a layer's shared experts keep their output in a slot chosen by vLLM's DBO microbatch
@@ -172,22 +178,24 @@ G1 ``ModelCudaGraphManager.run_fullgraph`` (the V2 model runner's FULL CUDA-grap
    wrapped; GPUs only. NOT YET RUN ON A GPU.
    Why: the AFD op announces each step to the FFN ranks from Python inside the forward
    (``remote_experts._Steps``); a replayed graph runs its dispatch/combine kernels without
-   that Python, so the FFN ranks would never post the DeepEP calls the kernels wait for.
+   that Python, so the FFN ranks would never learn the step the kernels' flags belong to.
    How: before the replay, announce a step of ``desc.num_ubatches`` microbatches of at most
    ``desc.num_tokens`` tokens each (``remote_experts.announce_replay``); nothing without an
    FFN group in the process.
    Upstream: none; the peer plugin sends its control message from its own model runner.
    Remove when: AFD is upstream (RFC vllm-project/vllm#22799), or vLLM has a pre-forward
    hook that runs for graph replays too.
-G2 ``vllm.v1.worker.ubatching``: ``dbo_enabled``, ``dbo_current_ubatch_id``, ``dbo_yield``
-   (public) and ``_CURRENT_CONTEXTS``, ``_NUM_UBATCHES`` (private module globals), read.
-   GPUs only. NOT YET RUN ON A GPU.
+G2 ``vllm.v1.worker.ubatching``: ``dbo_enabled``, ``dbo_current_ubatch_id``, ``dbo_yield``,
+   ``dbo_maybe_run_recv_hook``, ``dbo_register_recv_hook`` (public) and ``_CURRENT_CONTEXTS``,
+   ``_NUM_UBATCHES`` (private module globals), read and called.
+   GPUs only. NOT YET RUN ON A GPU (the yield order is tested on CPU with vLLM's own ubatch
+   threads: tests/unit/test_gpu_microbatching.py).
    Why: under vLLM's DBO (``--afd-microbatches 2`` on GPUs) the AFD op's microbatch is the
-   ubatch id and its overlap point ``dbo_yield``; the first ubatch's first MoE layer
-   announces the step with every ubatch's forward context, which only the ubatch contexts
-   hold.
-   How: read as they are (``microbatch.vllm_dbo`` and its callers,
-   ``remote_experts._dbo_ubatches``).
+   ubatch id, and it overlaps as vLLM's own MoE kernels do: two yields per MoE layer and a
+   receive hook; the first ubatch's first MoE layer announces the step with every ubatch's
+   forward context, which only the ubatch contexts hold.
+   How: read and called as they are (``microbatch.vllm_dbo`` and its callers,
+   ``remote_experts._dbo_ubatches``, ``remote_experts._dbo_exchange``).
    Upstream: none; a public "ubatches of this step" accessor would do.
    Remove when: AFD is upstream.
 S1 ``CpuCommunicator.all_gatherv`` and ``CpuCommunicator.reduce_scatterv``, added.

@@ -78,6 +78,8 @@ _G2_NAMES = (
     "dbo_enabled",
     "dbo_current_ubatch_id",
     "dbo_yield",
+    "dbo_maybe_run_recv_hook",
+    "dbo_register_recv_hook",
     "_CURRENT_CONTEXTS",
     "_NUM_UBATCHES",
 )

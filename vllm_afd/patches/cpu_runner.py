@@ -1,15 +1,16 @@
-"""Worker, M1-M7: ping-pong microbatching on vLLM's CPU model runner (ledger in ``__init__``).
+"""Worker, M1-M5 and M7: ping-pong microbatching on vLLM's CPU model runner (ledger in
+``__init__``).
 
-vLLM cuts a decode step into k microbatches with its own machinery once ``ubatch_size`` is set
-(M1) and ``should_ubatch`` is decided (M2): ``maybe_create_ubatch_slices`` and, through
-``split_attn_metadata``, one attention metadata and slot mapping per microbatch. M4 then runs
-the stock ``_model_forward`` once per token slice, each on a ``vllm_afd.microbatch.PingPong``
-thread with its own ``ForwardContext`` (written into vLLM's global at every hand-off, M5), and
+vLLM cuts a decode step into k microbatches with its own machinery once ``ubatch_size`` is set (M1)
+and ``should_ubatch`` is decided (M2): ``maybe_create_ubatch_slices`` and, through
+``split_attn_metadata``, one attention metadata and slot mapping per microbatch. M4 then runs the
+stock ``_model_forward`` once per token slice, each on a ``vllm_afd.microbatch.PingPong`` thread
+with its own ``ForwardContext`` (written into vLLM's global at every hand-off, M5), and
 concatenates the outputs; first it announces the step's microbatches to the FFN ranks
-(``remote_experts.announce_microbatched_step``, the control plane). M3 keeps dummy runs whole.
-M6 lets a server's engine core re-validate the config M1 changed, and M7 gives each microbatch
-its own shared-expert output slot. The scheme itself, and which steps are split, is described
-in vllm_afd/microbatch.py.
+(``remote_experts.announce_microbatched_step``, the control plane). M3 keeps dummy runs whole. M7
+gives each microbatch its own shared-expert output slot; a server's engine core re-validates the
+config M1 changed, which M6 (``engine_args.py``, every platform) lets pass. The scheme itself, and
+which steps are split, is described in vllm_afd/microbatch.py.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def configure_runner(runner) -> int:
         return 1
     check_supported(runner.vllm_config)
     parallel = runner.parallel_config
-    parallel.ubatch_size = parallel._afd_ubatch_size = k  # M6 reads the marker
+    parallel.ubatch_size = k  # re-validated by the engine core: M6 lets it
     parallel.dbo_decode_token_threshold = k
     parallel.dbo_prefill_token_threshold = runner.scheduler_config.max_num_batched_tokens + 1
     logger.info("AFD: decode steps of >= %d tokens run as %d ping-pong microbatches", k, k)
@@ -234,23 +235,6 @@ def _pingpong(runner, size: int) -> PingPong:
     return pool
 
 
-def _patch_post_init(original):
-    """M6: vLLM's re-validation of a config M1 turned microbatching on in."""
-
-    def wrapper(self, *args, **kwargs):
-        parallel = self.parallel_config
-        k = getattr(parallel, "_afd_ubatch_size", 0)
-        if not k:
-            return original(self, *args, **kwargs)
-        parallel.ubatch_size = 0  # the config as validated before M1, then M1's k again
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            parallel.ubatch_size = k
-
-    return wrapper
-
-
 def _patch_shared_experts_init(original):
     """M7: one shared-expert output slot per microbatch (vLLM keeps two, for DBO)."""
 
@@ -276,13 +260,12 @@ _WRAPPERS = {
     "M2": _patch_batch_execution,
     "M3": _patch_dummy_run,
     "M4": _patch_model_forward,
-    "M6": _patch_post_init,
     "M7": _patch_shared_experts_init,
 }
 
 
 def apply() -> None:
-    """M1-M7 on vLLM's CPU model runner (idempotent); nothing on other platforms."""
+    """M1-M5 and M7 on vLLM's CPU model runner (idempotent); nothing on other platforms."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():

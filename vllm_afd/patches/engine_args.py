@@ -1,5 +1,6 @@
 """Front-end, P1-P3: the AFD flags on vLLM's parser, folded into ``additional_config``, and
-the deployment hook around ``EngineArgs.create_engine_config`` (ledger in ``__init__``)."""
+the deployment hook around ``EngineArgs.create_engine_config``; front-end and engine core, M6:
+vLLM's validation of a config in which AFD microbatches (ledger in ``__init__``)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,34 @@ def _create_engine_config(original):
     return wrapper
 
 
+#: The all-to-all backend vLLM's validation is shown for an AFD config that microbatches (M6):
+#: the one whose receive-hook protocol the AFD op follows under DBO.
+VALIDATED_ALL2ALL = "deepep_low_latency"
+
+
+def _post_init(original):
+    """M6: vLLM validates (and every engine core re-validates) a config in which AFD
+    microbatches as one whose MoE layers run over a DeepEP all-to-all; an AFD attention rank
+    runs none (its routed experts go through the AFD transport)."""
+    from vllm_afd.config import afd_section
+
+    def wrapper(self, *args, **kwargs):
+        parallel = self.parallel_config
+        if not (parallel.use_ubatching and afd_section(self.additional_config) is not None):
+            return original(self, *args, **kwargs)
+        chosen = parallel.all2all_backend
+        parallel.all2all_backend = VALIDATED_ALL2ALL
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            parallel.all2all_backend = chosen
+
+    return wrapper
+
+
 def apply() -> None:
-    """P1-P3 (idempotent)."""
+    """P1-P3 and M6 (idempotent)."""
     wrap("P1", _add_cli_args)
     wrap("P2", _from_cli_args)
     wrap("P3", _create_engine_config)
+    wrap("M6", _post_init)

@@ -56,8 +56,6 @@ class FFNGroup:
     local: bool = True
     #: Failover's ``failover.Supervisor`` of this group, if failover is on.
     supervisor: object = None
-    #: The transport's rendezvous (``Backend.start_rendezvous``; deepep: its hub), served here.
-    hub: object = None
     #: What the front-end asked for (a live scale starts the next pool from it).
     request: GroupRequest | None = None
 

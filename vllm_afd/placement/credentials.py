@@ -134,8 +134,8 @@ def private_directory() -> str:
 
 
 def prepare_transport_secret(afd: AFDConfig) -> None:
-    """A transport that authenticates its peers (``Backend.needs_secret``: tcp; deepep's group
-    hub, ``transport/group.py``): make sure the deployment has its shared secret
+    """A transport that authenticates its peers (``Backend.needs_secret``: tcp): make sure the
+    deployment has its shared secret
     (``transport/auth.py``).
 
     A ``VLLM_AFD_AUTH_FILE`` set by the user is used as it is (``deployment.setup_afd`` checked

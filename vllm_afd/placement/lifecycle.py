@@ -89,17 +89,12 @@ def start_ffn_group(request: GroupRequest) -> FFNGroup:
         reap_dead_deployments()
         prepare_transport_secret(afd)
         spec = dataclasses.replace(spec, directory=_ffn_directory())
-        hub = backend(spec.backend).start_rendezvous(spec, afd.ffn_host)
-        if hub is not None:
-            spec = dataclasses.replace(spec, addresses=(hub.address,) * num_ffn)
         try:
             _GROUP = _launch(spec, afd, model_dir, device)
         except BaseException:
-            if hub is not None:
-                hub.close()
             release_credentials()
             raise
-        _GROUP.hub, _GROUP.request = hub, request
+        _GROUP.request = request
         _GROUP_KEY = key
         supervise(_GROUP)
         # The hand-off to every process started from here on (engine cores, workers).
@@ -184,7 +179,7 @@ def adopt(pool: FFNGroup, replacing: FFNGroup) -> bool:
         if _GROUP is not replacing:
             return False
         _GROUP, _GROUP_KEY = pool, None
-        pool.owns_ray, replacing.owns_ray, replacing.hub = replacing.owns_ray, False, None
+        pool.owns_ray, replacing.owns_ray = replacing.owns_ray, False
         DRAINING.append(replacing)
         os.environ[envs.RUNTIME] = pool.spec.to_json()
         return True
@@ -214,8 +209,6 @@ def stop_ffn_group() -> None:
     for pool in replaced:
         stop_ranks(pool)
     stop_ranks(group)
-    if group.hub is not None:
-        group.hub.close()
     if group.owns_ray:
         import ray
 

@@ -20,10 +20,11 @@ everything they hold (KV cache, scheduler, requests in flight); only the FFN poo
 
 Why no common step for every attention rank: the point-to-point backends' FFN ranks serve
 whatever arrives, from any attention rank, so two attention ranks on two pools for a step is
-correct, and a rank idle for minutes never holds a scale up. A collective backend (DeepEP,
-whose group is fixed when its buffers are made) cannot scale live (``Backend.scales_live``).
-For the GPU plane (symmetric buffers) the same protocol holds: an attention rank maps the new
-pool's buffers at its switch and unmaps the old ones, which no FFN rank writes any more.
+correct, and a rank idle for minutes never holds a scale up. The slot plane (``slots``), whose
+FFN ranks serve a step of every attention rank at once, cannot scale live yet
+(``Backend.scales_live``): there the switch needs one step number at which every attention
+rank changes pools (announced like a schedule), so that no FFN rank waits for a rank that
+left; each attention rank then maps the new pool's buffers and unmaps the old ones.
 
 An ffn-server group (``shared.py``) has no HTTP server: ``vllm-afd scale GROUP_FILE N`` drops
 a request file into the group's private scale directory (0700, named in the group file), and
@@ -163,7 +164,7 @@ def _scale(old: FFNGroup, count: int, switch_timeout_s: float) -> ScaleEvent:
         new = lifecycle._launch(launch, afd, request.model_dir, request.device)
     except Exception as exc:  # noqa: BLE001 - the old pool serves on
         raise ScaleError(503, f"the new pool of {count} FFN rank(s) did not start: {exc}") from None
-    new.request, new.hub = request, old.hub
+    new.request = request
     lifecycle.supervise(new)
     # /afd/status, /metrics and /health see the new pool from now on
     if not lifecycle.adopt(new, replacing=old):

@@ -1,7 +1,7 @@
 """Transport registry: a backend (``base.Backend``: its endpoints and what it can do) by name.
 
 Backends register themselves lazily: the registry maps a name to the module that defines it,
-so that heavy optional imports (deep_ep on GPUs) happen only when that backend is asked for.
+so that heavy optional imports (Triton on GPUs) happen only when that backend is asked for.
 A name is bound once: registering another target under a taken name is refused. A backend
 outside this package needs no registration: ``--afd-transport package.module:MyBackend``
 names it by module path (as vLLM's ``kv_connector_module_path``), in every process.
@@ -30,7 +30,6 @@ _BACKENDS: dict[str, str] = {
     "shm": "vllm_afd.transport.shm:ShmBackend",
     "tcp": "vllm_afd.transport.tcp:TcpBackend",
     "slots": "vllm_afd.transport.slots:SlotsBackend",
-    "deepep": "vllm_afd.transport.deepep:DeepEPBackend",
 }
 
 
@@ -63,8 +62,9 @@ def register_transport(name: str, target: str) -> None:
 
 
 #: ``--afd-transport auto``: the first of these whose endpoints this machine and these devices
-#: can run (``auto_backend``): shared memory on one CPU host, tcp on other CPUs, DeepEP on GPUs.
-AUTO_ORDER = ("shm", "tcp", "deepep")
+#: can run (``auto_backend``): shared memory on one CPU host, tcp on other CPUs, the slot plane
+#: on GPUs (device memory shared by CUDA IPC, within one node).
+AUTO_ORDER = ("shm", "tcp", "slots")
 
 
 def auto_backend(attention_device: str, ffn_device: str) -> str:
@@ -136,7 +136,7 @@ def create_attention_transport(spec: TransportSpec, rank: int) -> AttentionTrans
     Raises:
         ValueError: for an unknown backend, or a ``spec``/``rank`` the backend refuses.
         TransportError: if an FFN rank cannot be reached.
-        RuntimeError: if this machine cannot run the backend (e.g. deepep without a GPU).
+        RuntimeError: if this machine cannot run the backend (e.g. shm on aarch64).
     """
     return backend(spec.backend).attention(spec, rank)
 
@@ -149,7 +149,7 @@ def create_ffn_transport(spec: TransportSpec, rank: int) -> FFNTransport:
 
     Raises:
         ValueError: for an unknown backend, or a ``spec``/``rank`` the backend refuses.
-        RuntimeError: if this machine cannot run the backend (e.g. deepep without a GPU).
+        RuntimeError: if this machine cannot run the backend (e.g. shm on aarch64).
     """
     return backend(spec.backend).ffn(spec, rank)
 

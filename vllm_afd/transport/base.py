@@ -1,6 +1,7 @@
 """The transport contract between attention ranks and the FFN executor group.
 
-Modelled on DeepEP's dispatch/combine API so that a DeepEP backend fits behind it unchanged:
+Modelled on DeepEP's dispatch/combine API (a dispatch returns a handle that combine consumes,
+and combine splits into a receive hook and the receive, as DeepEP's ``return_recv_hook``):
 
 * The attention side calls ``dispatch`` once per MoE layer per (micro)batch with the tokens'
   hidden states and their routing decision. It returns at once with a ``DispatchHandle``;
@@ -10,25 +11,24 @@ Modelled on DeepEP's dispatch/combine API so that a DeepEP backend fits behind i
   any layer), runs the experts it owns, and answers each request with ``reply``: per row, the
   sum over the request's ``topk_ids`` it owns of ``topk_weights * expert(x)``.
 
-Where the routing weights are applied is a property of the backend, not of this contract. The
-point-to-point backends (shm, tcp) send the weights to the FFN side, which returns rows already
-weighted and summed over its experts; the attention side only adds the FFN ranks' answers.
-DeepEP's low-latency combine applies them on the attention side: its FFN requests hold one row
-per (token, local expert) pair with weight 1, so the FFN side returns unweighted expert outputs
-and ``combine`` weights and sums them (see ``deepep.py``).
+Every backend sends the routing weights to the FFN side, which returns rows already weighted
+and summed over its experts; the attention side only adds the FFN ranks' answers. So a token
+crosses once to each FFN rank it goes to and once back, whatever its top-k.
 
 Expert placement is fixed and contiguous: with ``E`` routed experts and ``F`` FFN ranks, global
-expert ``e`` lives on FFN rank ``e // (E // F)`` with local id ``e % (E // F)``. The attention
-side sends a token to an FFN rank only if at least one of its top-k experts lives there; the
-FFN side receives the *global* ids and weights and masks the experts it does not own.
+expert ``e`` lives on FFN rank ``e // (E // F)`` with local id ``e % (E // F)``. The
+point-to-point backends send a token to an FFN rank only if at least one of its top-k experts
+lives there (the slot plane sends it to every FFN rank: fixed shapes); the FFN side receives
+the *global* ids and weights and masks the experts it does not own.
 
 Why point-to-point requests rather than a lockstep collective on the FFN side: the FFN side
 then never needs to know how many tokens, ranks or layers to expect. Prefill batches, decode
 batches, profile and dummy runs, and idle periods (no request at all) all fall out of the same
 "serve whatever is pending" loop, and there is nothing to deadlock on. Attention ranks that run
 in lockstep (vLLM data parallel) still get their tokens batched together on the FFN side,
-because their requests for the same layer arrive together. A collective backend (DeepEP) keeps
-the same attention-side contract and runs its own lockstep FFN loop.
+because their requests for the same layer arrive together. A backend whose FFN side serves
+announced steps (``slots``: fixed-shape slots for CUDA graphs) keeps the same contract on both
+sides; its ``recv`` hands out one use of a slot of the step at a time.
 
 Failure: ``combine`` never waits forever. It raises ``TransportError`` after
 ``TransportSpec.timeout_s``, ``FFNServeError`` at once, with the FFN rank's error text, when
@@ -95,8 +95,8 @@ class TransportSpec:
     #: An entry in the spec given to the FFN side is a request, not a result: shm takes it as
     #: the segment-name prefix, tcp as the "host:port" to bind (port 0: any free port).
     addresses: tuple[str, ...] = field(default_factory=tuple)
-    #: The model's MoE layer indices, ascending (filled by placement from the model). Backends
-    #: whose FFN side cannot read the layer from the wire (DeepEP) map their calls onto it.
+    #: The model's MoE layer indices, ascending (filled by placement from the model): what a
+    #: step visits (``control.StepSchedule``).
     moe_layers: tuple[int, ...] = ()
     #: The deployment's FFN directory (``directory.py``), where a lost FFN rank's replacement
     #: is announced; empty: no failover (a lost FFN rank fails the requests in flight).
@@ -155,8 +155,8 @@ class TransportSpec:
         return torch.div(expert_ids, self.experts_per_ffn_rank, rounding_mode="floor")
 
 
-#: Type of ``DispatchHandle.state``, one dataclass per backend (``p2p.P2PState``,
-#: ``deepep.DeepEPState``).
+#: Type of ``DispatchHandle.state``, one per backend (``p2p.P2PState``,
+#: ``slot_plane.PlaneHandle``).
 StateT = TypeVar("StateT")
 
 
@@ -173,7 +173,7 @@ class DispatchHandle(Generic[StateT]):
     hidden_size: int
     dtype: torch.dtype
     token_index: dict[int, torch.Tensor]
-    #: Backend-private bookkeeping (slot and sequence numbers, DeepEP's handle, ...); ``None``
+    #: Backend-private bookkeeping (slot and sequence numbers, the plane's use, ...); ``None``
     #: after ``combine`` took it (a handle is combined only once), and for a point-to-point
     #: dispatch that sent nothing.
     state: StateT | None = None
@@ -322,8 +322,8 @@ class FFNTransport(abc.ABC):
     def reply_error(self, request: FFNRequest, message: str) -> None:
         """Fail ``request``: its ``combine`` raises ``FFNServeError`` carrying ``message``.
 
-        Point-to-point backends answer the one request; a collective backend cannot fail one
-        request alone and raises ``TransportError`` (the caller then stops serving).
+        Every backend here answers the one request; one that cannot fail a request alone raises
+        ``TransportError`` (the caller then stops serving).
         """
         raise TransportError(f"{type(self).__name__} cannot fail one request: {message}")
 
@@ -360,24 +360,19 @@ class Backend:
     supports_failover: ClassVar[bool] = True
     #: Its FFN pool can change size while it serves (``POST /afd/scale``): each attention
     #: rank switches to a new pool's endpoints on its own, at a step boundary, while the old
-    #: pool still serves the others; a collective backend, whose ranks form one fixed group,
-    #: cannot.
+    #: pool still serves the others; one whose FFN side waits for every attention rank's step
+    #: (``slots``) cannot yet.
     scales_live: ClassVar[bool] = True
     #: One attention rank may send a layer's rows again on its own, request by request, in
     #: steps of its own, to fail only the request an FFN error follows
-    #: (``remote_experts._isolate``); a collective backend cannot.
+    #: (``remote_experts._isolate``); one whose FFN side serves announced steps of every
+    #: attention rank (``slots``) does not yet.
     isolates_requests: ClassVar[bool] = True
     #: Several front-ends may share one FFN group of it (``vllm-afd ffn-server`` and
     #: ``--afd-join``): its FFN side serves each attention rank's requests as they come; a
     #: backend whose FFN side waits for a step of every attention rank (``slots``) cannot,
     #: since front-ends do not step together.
     shares_group: ClassVar[bool] = True
-    #: Which side applies the routing weights: ``"ffn"`` (the FFN side answers rows weighted
-    #: and summed over its experts) or ``"attention"`` (the combine weights them).
-    weights_applied_on: ClassVar[str] = "ffn"
-    #: Most tokens one attention rank may send in one round (``--max-num-batched-tokens`` is
-    #: capped to it when not given); ``None``: no cap.
-    max_tokens_per_round: ClassVar[int | None] = None
     #: The settings it takes in ``--afd-transport-config`` (its endpoints read them from
     #: ``TransportSpec.config``): name -> type of the JSON value. Empty: none.
     settings: ClassVar[Mapping[str, type]] = {}
@@ -413,35 +408,10 @@ class Backend:
         return None
 
     @classmethod
-    def limits_problem(
-        cls,
-        *,
-        hidden_size: int,
-        dtype: torch.dtype | None,
-        max_tokens: int,
-        microbatches: int,
-        num_attention_ranks: int,
-        num_ffn_ranks: int,
-        num_experts: int,
-        num_sms: int | None = None,
-    ) -> str | None:
-        """Why it cannot serve a deployment of these sizes (``max_tokens``: per attention rank
-        and dispatch; ``microbatches``: dispatches in flight; ``num_sms``: the GPU's SM count,
-        ``None``: the backend's default), naming the setting to change; ``None``: it can."""
-        return None
-
-    @classmethod
     def requested_addresses(cls, ffn_host: str, num_ffn_ranks: int) -> tuple[str, ...]:
         """``TransportSpec.addresses`` as asked of the FFN side (what it listens on); ``()``
         when the FFN side chooses."""
         return ()
-
-    @classmethod
-    def start_rendezvous(cls, spec: TransportSpec, ffn_host: str) -> Any:
-        """The group's meeting point, started by the front-end before any rank (an object
-        with ``address`` and ``close()``; every rank is given its ``address``), or ``None``
-        when ranks connect to each other directly."""
-        return None
 
     @classmethod
     def reap_stale(cls) -> list[str]:

@@ -14,11 +14,12 @@ order. The attention side checks that an answer carries the tag it waits for. A 
 ``base.ProtocolError`` naming both sides: never silent corruption. (This module imports nothing
 of the package: the checks return the reason, and their callers raise or reply it.)
 
-The FFN side of the point-to-point backends does not need the schedule to serve (it serves
-whatever is pending); it needs it to check. A collective backend (DeepEP) needs it to know
-how many rounds to run, which is why the schedule is a message of its own and the same on
-every backend. A producer that never announces a step (a benchmark or test driving a transport
-directly) sends step 0; its requests are checked only against the spec's MoE layers.
+The FFN side of the point-to-point backends does not need the schedule to serve (it serves whatever
+is pending); it needs it to check. The slot plane's FFN side (``slots.py``) needs it to know which
+uses of its slots a step makes and how many rows each carries, which is why the schedule is a
+message of its own and the same on every backend. A producer that never announces a step (a
+benchmark or test driving a transport directly) sends step 0; its requests are checked only against
+the spec's MoE layers.
 
 Encoding, shared by the backends: a schedule is a fixed number of int64 words (``words``):
 step, mode, microbatch count, ``WIRE_MICROBATCHES`` token counts, then a bitmap of layer

@@ -586,5 +586,5 @@ class PointToPointBackend(Backend):
         return (
             f"{cls.name}: the point-to-point transports carry hidden states through host "
             f"memory and cannot serve a {attention_device.upper()} model; use --afd-transport "
-            "deepep on GPUs"
+            "slots on GPUs"
         )

@@ -34,9 +34,8 @@ EXPECTED = {
     "qwen3_30b_a3b_h200_7to1": (
         {
             "ratio": "7:1",
-            "transport": "deepep",
+            "transport": "slots",
             "ffn_device": "cuda",
-            "ray_address": "127.0.0.1:6379",
             "microbatches": 2,
         },
         {"data_parallel_size": 7, "tensor_parallel_size": 1},
@@ -155,7 +154,8 @@ def test_env_files_source_and_pass_the_checks(serve_parser, path, monkeypatch):
         assert len(bind.split("|")) == args.tensor_parallel_size  # one list per TP rank
     gpus = env.get("CUDA_VISIBLE_DEVICES")
     if gpus is not None:
-        assert len(gpus.split(",")) == ranks  # the attention ranks' GPUs (FFN ranks: Ray's)
+        # the attention ranks' GPUs and, after them, the FFN ranks' (``placement.ffn_gpu``)
+        assert len(gpus.split(",")) == ranks + num_ffn
 
 
 # -- bench recipes ---------------------------------------------------------------------------------
@@ -241,16 +241,14 @@ def test_registering_a_name_twice_is_an_error():
 
 def test_the_gpu_recipe_passes_the_gpu_start_up_checks(serve_parser):
     """The H200 recipe, parsed by vLLM's parser, passes ``deployment.check_devices`` on the
-    node it is written for (8 GPUs, Qwen3-30B-A3B's shape): DeepEP's limits, disjoint GPUs."""
-    import torch
-
-    from vllm_afd.config import AFDConfig, MoEModelInfo
+    node it is written for (8 GPUs): the transport connects GPUs, and attention and FFN ranks
+    get disjoint GPUs of the node."""
+    from vllm_afd.config import AFDConfig
     from vllm_afd.deployment import check_devices
 
     path = ROOT / "recipes" / "qwen3_30b_a3b_h200_7to1.yaml"
     _, engine_args = _serve(serve_parser, "--config", str(path))
     afd = AFDConfig.from_dict(engine_args.additional_config["afd"])
-    qwen3_30b = MoEModelInfo("Qwen3MoeForCausalLM", 48, 128, 8, 2048, 768, tuple(range(48)))
     ranks = engine_args.data_parallel_size * engine_args.tensor_parallel_size
-    dtype = getattr(torch, engine_args.dtype)
-    check_devices(afd, qwen3_30b, ranks, "cuda", engine_args.max_num_batched_tokens, dtype, 8)
+    check_devices(afd, ranks, "cuda", gpus_on_node=8)
+    assert ranks + afd.num_ffn_ranks(ranks) == 8

@@ -72,21 +72,6 @@ def test_m1_refuses_what_microbatching_cannot_run():
         cpu_runner.configure_runner(runner)
 
 
-def test_m6_revalidates_the_config_as_it_was_before_m1():
-    from types import SimpleNamespace
-
-    from vllm_afd.patches.cpu_runner import _patch_post_init
-
-    seen = []
-    post_init = _patch_post_init(lambda self: seen.append(self.parallel_config.ubatch_size))
-    marked = SimpleNamespace(parallel_config=SimpleNamespace(ubatch_size=2, _afd_ubatch_size=2))
-    post_init(marked)
-    assert seen == [0] and marked.parallel_config.ubatch_size == 2
-    stock = SimpleNamespace(parallel_config=SimpleNamespace(ubatch_size=2))
-    post_init(stock)  # not marked by M1: vLLM validates the config as it is
-    assert seen == [0, 2] and stock.parallel_config.ubatch_size == 2
-
-
 def test_m7_gives_each_microbatch_its_own_shared_expert_slot():
     from types import SimpleNamespace
 

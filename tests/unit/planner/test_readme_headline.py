@@ -1,5 +1,5 @@
 """README's headline command is one that runs: it passes the planner's fit check and the
-product's own start-up checks of the ratio, the transport's limits and the model's experts."""
+product's own start-up checks of the ratio, the devices and the model's experts."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import shlex
 from pathlib import Path
 
 import pytest
-import torch
 
 from vllm_afd.config import AFDConfig, parse_ratio
+from vllm_afd.deployment import check_devices
 from vllm_afd.planner.hardware import get_hardware
 from vllm_afd.planner.memory import check_ffn_fits
 from vllm_afd.planner.models import get_model
-from vllm_afd.transport import auto_backend, backend
+from vllm_afd.transport import auto_backend
 
 README = Path(__file__).parents[3] / "README.md"
 
@@ -30,26 +30,16 @@ def test_the_headline_fits_its_node_and_passes_the_start_up_checks():
     argv = _headline()
     model = get_model(argv[2])
     flags = dict(zip(argv[3::2], argv[4::2], strict=True))
-    afd = AFDConfig(ratio=parse_ratio(flags["--afd-ratio"]))
     # What the front-end makes of it on GPUs (deployment.prepare_engine_args): A data-parallel
-    # attention ranks, the transport for CUDA at both ends and its token cap.
+    # attention ranks and the transport for CUDA at both ends.
+    ratio = parse_ratio(flags["--afd-ratio"])
+    afd = AFDConfig(ratio=ratio, transport=auto_backend("cuda", "cuda"), ffn_device="cuda")
     data_parallel = int(flags.get("--data-parallel-size", afd.ratio[0]))
-    transport = backend(auto_backend("cuda", "cuda"))
-    max_tokens = int(flags.get("--max-num-batched-tokens", transport.max_tokens_per_round))
     num_ffn = afd.num_ffn_ranks(data_parallel)
     assert data_parallel + num_ffn == 8  # "one node of 8 x H200"
+    check_devices(afd, data_parallel, "cuda", gpus_on_node=8)
     check_ffn_fits(model, get_hardware("h200"), num_ffn)
     assert model.num_experts % num_ffn == 0
-    problem = transport.limits_problem(
-        hidden_size=model.hidden_size,
-        dtype=torch.bfloat16,
-        max_tokens=max_tokens,
-        microbatches=afd.microbatches,
-        num_attention_ranks=data_parallel,
-        num_ffn_ranks=num_ffn,
-        num_experts=model.num_experts,
-    )
-    assert problem is None, problem
 
 
 def test_the_old_headline_would_have_failed_the_fit_check():

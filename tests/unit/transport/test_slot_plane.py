@@ -1,7 +1,8 @@
 """The slot plane (``transport/slot_plane.py``) through its host memory: layout, the protocol
 between threads and between processes, driven by vLLM's own ubatch threads (one yield per MoE
-layer, and the two yields with receive hooks of vLLM's MoE kernels), the bounded wait, and the
-device check's CPU run (its device steps SKIP here, so it cannot rot)."""
+layer; the product's op with two yields and receive hooks: tests/unit/test_gpu_microbatching.py),
+the bounded wait, and the device check's CPU run (its device steps SKIP here, so it cannot
+rot)."""
 
 from __future__ import annotations
 
@@ -229,37 +230,5 @@ def test_vllms_own_ubatch_threads_drive_the_plane_in_dbo_order(monkeypatch):
 
     calls, results, inputs, model = _run_ubatches(monkeypatch, 3, moe_layer)
     assert calls == slot_plane_check.dbo_order(3)
-    for mb, x0 in enumerate(inputs):
-        assert torch.equal(results[mb], model.reference(x0))
-
-
-def test_two_yields_and_receive_hooks_as_vllms_moe_kernels_place_them(monkeypatch):
-    """vLLM's async MoE protocol (``FusedMoEModularKernel._prepare``/``_finalize`` with
-    DeepEP low-latency's prepare/finalize): run the pending receive hook before each send,
-    yield after the dispatch, register the combine's wait (``combine_hook``) for the other
-    microbatch to run, yield, then receive. Each wait runs, in the other microbatch's thread,
-    before its own microbatch receives, and the answers are the reference's."""
-
-    def moe_layer(ubatching, attention, model, calls, ubatch, layer, x):
-        ubatching.dbo_maybe_run_recv_hook()
-        handle = attention.dispatch(ubatch, layer, x, *model.route(layer, x))
-        calls.append(("D", ubatch, layer))
-        ubatching.dbo_yield()
-        ubatching.dbo_maybe_run_recv_hook()
-        hook, receive = attention.combine_hook(handle)
-
-        def wait() -> None:
-            calls.append(("W", ubatch, layer))
-            hook()
-
-        ubatching.dbo_register_recv_hook(wait)
-        ubatching.dbo_yield()
-        out = receive()
-        calls.append(("C", ubatch, layer))
-        return x + out
-
-    calls, results, inputs, model = _run_ubatches(monkeypatch, 2, moe_layer)
-    order = "D00 D10 W00 C00 W10 D01 C10 D11 W01 C01 W11 C11".split()
-    assert calls == [(op[0], int(op[1]), int(op[2])) for op in order]
     for mb, x0 in enumerate(inputs):
         assert torch.equal(results[mb], model.reference(x0))
