@@ -4,8 +4,8 @@ Each configuration runs in a fresh process (``vllm_afd.bench.offline_run``), wit
 prefill and prefix caching on, prompts of different lengths (one longer than the chunk size,
 two sharing a long prefix) submitted together, and the default two ping-pong microbatches.
 ``make test`` runs 1:1 and 1:2 (shared experts); ``make test-all`` adds tensor-parallel
-attention ranks, FFN ranks bound to CPUs, the tcp transport and a backend named by module
-path.
+attention ranks (on the slot plane), FFN ranks bound to CPUs, the tcp transport and a backend
+named by module path.
 """
 
 from __future__ import annotations
@@ -96,8 +96,10 @@ def test_decode_steps_are_split_into_two_microbatches(afd_qwen3):
 
 
 @pytest.mark.full
-def test_afd_2_1_two_tp_attention_ranks(tiny_qwen3, colocated_qwen3, afd_qwen3):
-    result = run_generation(_job(tiny_qwen3, {"ratio": "2:1"}, tp=2))
+def test_afd_2_1_two_tp_attention_ranks_on_the_slot_plane(tiny_qwen3, colocated_qwen3, afd_qwen3):
+    """The slots transport: every step's schedule announces each TP rank's share of rows, and
+    the FFN rank serves both ranks' rows of each layer and microbatch in one batch."""
+    result = run_generation(_job(tiny_qwen3, {"ratio": "2:1", "transport": "slots"}, tp=2))
     _assert_same_tokens(result, colocated_qwen3)
     assert len(result["ffn"]) == 1
     # Two attention ranks: each holds its tensor-parallel shard of the attention-side weights

@@ -3,9 +3,10 @@
 One stock (colocated, no AFD) prefill server for the module, ``ExampleConnector`` as
 ``kv_producer``, writes each prompt's KV into a shared directory; AFD decode instances
 (``kv_consumer``) load it and continue: offline (``LLM``, AFD 1:1) and through the OpenAI server
-(``--afd-ratio 2:1``: two data-parallel attention ranks and one FFN rank; a 1:1 server was
-dropped to keep the full tier short: the offline run covers 1:1, its FFN token count exact). Each
-request goes the way vLLM's disaggregated proxy sends it (prefill with ``max_tokens=1`` and
+(``--afd-ratio 2:1 --afd-transport slots``: two data-parallel attention ranks, stepped together,
+and one FFN rank serving their steps on the slot plane, the GPU data plane's protocol; a 1:1 server
+was dropped to keep the full tier short: the offline run covers 1:1, its FFN token count exact).
+Each request goes the way vLLM's disaggregated proxy sends it (prefill with ``max_tokens=1`` and
 ``kv_transfer_params``, then the full request to the decode instance).
 
 Asserted: the decode instance's greedy tokens equal the prefill server's own full completion
@@ -181,7 +182,9 @@ def test_offline_afd_decode_loads_the_prefill_kv(tiny_qwen3, kv_store, reference
 
 @pytest.fixture(scope="module")
 def decoder(tiny_qwen3, kv_store, tmp_path_factory):
-    """The AFD decode instance, 2:1: two data-parallel attention ranks, one FFN rank."""
+    """The AFD decode instance, 2:1 on the slot plane (the GPU data plane's protocol, on host
+    memory): two data-parallel attention ranks, which vLLM steps together (an idle one with a
+    dummy batch), and one FFN rank serving a step of both at once."""
     server = Server(
         tiny_qwen3,
         tmp_path_factory.mktemp("decode") / "decode_2_1.log",
@@ -189,6 +192,8 @@ def decoder(tiny_qwen3, kv_store, tmp_path_factory):
             *kv_flags("ExampleConnector", "kv_consumer", kv_store),
             "--afd-ratio",
             "2:1",
+            "--afd-transport",
+            "slots",
             "--enable-prompt-tokens-details",
         ),
     )

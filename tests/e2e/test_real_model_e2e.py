@@ -1,9 +1,11 @@
 """A trained model under AFD: SmolLM2-135M-Instruct upcycled to an 8-expert MoE.
 
 Every token of this model visits every expert, so all of its text depends on the FFN ranks.
-Greedy float32 tokens must equal colocated serving's, offline at 1:2 and through the OpenAI
-server at 1:1 and while its FFN pool is scaled live to two ranks and back (``make test-all``),
-and the model must still know that the capital of France is Paris.
+Greedy float32 tokens must equal colocated serving's, offline at 1:2 on the slot plane (the
+``slots`` transport with the device's wait semantics on host memory: the GPU data plane's
+protocol and its host-side logic) and through the OpenAI server at 1:1 and while its FFN pool
+(shm) is scaled live to two ranks and back (``make test-all``), and the model must still know
+that the capital of France is Paris.
 """
 
 from __future__ import annotations
@@ -27,10 +29,14 @@ def _job(model: str, afd: dict | None = None) -> dict:
     return {"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "afd": afd}
 
 
+#: The slot plane, its waits as a device's: recorded where they fail, raised at the next step.
+SLOTS = {"transport": "slots", "transport_config": {"waits": "device"}}
+
+
 @pytest.fixture(scope="module")
 def runs(smollm2_moe, run_pair) -> tuple[dict, dict]:
-    """Colocated and AFD 1:2 offline."""
-    return run_pair(_job(smollm2_moe), _job(smollm2_moe, {"ratio": "1:2"}))
+    """Colocated and AFD 1:2 offline, on the slot plane."""
+    return run_pair(_job(smollm2_moe), _job(smollm2_moe, {"ratio": "1:2", **SLOTS}))
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +48,13 @@ def test_colocated_knows_paris(colocated):
     assert colocated["texts"][0].startswith(EXPECTED), colocated["texts"]
 
 
-def test_afd_1to2_offline_gives_colocated_tokens(runs):
+def test_afd_1to2_offline_on_the_slot_plane_gives_colocated_tokens(runs):
     colocated, afd = runs
     assert afd["token_ids"] == colocated["token_ids"]
     assert len(afd["ffn"]) == 2
+    # fixed shapes: every token to both FFN ranks, each serving its half of the experts
+    assert all(f["address"].startswith("vllm_afd_slots_") for f in afd["ffn"])
+    assert afd["ffn"][0]["tokens"] == afd["ffn"][1]["tokens"] > 0
     assert afd["attention_param_bytes"] < colocated["attention_param_bytes"]
 
 
