@@ -37,6 +37,7 @@ import socket
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -109,6 +110,35 @@ class ExpertKernel:
         pairs = x.index_select(0, rows)
         y = module.quant_method.apply(module, pairs, pair_weights, pair_ids, None, None)
         return torch.zeros_like(x).index_add_(0, rows, y)
+
+
+class StepGraphs:
+    """Whole FFN steps as CUDA graphs, one per step shape (``slots.Step.shape``: the uses of the
+    step, each attention rank's rows and layer positions). A shape seen once runs eagerly (it
+    warms the kernels up); seen again, it is captured (a capture runs nothing), then replayed,
+    and replayed from then on. The step number is a device word the graph reads, set before
+    each replay (``FFNPlane.begin``), so a replay serves the step announced, with no Python on
+    the token path. At most ``limit`` graphs (each holds its own memory pool); shapes past it
+    run eagerly. NOT YET RUN ON A GPU (the device check captures and replays the same stream
+    of plane operations around a PyTorch reference MoE: ``testing/slot_plane_check.py``)."""
+
+    def __init__(self, limit: int = 32) -> None:
+        self.limit = limit
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._seen: set[tuple] = set()
+
+    def run(self, shape: tuple, step: Callable[[], None]) -> None:
+        graph = self._graphs.get(shape)
+        if graph is None:
+            if shape not in self._seen or len(self._graphs) >= self.limit:
+                self._seen.add(shape)
+                step()
+                return
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            self._graphs[shape] = graph
+        graph.replay()
 
 
 @dataclass
@@ -200,12 +230,12 @@ def _check_split_on_attention_ranks(model_dir: str, layers: dict) -> None:
         )
 
 
-def _inject_fault(path: str, group: list[FFNRequest]) -> None:
-    """Raise the injected fault of ``VLLM_AFD_FAULT_FILE`` (``path`` exists) on ``group``.
-    A file that reads ``once`` is removed first: the fault hits one layer batch of one FFN rank.
-    One that reads ``rows>=N`` hits only a batch with a request of at least ``N`` rows (a
-    request, from one attention rank, that always fails wherever it goes). Any other content:
-    every batch."""
+def _inject_fault(path: str, rows: list[int]) -> None:
+    """Raise the injected fault of ``VLLM_AFD_FAULT_FILE`` (``path`` exists) on a batch of
+    requests of ``rows`` rows each. A file that reads ``once`` is removed first: the fault hits
+    one layer batch of one FFN rank. One that reads ``rows>=N`` hits only a batch with a request
+    of at least ``N`` rows (a request, from one attention rank, that always fails wherever it
+    goes). Any other content: every batch."""
     try:
         with open(path) as file:
             fault = file.read().strip()
@@ -214,8 +244,8 @@ def _inject_fault(path: str, group: list[FFNRequest]) -> None:
     except FileNotFoundError:
         return  # another rank took the one fault, or the test removed the file
     if fault.startswith("rows>="):
-        rows = int(fault.removeprefix("rows>="))
-        if all(r.x.shape[0] < rows for r in group):
+        least = int(fault.removeprefix("rows>="))
+        if all(n < least for n in rows):
             return
     raise RuntimeError(f"injected fault ({envs.FAULT_FILE}={path} reads {fault!r})")
 
@@ -258,13 +288,19 @@ class FFNExecutor:
         self._stop = threading.Event()
         self._threads_started: list[threading.Thread] = []
         self._fault_file = envs.VLLM_AFD_FAULT_FILE
+        #: Whole steps as CUDA graphs (a transport that serves steps, on a GPU).
+        on_gpu = torch.device(device).type == "cuda"
+        self.graphs = StepGraphs() if on_gpu and self.transport.serves_steps else None
 
     @property
     def address(self) -> str:
         return self.transport.address
 
     def serve_once(self, timeout_s: float) -> int:
-        """Serve every pending request; returns how many were answered."""
+        """Serve every pending request (or, for a transport that serves steps, the next whole
+        step); returns how many requests were answered."""
+        if self.transport.serves_steps:
+            return self._serve_step(timeout_s)
         requests = self.transport.recv(timeout_s)
         by_layer: dict[int, list[FFNRequest]] = defaultdict(list)
         for request in requests:
@@ -273,6 +309,60 @@ class FFNExecutor:
         for layer, group in by_layer.items():
             self._serve_layer(layer, group)
         return len(requests)
+
+    def _serve_step(self, timeout_s: float) -> int:
+        """The next announced step, whole and in stream order (``FFNTransport.serves_steps``):
+        per use of a slot, every attention rank's rows through the layer's MoE kernel at once.
+        On a GPU the step is one CUDA graph per step shape (``StepGraphs``). If serving raises
+        on the host, the uses not served are answered with the error (their attention ranks'
+        waits end, recorded; with graphs every use of the step, since a capture serves none),
+        and the rank serves on. The step's time is shared evenly by its uses in the stats (a
+        graph's layers are not timed one by one)."""
+        transport = self.transport
+        step = transport.next_step(timeout_s)
+        if step is None:
+            return 0
+        done = 0
+
+        def run() -> None:
+            nonlocal done
+            for layer, slot, parts in step.uses:
+                transport.serve_use(slot, parts, self._step_forward(layer, parts))
+                done += 1
+
+        start = time.perf_counter()
+        try:
+            if self.graphs is None:
+                run()
+            else:
+                self.graphs.run(step.shape, run)
+            done = len(step.uses)
+        except Exception as exc:
+            rest = step.uses[0 if self.graphs is not None else done :]
+            message = f"layer {rest[0][0]}: {type(exc).__name__}: {exc}"
+            logger.exception("AFD FFN rank %d failed serving %s", self.rank, message)
+            self._record_failures(sum(len(parts) for _, _, parts in rest))
+            transport.fail_uses(rest, message)
+            done = len(step.uses) - len(rest)
+        finally:
+            transport.end_step()
+        served = step.uses[:done]
+        dt = (time.perf_counter() - start) / max(len(served), 1)
+        for layer, slot, parts in served:
+            rows = sum(part.rows for part in parts)
+            nbytes = rows * self.spec.hidden_size * self.spec.dtype.itemsize
+            self._account(layer, [(p.attention_rank, slot) for p in parts], rows, nbytes, dt)
+        return sum(len(parts) for _, _, parts in served)
+
+    def _step_forward(self, layer: int, parts) -> Callable:
+        """The layer's experts as the plane's ``forward(x, ids, weights, out)``."""
+
+        def forward(x, topk_ids, topk_weights, out):
+            if self._fault_file is not None and os.path.exists(self._fault_file):
+                _inject_fault(self._fault_file, [part.rows for part in parts])
+            return out.copy_(self.kernel(layer, x, topk_ids, topk_weights))
+
+        return forward
 
     def _check(self, request: FFNRequest) -> bool:
         """Check the request's tag against its sender's schedule (``control.py``); a request
@@ -317,7 +407,8 @@ class FFNExecutor:
                 self.transport.reply(request, out[offset : offset + n])
                 offset += n
                 answered += 1
-            self._account(layer, group, x, time.perf_counter() - start)
+            sources = [(r.src_rank, r.microbatch) for r in group]
+            self._account(layer, sources, x.shape[0], x.nbytes, time.perf_counter() - start)
         except Exception as exc:
             rest = group[answered:]
             if len(rest) > 1:
@@ -338,7 +429,7 @@ class FFNExecutor:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's experts over every request's rows: ``(x, out)``, rows in request order."""
         if self._fault_file is not None and os.path.exists(self._fault_file):
-            _inject_fault(self._fault_file, group)
+            _inject_fault(self._fault_file, [r.x.shape[0] for r in group])
         x = _rows([r.x for r in group])
         if not x.shape[0]:
             return x, x.new_empty(x.shape)
@@ -346,21 +437,24 @@ class FFNExecutor:
         w = _rows([r.topk_weights for r in group])
         return x, self.kernel(layer, x, ids, w)
 
-    def _account(self, layer: int, group: list[FFNRequest], x: torch.Tensor, dt: float) -> None:
+    def _account(
+        self, layer: int, sources: list[tuple[int, int]], rows: int, nbytes: int, dt: float
+    ) -> None:
+        """One layer batch served: ``sources`` (attention rank, microbatch) of its requests,
+        ``rows`` tokens of ``nbytes`` hidden state, in ``dt`` seconds."""
         s = self.stats
-        s.requests += len(group)
-        s.later_microbatch_requests += sum(r.microbatch > 0 for r in group)
-        for request in group:
-            s.requests_by_source[request.src_rank] += 1
-        s.tokens += x.shape[0]
-        s.bytes_in += x.nbytes
+        s.requests += len(sources)
+        s.later_microbatch_requests += sum(microbatch > 0 for _, microbatch in sources)
+        for rank, _ in sources:
+            s.requests_by_source[rank] += 1
+        s.tokens += rows
+        s.bytes_in += nbytes
         s.busy_s += dt
         s.per_layer_s[layer] += dt
         s.per_layer_calls[layer] += 1
         if s.shared is not None:
-            n = x.shape[0]
             s.shared.record_layer(
-                layer, len(group), n, x.nbytes + n * self._routing_bytes, x.nbytes, dt
+                layer, len(sources), rows, nbytes + rows * self._routing_bytes, nbytes, dt
             )
 
     def serve_forever(self) -> None:

@@ -297,6 +297,13 @@ class AttentionTransport(abc.ABC):
 class FFNTransport(abc.ABC):
     """FFN-rank endpoint. One per FFN rank, reachable by every attention rank."""
 
+    #: It serves whole announced steps in stream order instead of ``recv``/``reply``
+    #: (``slots`` where waits are the device's): ``next_step(timeout_s)``, then per use of the
+    #: step ``serve_use(slot, parts, forward)``, ``fail_uses(uses, message)`` for those an
+    #: error leaves, ``end_step()``; the executor drives them, on a GPU as one CUDA graph per
+    #: step shape (``ffn/executor.py``).
+    serves_steps: bool = False
+
     def __init__(self, spec: TransportSpec, rank: int) -> None:
         self.spec = spec
         self.rank = rank

@@ -258,6 +258,8 @@ class PlaneMemory(Protocol):
     a flag carries for a use is ``step + position + 1`` (``use_value``)."""
 
     device: torch.device
+    #: Its waits record where they fail, ``check`` raises (``RecordedWaits``); else they raise.
+    records_waits: bool
 
     def create(self, nbytes: int) -> tuple[torch.Tensor, str]:
         """A zeroed ``uint8`` buffer of ``nbytes`` and the text peers attach it by."""
@@ -498,6 +500,8 @@ class RecordedWaits:
     answer (gave up, an error answer, a peer that moved on) is counted in ``errors``, a word
     on the memory's device, and ``check()`` reads it on the host and raises."""
 
+    #: Its waits record where they fail (``check`` raises) instead of raising.
+    records_waits = True
     errors: torch.Tensor
     #: What a wait gives up after, for the message (``"30 s"``, ``"67108864 polls"``).
     bound: str
@@ -531,6 +535,7 @@ class HostPlaneMemory(RecordedWaits):
         if problem is not None:
             raise RuntimeError(problem)
         self.timeout_s, self.prefix, self.device_waits = timeout_s, prefix, device_waits
+        self.records_waits = device_waits
         self.errors = torch.zeros(1, dtype=torch.int64)
         self.bound = f"{timeout_s} s"
         self._maps: list[mmap.mmap] = []

@@ -226,28 +226,38 @@ def _creator(control: ControlBlock) -> tuple[int, int | None]:
     return control.pid, process_start_time(control.pid)
 
 
+#: One use of a slot: ``(layer, slot, parts)``.
+Use = tuple[int, int, tuple[Part, ...]]
+
+
 @dataclass
-class _Step:
+class Step:
     """The FFN side's current step: the uses of its slots, in order, and who is left out."""
 
     schedules: dict[int, StepSchedule]
-    #: ``(layer, slot, parts)``: layer by layer, the microbatches of a layer in turn.
-    uses: list[tuple[int, int, list[Part]]]
+    #: Layer by layer, the microbatches of a layer in turn.
+    uses: list[Use]
     next: int = 0
     dropped: set[int] = field(default_factory=set)
 
+    @property
+    def shape(self) -> tuple[Use, ...]:
+        """What a CUDA graph of the whole step is keyed by (the step number is not in it: it
+        is a device word the graph reads)."""
+        return tuple(self.uses)
+
     @classmethod
-    def of(cls, schedules: dict[int, StepSchedule]) -> _Step:
+    def of(cls, schedules: dict[int, StepSchedule]) -> Step:
         layers = sorted({layer for s in schedules.values() for layer in s.layers})
         slots = max((len(s.microbatch_tokens) for s in schedules.values()), default=0)
         uses = []
         for layer in layers:
             for slot in range(slots):
-                parts = [
+                parts = tuple(
                     Part(a, s.microbatch_tokens[slot], s.layers.index(layer))
                     for a, s in sorted(schedules.items())
                     if layer in s.layers and slot < len(s.microbatch_tokens)
-                ]
+                )
                 if parts:
                     uses.append((layer, slot, parts))
         return cls(schedules, uses)
@@ -275,7 +285,7 @@ class SlotsFFNTransport(FFNTransport):
             self.plane.layout, spec.moe_layers, self.plane.handle, prefix, rank
         )
         self._served = [0] * spec.num_attention_ranks  # the last step taken, per rank
-        self._step: _Step | None = None
+        self._step: Step | None = None
         self._first_seen: float | None = None  # a step announced while others are awaited
         self._left_out: set[int] = set()  # ranks left out of a step (logged once each)
         self._backoff = Backoff(WaitPolicy())
@@ -284,6 +294,38 @@ class SlotsFFNTransport(FFNTransport):
     @property
     def address(self) -> str:
         return self.control.name
+
+    @property
+    def serves_steps(self) -> bool:
+        """Whole steps (``FFNTransport.serves_steps``) where waits are the device's: a wait
+        there cannot leave a rank out of the rest of a step, and a step can be a CUDA graph."""
+        return self.memory.records_waits
+
+    def next_step(self, timeout_s: float) -> Step | None:
+        """The next announced step (``recv``'s rule for who is in it), its step words set;
+        ``None`` when none came within ``timeout_s``."""
+        return self._next_step(time.perf_counter() + timeout_s)
+
+    def serve_use(self, slot: int, parts: tuple[Part, ...], forward) -> None:
+        """One use of a step in stream order (``FFNPlane.serve``): every part's rows in one
+        ``forward(x, topk_ids, topk_weights, out)``, every answer published."""
+        self.plane.serve(slot, parts, forward)
+
+    def fail_uses(self, uses: list[Use], message: str) -> None:
+        """Answer every part of ``uses`` with ``message``: their attention ranks' waits end
+        (recorded as failed) instead of spinning to their bound."""
+        for _, slot, parts in uses:
+            for part in parts:
+                self.plane.fail(slot, part, message)
+
+    def end_step(self) -> None:
+        """The step is served: what its device waits recorded is logged (the attention ranks
+        that moved on see their own)."""
+        self._step = None
+        try:
+            self.memory.check()
+        except FFNTimeout as exc:
+            logger.warning("AFD FFN rank %d: %s", self.rank, exc)
 
     def recv(self, timeout_s: float) -> list[FFNRequest]:
         """The next use of a slot of the current step (or of the next announced step, waiting
@@ -298,7 +340,7 @@ class SlotsFFNTransport(FFNTransport):
                     return []
             step = self._step
             if step.next == len(step.uses):
-                self._end_step()
+                self.end_step()
                 continue
             layer, slot, parts = step.uses[step.next]
             step.next += 1
@@ -311,7 +353,7 @@ class SlotsFFNTransport(FFNTransport):
             if requests:
                 return requests
 
-    def _next_step(self, deadline: float) -> _Step | None:
+    def _next_step(self, deadline: float) -> Step | None:
         """Every attention rank's next schedule, or those announced when half of
         ``timeout_s`` passed since the first; ``None`` if none came by ``deadline``."""
         everyone = self.spec.num_attention_ranks
@@ -333,7 +375,7 @@ class SlotsFFNTransport(FFNTransport):
                 return None
             self._backoff.pause()
 
-    def _start(self, fresh: dict[int, StepSchedule]) -> _Step:
+    def _start(self, fresh: dict[int, StepSchedule]) -> Step:
         missing = set(range(self.spec.num_attention_ranks)) - set(fresh)
         for a in missing - self._left_out:
             logger.warning(
@@ -351,9 +393,9 @@ class SlotsFFNTransport(FFNTransport):
                 continue
             self.plane.begin(a, schedule.step)
             running[a] = schedule
-        return _Step.of(running)
+        return Step.of(running)
 
-    def _take(self, step: _Step, layer: int, slot: int, part: Part) -> FFNRequest | None:
+    def _take(self, step: Step, layer: int, slot: int, part: Part) -> FFNRequest | None:
         """``part``'s request as an ``FFNRequest`` (views of its slot), or ``None`` when its
         attention rank did not send it (it is left out of the rest of the step)."""
         a = part.attention_rank
@@ -393,15 +435,6 @@ class SlotsFFNTransport(FFNTransport):
             raise _MovedOn("the endpoint is closing")
         if self.control.announced_step(attention_rank) != step:
             raise _MovedOn(f"it announced step {self.control.announced_step(attention_rank)}")
-
-    def _end_step(self) -> None:
-        """The step is served: what its device waits recorded is logged (the attention ranks
-        that moved on see their own)."""
-        self._step = None
-        try:
-            self.memory.check()
-        except FFNTimeout as exc:
-            logger.warning("AFD FFN rank %d: %s", self.rank, exc)
 
     def reply(self, request: FFNRequest, out: torch.Tensor) -> None:
         """See ``FFNTransport.reply``; ``out`` may be ``request.reply_buffer`` itself."""

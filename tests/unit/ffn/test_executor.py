@@ -230,12 +230,75 @@ def test_a_batch_that_fails_partway_is_served_again_request_by_request():
 def test_requests_are_counted_per_attention_rank():
     """``requests_by_source``: what a TP or DP test reads to see that every attention rank sent."""
     from vllm_afd.ffn.executor import FFNStats
-    from vllm_afd.transport import FFNRequest
 
     executor = object.__new__(FFNExecutor)
     executor.stats = FFNStats()
-    ids, weights = torch.zeros(1, 2, dtype=torch.int32), torch.full((1, 2), 0.5)
-    group = [FFNRequest(src, 0, torch.ones(1, 4), ids, weights) for src in (0, 1, 1)]
-    executor._account(0, group, torch.ones(3, 4), 0.01)
+    executor._account(0, [(0, 0), (1, 0), (1, 1)], 3, 48, 0.01)
     snapshot = executor.stats.snapshot()
     assert snapshot["requests"] == 3 and snapshot["requests_by_source"] == {0: 1, 1: 2}
+    assert snapshot["later_microbatch_requests"] == 1 and snapshot["tokens"] == 3
+
+
+def test_with_device_waits_the_executor_serves_whole_steps_and_fails_what_it_cannot(
+    tiny_qwen3, monkeypatch, tmp_path
+):
+    """The slots transport with the device's wait semantics (``serves_steps``): the executor
+    serves each announced step whole (per layer and microbatch, the layer's own kernel), the
+    answers are exactly that kernel's, the stats count every use; a use that raises (the
+    injected fault) is answered with the error together with the rest of its step, which the
+    attention rank sees at its next announcement, and the next step is served."""
+    from vllm_afd.transport import FFNTimeout
+    from vllm_afd.transport.control import StepSchedule
+
+    fault = tmp_path / "fault"
+    monkeypatch.setenv("VLLM_AFD_FAULT_FILE", str(fault))
+    spec = TransportSpec(
+        backend="slots",
+        num_attention_ranks=1,
+        num_ffn_ranks=1,
+        num_experts=8,
+        hidden_size=128,
+        top_k=2,
+        max_tokens=8,
+        timeout_s=5.0,
+        moe_layers=(0, 1),
+        config={"waits": "device"},
+    )
+    executor = FFNExecutor(spec, 0, tiny_qwen3, "cpu")
+    endpoint = None
+    assert executor.transport.serves_steps and executor.graphs is None  # CPU: eager
+    try:
+        executor.start()
+        spec = TransportSpec(**{**spec.__dict__, "addresses": (executor.address,)})
+        endpoint = create_attention_transport(spec, 0)
+        g = torch.Generator().manual_seed(0)
+
+        def step(number: int, tokens: tuple[int, ...]) -> list[tuple[torch.Tensor, ...]]:
+            endpoint.begin_step(StepSchedule(number, tokens, (0, 1)))
+            out = []
+            for layer in (0, 1):
+                sent = []
+                for mb, n in enumerate(tokens):
+                    x = torch.randn(n, 128, generator=g)
+                    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(n)])
+                    weights = torch.rand(n, 2, generator=g)
+                    sent.append(
+                        ((layer, x, ids, weights), endpoint.dispatch(layer, x, ids, weights, mb))
+                    )
+                out += [(inputs, endpoint.combine(h)) for inputs, h in sent]
+            return out
+
+        for (layer, x, ids, weights), got in step(1, (3, 2)):
+            assert torch.equal(got, executor.kernel(layer, x, ids.int(), weights))
+        assert executor.stats.requests == 4 and executor.stats.later_microbatch_requests == 2
+        fault.write_text("once")
+        step(2, (2,))  # served with errors: recorded, not raised, on the attention rank
+        with pytest.raises(FFNTimeout, match=r"2 wait\(s\) ended without their answer"):
+            step(3, (1,))
+        assert not fault.exists()
+        for (layer, x, ids, weights), got in step(4, (4,)):
+            assert torch.equal(got, executor.kernel(layer, x, ids.int(), weights))
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+        executor.stop()
