@@ -47,6 +47,7 @@ from vllm_afd.ffn.weights import expert_bytes, load_routed_experts
 from vllm_afd.metrics.blocks import FFNStatsBlock
 from vllm_afd.transport import FFNRequest, FFNTransport, TransportSpec, create_ffn_transport
 from vllm_afd.transport.control import ScheduleChecker, Tag
+from vllm_afd.transport.slots import StepGraphs
 
 logger = logging.getLogger("vllm.afd")
 
@@ -110,35 +111,6 @@ class ExpertKernel:
         pairs = x.index_select(0, rows)
         y = module.quant_method.apply(module, pairs, pair_weights, pair_ids, None, None)
         return torch.zeros_like(x).index_add_(0, rows, y)
-
-
-class StepGraphs:
-    """Whole FFN steps as CUDA graphs, one per step shape (``slots.Step.shape``: the uses of the
-    step, each attention rank's rows and layer positions). A shape seen once runs eagerly (it
-    warms the kernels up); seen again, it is captured (a capture runs nothing), then replayed,
-    and replayed from then on. The step number is a device word the graph reads, set before
-    each replay (``FFNPlane.begin``), so a replay serves the step announced, with no Python on
-    the token path. At most ``limit`` graphs (each holds its own memory pool); shapes past it
-    run eagerly. NOT YET RUN ON A GPU (the device check captures and replays the same stream
-    of plane operations around a PyTorch reference MoE: ``testing/slot_plane_check.py``)."""
-
-    def __init__(self, limit: int = 32) -> None:
-        self.limit = limit
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._seen: set[tuple] = set()
-
-    def run(self, shape: tuple, step: Callable[[], None]) -> None:
-        graph = self._graphs.get(shape)
-        if graph is None:
-            if shape not in self._seen or len(self._graphs) >= self.limit:
-                self._seen.add(shape)
-                step()
-                return
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            self._graphs[shape] = graph
-        graph.replay()
 
 
 @dataclass

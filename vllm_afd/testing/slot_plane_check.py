@@ -17,6 +17,11 @@ each (the whole well under 5 minutes):
   fresh inputs, each against the reference: each side sets its step word before a replay and
   the flag values the kernels compute from it carry the protocol, with no Python on the token
   path.
+* ``host-slots`` / ``cuda-slots``: the serving backend itself (``transport/slots.py``): two
+  attention ranks' ``SlotsAttentionTransport`` (announced steps, DBO call order) and an FFN
+  process's ``SlotsFFNTransport`` serving whole steps as the FFN executor does, its steps as
+  CUDA graphs from the second step of a shape on (``StepGraphs``; on the host eagerly, with
+  the device's wait semantics), 4 steps against the reference (host: exact; CUDA: bf16).
 * ``cuda-round-trip``: per decode-sized batch, the round trip per MoE layer (graph replays of a
   step of ``LAYERS`` layers, the router included, FFN compute an echo) and the bytes it moves,
   against the time the GPU's own copy takes for those bytes. Two processes time-slice one GPU
@@ -50,10 +55,12 @@ SKIP = 77
 #: (step, timeout in seconds): 300 s in all.
 STEPS = (
     ("probe", 15),
-    ("host-plane", 45),
-    ("cuda-plane", 60),
-    ("cuda-graphs", 75),
-    ("cuda-round-trip", 100),
+    ("host-plane", 40),
+    ("host-slots", 30),
+    ("cuda-plane", 50),
+    ("cuda-graphs", 60),
+    ("cuda-slots", 45),
+    ("cuda-round-trip", 60),
 )
 
 
@@ -304,6 +311,137 @@ def step_probe() -> dict:
     topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=15)
     print(topo.stdout)
     return {"gpus": torch.cuda.device_count(), "name": torch.cuda.get_device_name(0)}
+
+
+def _slots_spec(dtype: torch.dtype, waits: str, addresses: tuple[str, ...] = ()):
+    from vllm_afd.transport import TransportSpec
+
+    return TransportSpec(
+        "slots",
+        2,
+        1,
+        EXPERTS,
+        HIDDEN,
+        TOP_K,
+        TOKENS,
+        dtype,
+        timeout_s=30.0,
+        moe_layers=tuple(range(LAYERS)),
+        addresses=addresses,
+        config={"waits": waits},
+    )
+
+
+def _slots_ffn_main(kind: str, dtype: torch.dtype, steps: int, to_attention, done) -> None:
+    """The FFN process of ``run_slots_pair``: the slots FFN endpoint serving whole steps, as
+    ``FFNExecutor._serve_step`` does, around the toy model's experts."""
+    from vllm_afd.transport import create_ffn_transport
+    from vllm_afd.transport.slots import StepGraphs
+
+    if kind == "cuda":
+        torch.cuda.set_device(0)
+    transport = create_ffn_transport(_slots_spec(dtype, "device"), 0)
+    device = transport.memory.device
+    model = ToyMoE(dtype, device)
+    forwards = [model.experts(layer) for layer in range(LAYERS)]
+    graphs = StepGraphs() if kind == "cuda" else None
+    to_attention.put(transport.address)
+    served = 0
+    while served < steps:
+        step = transport.next_step(60.0)
+        if step is None:
+            raise TimeoutError("no step announced within 60 s")
+
+        def run(step=step) -> None:
+            for layer, slot, parts in step.uses:
+                transport.serve_use(slot, parts, forwards[layer])
+
+        if graphs is None:
+            run()
+        else:
+            graphs.run(step.shape, run)
+        transport.end_step()
+        served += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    to_attention.put(0 if graphs is None else len(graphs._graphs))
+    done.get(timeout=60)  # the attention ranks are done with the buffer
+    transport.close()
+
+
+def run_slots_pair(kind: str, dtype: torch.dtype, steps: int = 4) -> dict:
+    """``steps`` steps of two attention ranks (this process) served by an FFN child through
+    the slots backend; the largest deviation from the reference and the graphs captured."""
+    from vllm_afd.transport import create_attention_transport
+    from vllm_afd.transport.control import StepSchedule
+
+    if kind == "cuda":
+        torch.cuda.set_device(0)
+    ctx = mp.get_context("spawn")
+    to_attention, done = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(
+        target=_slots_ffn_main, args=(kind, dtype, steps, to_attention, done), daemon=True
+    )
+    child.start()
+    endpoints = []
+    try:
+        spec = _slots_spec(dtype, "device", (to_attention.get(timeout=60),))
+        endpoints = [create_attention_transport(spec, a) for a in range(2)]
+        device = endpoints[0].memory.device
+        model = ToyMoE(dtype, device)
+        g = torch.Generator().manual_seed(5)
+        worst = 0.0
+        for number in range(1, steps + 1):
+            inputs = [
+                [torch.randn(TOKENS, HIDDEN, generator=g).to(dtype).to(device) for _ in "mb"]
+                for _ in endpoints
+            ]
+            xs = [[x.clone() for x in rank] for rank in inputs]
+            for endpoint in endpoints:
+                endpoint.begin_step(StepSchedule(number, (TOKENS, TOKENS), spec.moe_layers))
+            handles = {}
+            for op, mb, layer in dbo_order(LAYERS):
+                for a, endpoint in enumerate(endpoints):
+                    x = xs[a][mb]
+                    if op == "D":
+                        handles[a, mb] = endpoint.dispatch(layer, x, *model.route(layer, x), mb)
+                    else:
+                        x += endpoint.combine(handles.pop((a, mb)))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            for rank, rank_inputs in zip(xs, inputs, strict=True):
+                for x, x0 in zip(rank, rank_inputs, strict=True):
+                    want = model.reference(x0)
+                    worst = max(worst, (x.float() - want.float()).abs().max().item())
+        for endpoint in endpoints:  # the last step's device waits
+            endpoint.memory.check()
+        graphs = to_attention.get(timeout=60)
+        done.put("done")
+        child.join(60)
+        if child.exitcode != 0:
+            raise RuntimeError(f"FFN process exited with {child.exitcode}")
+        return {"max_abs_error": worst, "steps_checked": steps, "ffn_graphs": graphs}
+    finally:
+        for endpoint in endpoints:
+            endpoint.close()
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+
+
+def step_host_slots() -> dict:
+    result = run_slots_pair("host", torch.float32)
+    if result["max_abs_error"] != 0.0:
+        raise AssertionError(f"the slots backend differs from the reference: {result}")
+    return result
+
+
+def step_cuda_slots() -> dict:
+    _require_cuda()
+    result = _bf16_close(run_slots_pair("cuda", torch.bfloat16))
+    if result["ffn_graphs"] != 1:
+        raise AssertionError(f"the FFN steps were not captured as one CUDA graph: {result}")
+    return result
 
 
 def step_host_plane() -> dict:
