@@ -68,6 +68,7 @@ from vllm_afd import envs
 from vllm_afd.testing.ffn import EchoForward, ffn_worker_main
 from vllm_afd.transport import TransportSpec, create_attention_transport
 from vllm_afd.transport import backend as transport_backend
+from vllm_afd.transport.control import StepSchedule
 from vllm_afd.transport.p2p import WaitPolicy
 
 DEFAULT_TOKENS = (1, 4, 16, 64, 256, 512)
@@ -335,6 +336,30 @@ class EchoFFN:
 _ROUNDS = 4
 
 
+#: Layers of a step the benchmark announces, for a backend that needs steps: a round trip is
+#: one layer of it, so the announcement's cost is spread as over a deep model's layers.
+STEP_LAYERS = tuple(range(128))
+
+
+def _next_layer(att, spec: TransportSpec, num_tokens: int):
+    """``next_layer()``: the layer of the next round trip (0 where the backend needs no steps;
+    else the next of ``STEP_LAYERS``, announcing a step of them when the last one is used)."""
+    if not transport_backend(spec.backend).needs_steps:
+        return lambda: 0
+    layers = iter(())
+
+    def next_layer() -> int:
+        nonlocal layers
+        layer = next(layers, None)
+        if layer is None:
+            att.begin_step(StepSchedule(att.step + 1, (num_tokens,), STEP_LAYERS))
+            layers = iter(STEP_LAYERS)
+            layer = next(layers)
+        return layer
+
+    return next_layer
+
+
 def measure_point(
     att, spec: TransportSpec, num_tokens: int, seconds: float, peer: FFNCpuPeer
 ) -> dict:
@@ -343,14 +368,16 @@ def measure_point(
     x = torch.randn(num_tokens, spec.hidden_size, generator=gen).to(spec.dtype)
     ids = torch.randint(0, spec.num_experts, (num_tokens, spec.top_k), generator=gen)
     weights = torch.full((num_tokens, spec.top_k), 1.0 / spec.top_k)
-    out = att.combine(att.dispatch(0, x, ids, weights))
+    next_layer = _next_layer(att, spec, num_tokens)
+    out = att.combine(att.dispatch(next_layer(), x, ids, weights))
     if not torch.equal(out, x * 2):
         raise AssertionError(f"{spec.backend}: echo mismatch at T={num_tokens}")
     dispatch_times: list[float] = []
 
     def round_trip() -> None:
+        layer = next_layer()
         start = time.perf_counter()
-        handle = att.dispatch(0, x, ids, weights)
+        handle = att.dispatch(layer, x, ids, weights)
         dispatch_times.append(time.perf_counter() - start)
         att.combine(handle)
 
@@ -407,6 +434,7 @@ def run_backend(
             dtype=getattr(torch, args.dtype),
             num_slots=2,
             timeout_s=30.0,
+            moe_layers=STEP_LAYERS,
         )
         ffn = EchoFFN(ctx, spec, cpus[1] if cpus else None)
         att = create_attention_transport(ffn.spec, 0)

@@ -380,6 +380,10 @@ class Backend:
     #: backend whose FFN side waits for a step of every attention rank (``slots``) cannot,
     #: since front-ends do not step together.
     shares_group: ClassVar[bool] = True
+    #: Its attention side dispatches only inside announced steps (``begin_step``): its FFN
+    #: side learns what to serve from the schedules (``slots``). A producer that drives
+    #: endpoints directly (a benchmark) announces steps for it.
+    needs_steps: ClassVar[bool] = False
     #: The settings it takes in ``--afd-transport-config`` (its endpoints read them from
     #: ``TransportSpec.config``): name -> type of the JSON value. Empty: none.
     settings: ClassVar[Mapping[str, type]] = {}

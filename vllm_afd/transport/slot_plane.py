@@ -205,10 +205,14 @@ class PlaneLayout:
         )
 
 
+#: Row counts whose views a slot keeps (``SlotViews.rows``) before it drops them all.
+_MAX_CACHED_ROWS = 1024
+
+
 class SlotViews:
     """One slot's flags (one-element int64 views) and payload (``[T, ...]`` views)."""
 
-    __slots__ = ("request", "response", "x", "ids", "weights", "out")
+    __slots__ = ("request", "response", "x", "ids", "weights", "out", "_rows")
 
     def __init__(self, buffer: torch.Tensor, layout: PlaneLayout, attention_rank: int, slot: int):
         words = buffer[: layout.flags_bytes].view(torch.int64)
@@ -228,6 +232,17 @@ class SlotViews:
         self.ids = part(torch.int32, layout.top_k, layout.routing_bytes)
         self.weights = part(torch.float32, layout.top_k, layout.routing_bytes)
         self.out = part(layout.dtype, layout.hidden, layout.x_bytes)
+        self._rows: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x, ids, weights, out)`` of the first ``n`` rows, built once per ``n`` (a slice
+        costs about as much as copying a decode-sized row: the hot path reuses them)."""
+        views = self._rows.get(n)
+        if views is None:
+            if len(self._rows) >= _MAX_CACHED_ROWS:
+                self._rows.clear()
+            views = self._rows[n] = (self.x[:n], self.ids[:n], self.weights[:n], self.out[:n])
+        return views
 
     def write_error(self, message: str) -> None:
         """An error answer's text into ``out`` (its length first, as one int64)."""
@@ -355,7 +370,7 @@ class AttentionPlane:
             raise ValueError(f"dispatch of {n} tokens: allowed 0..{self.layout.max_tokens}")
         views = [v[slot] for v in self.slots]
         if n:
-            dsts = [t for v in views for t in (v.x[:n], v.ids[:n], v.weights[:n])]
+            dsts = [t for v in views for t in v.rows(n)[:3]]
             torch._foreach_copy_(dsts, [x, topk_ids, topk_weights] * len(views))
         for v in views:
             self.memory.signal(v.request, self.step, position)
@@ -397,9 +412,9 @@ class AttentionPlane:
                     raise PlaneError(f"{what} carries {found:#x}, awaited {want:#x}", found)
 
         def receive() -> torch.Tensor:
-            total = views[0].out[:n].clone()
+            total = views[0].rows(n)[3].clone()
             for view in views[1:]:
-                total += view.out[:n]
+                total += view.rows(n)[3]
             return total
 
         return hook, receive
@@ -473,8 +488,7 @@ class FFNPlane:
         views = [self.take(slot, part) for part in parts]
         rows = [part.rows for part in parts]
         if len(views) == 1:
-            v, n = views[0], rows[0]
-            forward(v.x[:n], v.ids[:n], v.weights[:n], v.out[:n])
+            forward(*views[0].rows(rows[0]))
         else:
             self._serve_gathered(views, rows, forward)
         for part in parts:
@@ -540,6 +554,9 @@ class HostPlaneMemory(RecordedWaits):
         self.bound = f"{timeout_s} s"
         self._maps: list[mmap.mmap] = []
         self._created: list[weakref.finalize] = []
+        #: One-word int64 views of flags and step words, by address: a word read or written
+        #: through one costs a fraction of a tensor's ``int()`` or ``fill_``, on the hot path.
+        self._words: dict[int, memoryview] = {}
 
     def create(self, nbytes: int) -> tuple[torch.Tensor, str]:
         name = f"{self.prefix}{os.getpid()}_{secrets.token_hex(8)}"
@@ -563,11 +580,19 @@ class HostPlaneMemory(RecordedWaits):
         self._maps.append(mm)
         return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
 
+    def _word(self, tensor: torch.Tensor) -> memoryview:
+        """``tensor``'s one int64 word (a flag or a step word), as a memoryview."""
+        word = self._words.get(tensor.data_ptr())
+        if word is None:
+            word = memoryview(tensor.numpy()).cast("B").cast("q")
+            self._words[tensor.data_ptr()] = word
+        return word
+
     def signal(
         self, flag: torch.Tensor, step: torch.Tensor, position: int, failed: bool = False
     ) -> None:
-        value = int(step) + position + 1
-        flag.fill_(-value if failed else value)  # after the payload's stores (x86-64 TSO)
+        value = self._word(step)[0] + position + 1
+        self._word(flag)[0] = -value if failed else value  # after the payload (x86-64 TSO)
 
     def wait(
         self,
@@ -577,13 +602,14 @@ class HostPlaneMemory(RecordedWaits):
         what: str,
         watch: Watch | None = None,
     ) -> int | None:
-        want = int(step) + position + 1
-        seen = int(flag)
+        want = self._word(step)[0] + position + 1
+        word = self._word(flag)
+        seen = word[0]
         if abs(seen) >= want:
             return self._outcome(seen, want)
         start = time.perf_counter()
         deadline, next_watch = start + self.timeout_s, start + WATCH_INTERVAL_S
-        while abs(seen := int(flag)) < want:
+        while abs(seen := word[0]) < want:
             now = time.perf_counter()
             if now > next_watch:
                 if watch is not None:
@@ -614,6 +640,7 @@ class HostPlaneMemory(RecordedWaits):
         the segments this memory created."""
         for finalizer in self._created:
             finalizer()
+        self._words.clear()
         for mm in self._maps:
             try:
                 mm.close()

@@ -445,18 +445,9 @@ class SlotsFFNTransport(FFNTransport):
                 why or type(why).__name__,
             )
             return None
-        n = part.rows
+        x, ids, weights, out = view.rows(part.rows)
         return FFNRequest(
-            a,
-            layer,
-            view.x[:n],
-            view.ids[:n],
-            view.weights[:n],
-            (slot, part),
-            view.out[:n],
-            schedule.step,
-            slot,
-            schedule,
+            a, layer, x, ids, weights, (slot, part), out, schedule.step, slot, schedule
         )
 
     def _check_current(self, attention_rank: int, step: int) -> None:
@@ -505,6 +496,7 @@ class SlotsBackend(Backend):
     scales_live = False
     isolates_requests = False
     shares_group = False
+    needs_steps = True
     settings = {"waits": str}
 
     @classmethod
