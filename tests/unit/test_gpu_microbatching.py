@@ -12,6 +12,7 @@ import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.platforms import current_platform
 
+from tests.unit.ubatchlib import run_ubatch_threads
 from vllm_afd import remote_experts
 from vllm_afd.config import AFDConfigError, check_supported
 from vllm_afd.microbatch import current_microbatch, overlap_point
@@ -210,10 +211,6 @@ def test_a_replayed_full_cuda_graph_announces_its_step_first(monkeypatch):
     assert [s.step for s in steps.endpoint.schedules] == [1, 2]
 
 
-class _Forward(SimpleNamespace):
-    """A forward context for vLLM's ubatch threads (weak-referenceable; no DP metadata)."""
-
-
 def test_vllms_ubatch_threads_drive_the_afd_op_with_two_yields_and_receive_hooks(monkeypatch):
     """vLLM's own DBO machinery (``make_ubatch_contexts`` threads that alternate at every
     ``dbo_yield``) runs three MoE layers of two ubatches through the product's op
@@ -222,15 +219,10 @@ def test_vllms_ubatch_threads_drive_the_afd_op_with_two_yields_and_receive_hooks
     other ubatch's thread before its owner receives, and every answer is the reference's."""
     import threading
 
-    from vllm.forward_context import override_forward_context
-    from vllm.v1.worker import ubatching
-
     from vllm_afd.testing.ffn import serve_ffn
     from vllm_afd.transport import create_attention_transport, create_ffn_transport
     from vllm_afd.transport.reference import LocalMoE, ScaleExperts, reference_moe_combine
 
-    stream = object()  # CPU: one stand-in stream, so no thread switches CUDA streams
-    monkeypatch.setattr(ubatching, "current_stream", lambda: stream)
     experts = ScaleExperts(torch.arange(1.0, 9.0) / 4)
     layers, rows = (0, 1, 2), 4
     spec = TransportSpec("slots", 1, 1, 8, 32, 2, 8, moe_layers=layers, timeout_s=20.0)
@@ -273,31 +265,15 @@ def test_vllms_ubatch_threads_drive_the_afd_op_with_two_yields_and_receive_hooks
     )
     server.start()
     inputs = [torch.randn(rows, 32) for _ in range(2)]
-    results = {}
 
-    def forward(ctx, x):
-        with ctx:
-            for layer in layers:
-                weights, ids = route(x)
-                x = x + remote_experts.remote_experts_impl(x, weights, ids, layer)
-        results[ctx.id] = x
+    def body(ubatch, x):
+        for layer in layers:
+            weights, ids = route(x)
+            x = x + remote_experts.remote_experts_impl(x, weights, ids, layer)
+        return x
 
-    barrier = threading.Barrier(3)
     try:
-        with override_forward_context(None):
-            contexts = ubatching.make_ubatch_contexts(
-                2, stream, stream, [_Forward(dp_metadata=None) for _ in range(2)], barrier
-            )
-            threads = [
-                threading.Thread(target=forward, args=(c, x))
-                for c, x in zip(contexts, inputs, strict=True)
-            ]
-            for t in threads:
-                t.start()
-            barrier.wait()
-            contexts[0].cpu_wait_event.set()
-            for t in threads:
-                t.join(20)
+        results = run_ubatch_threads(monkeypatch, inputs, body)
     finally:
         stop.set()
         server.join(20)

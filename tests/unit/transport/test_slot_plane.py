@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+from tests.unit.ubatchlib import run_ubatch_threads
 from vllm_afd.testing import slot_plane_check
 from vllm_afd.transport.base import FFNTimeout, TransportSpec
 from vllm_afd.transport.reference import (
@@ -170,48 +171,31 @@ def test_the_device_check_runs_on_cpu_with_its_device_steps_skipped(tmp_path):
 
 def _run_ubatches(monkeypatch, layers: int, moe_layer) -> tuple[list, dict, list, object]:
     """Two microbatches of the toy model through the plane on vLLM's own DBO machinery
-    (``make_ubatch_contexts`` and the ``dbo_*`` calls: ubatch threads that alternate at every
-    yield, started as ``UBatchWrapper._run_ubatches`` starts them), with an FFN thread serving
+    (``ubatchlib.run_ubatch_threads``), with an FFN thread serving
     layer by layer, each layer's microbatches in turn. ``moe_layer(ubatching, attention, model,
     calls, ubatch, layer, x) -> x`` is one MoE layer of the attention side."""
-    from vllm.forward_context import override_forward_context
     from vllm.v1.worker import ubatching
 
-    stream = object()  # CPU: one stand-in stream, so no thread switches CUDA streams
-    monkeypatch.setattr(ubatching, "current_stream", lambda: stream)
     rows, hidden = 4, slot_plane_check.HIDDEN
     layout = PlaneLayout(1, 2, rows, hidden, slot_plane_check.TOP_K, torch.float32)
     memory = HostPlaneMemory(timeout_s=20)
     ffn = FFNPlane(layout, memory, 0)
     attention = AttentionPlane(layout, memory, 0, [ffn.handle])
     model = slot_plane_check.ToyMoE(torch.float32, torch.device("cpu"), layers)
-    calls, results = [], {}
+    calls = []
     inputs = [torch.randn(rows, hidden) for _ in range(2)]
 
-    def forward(ctx, x):
-        with ctx:
-            for layer in range(layers):
-                x = moe_layer(ubatching, attention, model, calls, ctx.id, layer, x)
-        results[ctx.id] = x
+    def body(ubatch, x):
+        for layer in range(layers):
+            x = moe_layer(ubatching, attention, model, calls, ubatch, layer, x)
+        return x
 
     forwards = [model.experts(layer) for layer in range(layers)]
     slot_plane_check.ffn_begin(ffn, 1)
     attention.begin(1)
     server = threading.Thread(target=slot_plane_check.ffn_step, args=(ffn, forwards, rows, 2))
     server.start()
-    barrier = threading.Barrier(3)
-    with override_forward_context(None):
-        contexts = ubatching.make_ubatch_contexts(2, stream, stream, [object(), object()], barrier)
-        threads = [
-            threading.Thread(target=forward, args=(c, x))
-            for c, x in zip(contexts, inputs, strict=True)
-        ]
-        for t in threads:
-            t.start()
-        barrier.wait()
-        contexts[0].cpu_wait_event.set()
-        for t in threads:
-            t.join(20)
+    results = run_ubatch_threads(monkeypatch, inputs, body)
     server.join(20)
     return calls, results, inputs, model
 
