@@ -108,9 +108,12 @@ class SlotsAttentionTransport(AttentionTransport):
 
     def _announce(self, schedule: StepSchedule) -> None:
         """Raise what the last step's device waits recorded, then start ``schedule``'s step
-        (a step abandoned half-way leaves its slots to this one)."""
-        self.memory.check()
-        self.plane.begin(schedule.step)
+        (a step abandoned half-way leaves its slots to this one). A CUDA-graph capture touches
+        neither: reading the device word would sync inside the capture, and a step word set
+        there would be baked into the graph; each replay's own announcement sets it."""
+        if schedule.mode != Mode.CAPTURE:
+            self.memory.check()
+            self.plane.begin(schedule.step)
         self._positions = {layer: i for i, layer in enumerate(schedule.layers)}
         self._busy = [False] * self.spec.num_slots
         for control in self.controls:

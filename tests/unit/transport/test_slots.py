@@ -25,7 +25,7 @@ from vllm_afd.transport import (
     create_attention_transport,
     create_ffn_transport,
 )
-from vllm_afd.transport.control import StepSchedule
+from vllm_afd.transport.control import Mode, StepSchedule
 from vllm_afd.transport.reference import LocalMoE
 from vllm_afd.transport.slot_plane import ControlBlock, PlaneLayout
 
@@ -215,6 +215,13 @@ def test_device_waits_record_a_failed_wait_and_raise_it_at_the_next_announcement
         with pytest.raises(FFNTimeout, match=r"1 wait\(s\) ended without their answer"):
             endpoint.begin_step(StepSchedule(2, (2,), LAYERS))
         endpoint.begin_step(StepSchedule(3, (2,), LAYERS))  # checked once
+        # a CUDA-graph capture neither reads the device word nor sets the step word
+        endpoint.combine(endpoint.dispatch(LAYERS[0], x, ids, weights))  # recorded again
+        word = int(endpoint.plane.step)
+        endpoint.begin_step(StepSchedule(4, (2,), LAYERS, Mode.CAPTURE))
+        assert int(endpoint.plane.step) == word
+        with pytest.raises(FFNTimeout, match=r"1 wait\(s\) ended"):
+            endpoint.begin_step(StepSchedule(5, (2,), LAYERS))
     finally:
         endpoint.close()
         ffn.close()
