@@ -6,15 +6,25 @@ until every attention rank announced its next step (its ``StepSchedule`` in the 
 control block; vLLM's data-parallel ranks step together, idle ones with a dummy batch), then
 walks the union of their schedules, layer by layer and, within a layer, microbatch by
 microbatch, each use of a slot taking the rows of every attention rank whose schedule has it
-(``Part``: its row count and the layer's position in its step). ``recv`` hands the executor one
-use at a time, every attention rank's rows of it, so ``FFNExecutor`` batches them into one
-forward of the layer's own vLLM MoE kernel exactly as it does for the point-to-point
-backends; ``reply`` publishes each rank's answer. There is no Python relay and no hub: the
-schedule is a few words in shared memory, read once per step.
+(``Part``: its row count and the layer's position in its step). Two ways to drive that, by the
+wait semantics of the plane's memory:
+
+* host waits (CPU, ``waits: host``): ``recv`` hands the executor one use at a time, every
+  attention rank's rows of it as requests, so ``FFNExecutor`` batches them into one forward of
+  the layer's own vLLM MoE kernel exactly as for the point-to-point backends, checks their
+  tags against the schedules and fails a request alone; ``reply`` publishes each answer. A rank
+  whose wait fails is left out of the rest of the step.
+* the device's waits (every GPU, ``waits: device`` on CPU; ``serves_steps``): the executor
+  serves the whole step in stream order (``next_step``, ``serve_use`` per use, ``fail_uses``
+  for what an error leaves, ``end_step``), nothing read back on the host, so that on a GPU the
+  step is one CUDA graph per step shape (``StepGraphs``).
+
+There is no Python relay and no hub: the schedule is a few words in shared memory, read once
+per step.
 
 Why "every attention rank", and how it stays bounded. A fixed group of ranks per step is what
-lets the GPU side batch all attention ranks' tokens in fixed-shape slots (and, later, capture
-the FFN step as one graph per shape). vLLM runs its data-parallel ranks in lockstep, but start-up
+lets the GPU side batch all attention ranks' tokens in fixed-shape slots and capture the FFN
+step as one graph per shape. vLLM runs its data-parallel ranks in lockstep, but start-up
 (profile and warm-up runs) may skew them: a rank that has not announced its next step within
 half of ``timeout_s`` after the first one did is left out of that step (logged), and served in a
 later one. A rank that abandons a step half-way (its combine failed) is dropped from the rest of
