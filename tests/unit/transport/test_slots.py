@@ -57,7 +57,8 @@ class Group:
         self.attention = [
             create_attention_transport(self.spec, a) for a in range(spec.num_attention_ranks)
         ]
-        self.batches: list[list[int]] = []  # per recv: the attention ranks of its requests
+        #: per recv: (attention rank, rows) of its requests
+        self.batches: list[list[tuple[int, int]]] = []
         self.stop = threading.Event()
         self.threads = [
             threading.Thread(target=self._serve, args=(f, forward), daemon=True)
@@ -73,7 +74,7 @@ class Group:
         def recording(timeout_s):
             requests = recv(timeout_s)
             if requests:
-                self.batches.append([r.src_rank for r in requests])
+                self.batches.append([(r.src_rank, r.x.shape[0]) for r in requests])
             return requests
 
         endpoint.recv = recording
@@ -140,7 +141,7 @@ def test_steps_of_two_attention_and_two_ffn_ranks_match_the_reference(group, wai
     """Three steps of two microbatches (a TP rank's empty share among them), every answer
     exactly the reference's, and each FFN batch holds both attention ranks' rows of a use."""
     g = group(_spec(config={"waits": waits}))
-    sizes = [[(5, 3), (16, 1), (2, 0)], [(4, 4), (7, 2), (1, 1)]]
+    sizes = [[(5, 3), (16, 1), (2, 0)], [(4, 4), (7, 2), (1, 6)]]
 
     def body(a, endpoint):
         got = {}
@@ -151,9 +152,12 @@ def test_steps_of_two_attention_and_two_ffn_ranks_match_the_reference(group, wai
     for per_rank in _run_ranks(g.attention, body):
         for key, (got, want) in per_rank.items():
             assert torch.equal(got, want), key
-    # 3 steps x 3 layers x 2 microbatches per FFN rank, each one batch of both attention ranks
+    # 3 steps x 3 layers x 2 microbatches per FFN rank, each one batch of both attention ranks,
+    # each rank's rows as it announced them
     assert len(g.batches) == 2 * 3 * 3 * 2
-    assert all(sorted(b) == [0, 1] for b in g.batches)
+    assert all(sorted(rank for rank, _ in b) == [0, 1] for b in g.batches)
+    sent = sum(n for rank in sizes for tokens in rank for n in tokens)
+    assert sum(rows for b in g.batches for _, rows in b) == 2 * len(LAYERS) * sent
 
 
 def test_an_error_answer_fails_that_rank_only_and_the_next_step_is_served(group):
@@ -201,7 +205,7 @@ def test_a_rank_that_announces_no_step_is_left_out_after_half_the_timeout(group)
     results = _step(g.attention[0], 1, (3,), 5)  # attention rank 1 never announces
     for got, want in results.values():
         assert torch.equal(got, want)
-    assert all(b == [0] for b in g.batches)
+    assert all([rank for rank, _ in b] == [0] for b in g.batches)
 
 
 def test_device_waits_record_a_failed_wait_and_raise_it_at_the_next_announcement():
