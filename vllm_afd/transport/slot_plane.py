@@ -38,7 +38,7 @@ the FFN rank's host reads it): the FFN process's identity, the data buffer's han
 attention rank's last announced ``StepSchedule`` (``control.py``).
 
 Protocol. Slot ``s`` carries microbatch ``s``. Every use of a slot is tagged by its flag value,
-``use_value(step, position) = step << POSITION_BITS | position + 1``: the sender's step and the
+``step << POSITION_BITS | position + 1`` (the use's value): the sender's step and the
 layer's position in that step's schedule. Both sides hold the step as a device word
 (``begin``), so the value is computed on the device and a CUDA graph replay, whose host code
 does not run, uses the step announced before it::
@@ -118,13 +118,6 @@ WATCH_INTERVAL_S = 0.05
 #: ``forward(x [N, H], topk_ids [N, K] int32, topk_weights [N, K] float32, out [N, H]) -> out``,
 #: already weighted and summed over the FFN rank's experts (``transport.reference.FFNForward``).
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def use_value(step: int, position: int) -> int:
-    """The flag value of the use of a slot by layer ``position`` of ``step``."""
-    if not 0 <= position < (1 << POSITION_BITS) - 1:
-        raise ValueError(f"layer position {position} does not fit {POSITION_BITS} bits")
-    return step << POSITION_BITS | position + 1
 
 
 def _align(n: int, to: int = LINE) -> int:
@@ -270,7 +263,7 @@ class PlaneMemory(Protocol):
     ``signal`` and ``wait`` are stream-ordered on devices with streams (they return at once and
     run in order with the copies around them); on the host they run when called. ``step`` is a
     one-element int64 tensor on the memory's device holding ``step << POSITION_BITS``; the value
-    a flag carries for a use is ``step + position + 1`` (``use_value``)."""
+    a flag carries for a use is ``step + position + 1`` (module docstring: the use's value)."""
 
     device: torch.device
     #: Its waits record where they fail, ``check`` raises (``RecordedWaits``); else they raise.
@@ -499,13 +492,11 @@ class FFNPlane:
         answers scattered back by one ``_foreach_copy_``."""
         total = sum(rows)
         x, ids, weights, out = (t[:total] for t in self._gathered)
-        torch.cat([v.x[:n] for v, n in zip(views, rows, strict=True)], out=x)
-        torch.cat([v.ids[:n] for v, n in zip(views, rows, strict=True)], out=ids)
-        torch.cat([v.weights[:n] for v, n in zip(views, rows, strict=True)], out=weights)
+        parts = [v.rows(n) for v, n in zip(views, rows, strict=True)]
+        for i, gathered in enumerate((x, ids, weights)):
+            torch.cat([p[i] for p in parts], out=gathered)
         forward(x, ids, weights, out)
-        torch._foreach_copy_(
-            [v.out[:n] for v, n in zip(views, rows, strict=True)], list(out.split(rows))
-        )
+        torch._foreach_copy_([p[3] for p in parts], list(out.split(rows)))
 
 
 class RecordedWaits:
@@ -824,5 +815,4 @@ __all__ = [
     "PlaneMemory",
     "RecordedWaits",
     "SlotViews",
-    "use_value",
 ]

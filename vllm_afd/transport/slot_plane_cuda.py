@@ -5,7 +5,7 @@ protocol. PyTorch and Triton only (the GPU machine this project is lent has no v
 Why these primitives. ``signal`` is an ``atomic_xchg`` with release semantics at system scope:
 the payload copies queued before it on the stream have finished (stream order) and their
 stores are visible to any peer that acquires the flag. The value it stores is computed on the
-device from the sender's step word (``slot_plane.use_value``), so a captured graph publishes
+device from the sender's step word (``slot_plane``: the use's value), so a captured graph publishes
 the right value on every replay without Python. ``wait`` spins on an acquire load
 (``atomic_add(flag, 0)``) at system scope until ``|flag|`` reaches the awaited value. A kernel
 cannot raise: a wait that gives up after ``max_spins`` polls, or ends on another value than
