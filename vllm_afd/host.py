@@ -29,6 +29,7 @@ import socket
 import stat
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 SHM_DIR = "/dev/shm"
 #: Stores become visible to other CPUs in program order here (x86-64 total store order). The
@@ -192,6 +193,28 @@ def process_start_time(pid: int) -> int | None:
 
 def pid_alive(pid: int) -> bool:
     return process_start_time(pid) is not None
+
+
+@dataclass(frozen=True)
+class Creator:
+    """The process that made a shared segment, as the peers that wait on it watch it: its pid
+    and start time (``None``: it lives in another pid namespace, where this one's pids mean
+    nothing, so it cannot be checked from here)."""
+
+    pid: int
+    start: int | None
+
+    @classmethod
+    def watch(cls, pid: int, pid_ns: int) -> Creator | None:
+        """The creator ``pid`` of pid namespace ``pid_ns``; ``None`` if it is dead already."""
+        if pid_ns != pid_namespace():
+            return cls(pid, None)
+        start = process_start_time(pid)
+        return None if start is None else cls(pid, start)
+
+    def died(self) -> bool:
+        """It is gone (or its pid now names another process); never, where not checkable."""
+        return self.start is not None and process_start_time(self.pid) != self.start
 
 
 def process_stopped(pid: int) -> bool:

@@ -95,6 +95,7 @@ import torch
 
 from vllm_afd.host import (
     SHM_DIR,
+    Creator,
     UnsafeFileError,
     create_segment,
     open_owned_segment,
@@ -377,7 +378,7 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
         self._slots: list[list[_Slot]] = [[] for _ in range(num_ffn)]
         self._words: list[memoryview] = [None] * num_ffn  # type: ignore[list-item]
         self._seq = [0] * num_ffn
-        self._creators: list[tuple[int, int | None]] = [(0, None)] * num_ffn
+        self._creators: list[Creator] = [Creator(0, None)] * num_ffn
         self._cpu = -1
         for f, name in enumerate(self.addresses):
             self._link(f, name)
@@ -421,15 +422,13 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
             )
         return segment
 
-    def _creator(self, segment: _Segment) -> tuple[int, int | None]:
-        """(pid, start time) of the FFN process; start time ``None`` = not checkable."""
+    def _creator(self, segment: _Segment) -> Creator:
+        """The FFN process, watched (``host.Creator``)."""
         pid = segment.words[_G_PID]
-        if segment.words[_G_PIDNS] != pid_namespace():
-            return pid, None
-        start = process_start_time(pid)
-        if start is None:
+        creator = Creator.watch(pid, segment.words[_G_PIDNS])
+        if creator is None:
             raise TransportError(f"FFN process (pid {pid}) of segment {segment.name!r} is dead")
-        return pid, start
+        return creator
 
     def _last_seq(self, ffn_rank: int) -> int:
         words = self._words[ffn_rank]
@@ -506,7 +505,7 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
                     for rank in awaited:
                         self._check_alive(rank)
                     if now >= deadline:
-                        pid = self._creators[ffn_rank][0]
+                        pid = self._creators[ffn_rank].pid
                         raise FFNTimeout(
                             f"FFN rank {ffn_rank} (pid {pid}) did not answer within "
                             f"timeout_s={self.spec.timeout_s}"
@@ -535,11 +534,13 @@ class ShmAttentionTransport(PointToPointAttentionTransport):
 
     def _check_alive(self, ffn_rank: int) -> None:
         """Raise ``FFNRankLost`` if FFN rank ``ffn_rank`` closed its endpoint or died."""
-        pid, start = self._creators[ffn_rank]
+        creator = self._creators[ffn_rank]
         if self._words[ffn_rank][_G_STATE] == _STATE_CLOSED:
-            raise FFNRankLost(ffn_rank, f"FFN rank {ffn_rank} (pid {pid}) closed its shm endpoint")
-        if start is not None and process_start_time(pid) != start:
-            raise FFNRankLost(ffn_rank, f"FFN rank {ffn_rank} (pid {pid}) died")
+            raise FFNRankLost(
+                ffn_rank, f"FFN rank {ffn_rank} (pid {creator.pid}) closed its shm endpoint"
+            )
+        if creator.died():
+            raise FFNRankLost(ffn_rank, f"FFN rank {ffn_rank} (pid {creator.pid}) died")
 
     def close(self) -> None:
         """Unmap the segments (never unlinks: the FFN side owns them)."""

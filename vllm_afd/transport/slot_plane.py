@@ -740,8 +740,8 @@ class ControlBlock:
         return self.words[_W_PID]
 
     @property
-    def same_pid_namespace(self) -> bool:
-        return self.words[_W_PIDNS] == pid_namespace()
+    def pid_namespace(self) -> int:
+        return self.words[_W_PIDNS]
 
     @property
     def closed(self) -> bool:

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_afd.host import process_start_time, shm_platform_problem
+from vllm_afd.host import Creator, UnsafeFileError, shm_platform_problem
 from vllm_afd.transport.base import (
     AttentionTransport,
     Backend,
@@ -62,6 +62,7 @@ from vllm_afd.transport.base import (
     FFNTimeout,
     FFNTransport,
     ProtocolError,
+    TransportError,
     TransportSpec,
 )
 from vllm_afd.transport.control import Mode, StepSchedule
@@ -109,7 +110,7 @@ class SlotsAttentionTransport(AttentionTransport):
             )
         layout = PlaneLayout.of(spec)
         self.controls = [_attach(f, a, layout, spec) for f, a in enumerate(spec.addresses)]
-        self._creators = [_creator(c) for c in self.controls]
+        self._creators = [_creator(f, c) for f, c in enumerate(self.controls)]
         self.memory = plane_memory(spec)
         self.plane = AttentionPlane(layout, self.memory, rank, [c.handle for c in self.controls])
         self._rows = RowViews(torch.arange(spec.max_tokens))
@@ -205,11 +206,11 @@ class SlotsAttentionTransport(AttentionTransport):
         """While a host wait blocks: ``FFNRankLost`` for an FFN rank that closed its endpoint
         or died."""
         creators = zip(self.controls, self._creators, strict=True)
-        for f, (control, (pid, start)) in enumerate(creators):
+        for f, (control, creator) in enumerate(creators):
             if control.closed:
-                raise FFNRankLost(f, f"FFN rank {f} (pid {pid}) closed its slots endpoint")
-            if start is not None and process_start_time(pid) != start:
-                raise FFNRankLost(f, f"FFN rank {f} (pid {pid}) died")
+                raise FFNRankLost(f, f"FFN rank {f} (pid {creator.pid}) closed its slots endpoint")
+            if creator.died():
+                raise FFNRankLost(f, f"FFN rank {f} (pid {creator.pid}) died")
 
     def close(self) -> None:
         for control in self.controls:
@@ -219,9 +220,6 @@ class SlotsAttentionTransport(AttentionTransport):
 
 
 def _attach(ffn_rank: int, name: str, layout: PlaneLayout, spec: TransportSpec) -> ControlBlock:
-    from vllm_afd.host import UnsafeFileError
-    from vllm_afd.transport.base import TransportError
-
     try:
         return ControlBlock.attach(name, layout, spec.moe_layers)
     except FileNotFoundError:
@@ -233,11 +231,15 @@ def _attach(ffn_rank: int, name: str, layout: PlaneLayout, spec: TransportSpec) 
         raise TransportError(f"FFN rank {ffn_rank}: {exc}") from None
 
 
-def _creator(control: ControlBlock) -> tuple[int, int | None]:
-    """(pid, start time) of the FFN process; start time ``None``: not checkable here."""
-    if not control.same_pid_namespace:
-        return control.pid, None
-    return control.pid, process_start_time(control.pid)
+def _creator(ffn_rank: int, control: ControlBlock) -> Creator:
+    """FFN rank ``ffn_rank``'s process, watched (``host.Creator``)."""
+    creator = Creator.watch(control.pid, control.pid_namespace)
+    if creator is None:
+        raise TransportError(
+            f"FFN rank {ffn_rank}: its process (pid {control.pid}) of control block "
+            f"{control.name!r} is dead"
+        )
+    return creator
 
 
 #: One use of a slot: ``(layer, slot, parts)``.
