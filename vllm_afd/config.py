@@ -758,6 +758,15 @@ def _can_bind(info: tuple) -> bool:
         return False
 
 
+def check_gpu_microbatches(afd: AFDConfig) -> None:
+    """On GPUs microbatching is vLLM's dual-batch overlap: two microbatches or none."""
+    if afd.microbatches > 2:
+        raise AFDConfigError(
+            f"--afd-microbatches (additional_config.afd.microbatches) {afd.microbatches}: on "
+            "GPUs microbatching is vLLM's dual-batch overlap, two microbatches; use 2 or 1"
+        )
+
+
 def _check_gpu_config(vllm_config: Any, afd: AFDConfig) -> None:
     """On GPUs, the config vLLM validated is the one AFD runs: ``deployment.prepare_engine_args``
     set DBO, CUDA graphs without piecewise graphs and the V2 model runner before vLLM built it.
@@ -765,11 +774,7 @@ def _check_gpu_config(vllm_config: Any, afd: AFDConfig) -> None:
     V2, whose replays patch G1 announces to the FFN ranks (vLLM falls back to V1 when
     ``VLLM_USE_V2_MODEL_RUNNER=0`` or a feature V2 does not run with DBO is on: LoRA,
     speculative decoding, pipeline or context parallelism, multimodal models)."""
-    if afd.microbatches > 2:
-        raise AFDConfigError(
-            f"--afd-microbatches (additional_config.afd.microbatches) {afd.microbatches}: on "
-            "GPUs microbatching is vLLM's dual-batch overlap, two microbatches; use 2 or 1"
-        )
+    check_gpu_microbatches(afd)
     mode = vllm_config.compilation_config.cudagraph_mode
     if mode is None:
         return

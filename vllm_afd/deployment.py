@@ -22,6 +22,7 @@ from vllm_afd.config import (
     AUTO_TRANSPORT,
     AFDConfig,
     AFDConfigError,
+    check_gpu_microbatches,
     check_supported,
     check_this_host,
     moe_model_info,
@@ -107,26 +108,17 @@ def _fit_gpu_engine_args(engine_args, afd: AFDConfig) -> None:
 
     from vllm.config.compilation import CUDAGraphMode
 
-    if afd.microbatches > 2:
-        raise AFDConfigError(
-            f"--afd-microbatches (additional_config.afd.microbatches) {afd.microbatches}: on "
-            "GPUs microbatching is vLLM's dual-batch overlap, two microbatches; use 2 or 1"
-        )
+    check_gpu_microbatches(afd)
     if afd.microbatches == 2:
         engine_args.enable_dbo = True
     if engine_args.enforce_eager:
         return
+    # a CompilationConfig here (EngineArgs converts a dict; its validator parses a mode's name)
     compilation = engine_args.compilation_config
-    get = compilation.get if isinstance(compilation, dict) else compilation.__dict__.get
-    mode = get("cudagraph_mode")
-    if isinstance(mode, str):
-        mode = CUDAGraphMode[mode.upper()]
+    mode = compilation.cudagraph_mode
     fitted = CUDAGraphMode.FULL_DECODE_ONLY if mode is None else mode.without_piecewise()
     if fitted != mode:
-        if isinstance(compilation, dict):
-            compilation["cudagraph_mode"] = fitted
-        else:
-            compilation.cudagraph_mode = fitted
+        compilation.cudagraph_mode = fitted
         logger.info("AFD: CUDA graphs %s (piecewise graphs would capture the AFD op)", fitted)
     if fitted.has_full_cudagraphs() and os.environ.get(V2_RUNNER_ENV) is None:
         os.environ[V2_RUNNER_ENV] = "1"
