@@ -22,6 +22,7 @@ token, the tcp transport's shared secret) live in a private directory (``private
 from __future__ import annotations
 
 import ipaddress
+import mmap
 import os
 import platform
 import shutil
@@ -165,6 +166,24 @@ def create_segment(name: str, size: int) -> int:
         unlink_segment(name)
         raise
     return fd
+
+
+def map_segment(name: str, size: int, create: bool = False) -> mmap.mmap:
+    """``/dev/shm/<name>`` mapped read-write: a new one of ``size`` bytes (``create_segment``;
+    ``FileExistsError`` if the name is taken), or an existing one of ours
+    (``open_owned_segment``) that must be ``size`` bytes: else ``ValueError`` naming both sizes
+    (its creator laid it out for another ``TransportSpec``)."""
+    fd = create_segment(name, size) if create else open_owned_segment(name, writable=True)
+    try:
+        found = os.fstat(fd).st_size
+        if found != size:
+            raise ValueError(
+                f"segment {name!r} is {found} bytes, the spec needs {size}: attention and FFN "
+                "ranks disagree on the TransportSpec"
+            )
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
 
 
 def _stat_fields(pid: int) -> list[bytes] | None:

@@ -97,8 +97,7 @@ from vllm_afd.host import (
     SHM_DIR,
     Creator,
     UnsafeFileError,
-    create_segment,
-    open_owned_segment,
+    map_segment,
     pid_namespace,
     process_start_time,
     reap_segments,
@@ -303,26 +302,12 @@ class _Segment:
     @classmethod
     def create(cls, name: str, layout: _Layout) -> _Segment:
         """``FileExistsError`` if ``name`` is taken (see ``host.create_segment``)."""
-        fd = create_segment(name, layout.total_bytes)
-        try:
-            return cls(name, mmap.mmap(fd, layout.total_bytes), layout)
-        finally:
-            os.close(fd)
+        return cls(name, map_segment(name, layout.total_bytes, create=True), layout)
 
     @classmethod
     def attach(cls, name: str, layout: _Layout) -> _Segment:
-        """Map an existing segment: ours (``host.open_owned_segment``), of the spec's size."""
-        fd = open_owned_segment(name, writable=True)
-        try:
-            size = os.fstat(fd).st_size
-            if size != layout.total_bytes:
-                raise ValueError(
-                    f"segment {name!r} is {size} bytes, the spec needs {layout.total_bytes}: "
-                    "attention and FFN ranks disagree on the TransportSpec"
-                )
-            return cls(name, mmap.mmap(fd, size), layout)
-        finally:
-            os.close(fd)
+        """Map an existing segment: ours, of the spec's size (``host.map_segment``)."""
+        return cls(name, map_segment(name, layout.total_bytes), layout)
 
     def slot(self, attention_rank: int, slot: int) -> _Slot:
         key = (attention_rank, slot)

@@ -95,8 +95,7 @@ from typing import Protocol
 import torch
 
 from vllm_afd.host import (
-    create_segment,
-    open_owned_segment,
+    map_segment,
     pid_namespace,
     process_start_time,
     reap_segments,
@@ -551,23 +550,14 @@ class HostPlaneMemory(RecordedWaits):
 
     def create(self, nbytes: int) -> tuple[torch.Tensor, str]:
         name = f"{self.prefix}{os.getpid()}_{secrets.token_hex(8)}"
-        fd = create_segment(name, nbytes)
+        buffer = self._map(map_segment(name, nbytes, create=True), nbytes)
         self._created.append(weakref.finalize(self, unlink_if_creator, name, os.getpid()))
-        return self._map(fd, nbytes), name
+        return buffer, name
 
     def attach(self, handle: str, nbytes: int) -> torch.Tensor:
-        fd = open_owned_segment(handle, writable=True)
-        size = os.fstat(fd).st_size
-        if size != nbytes:
-            os.close(fd)
-            raise ValueError(f"plane buffer {handle!r} is {size} bytes, the layout needs {nbytes}")
-        return self._map(fd, nbytes)
+        return self._map(map_segment(handle, nbytes), nbytes)
 
-    def _map(self, fd: int, nbytes: int) -> torch.Tensor:
-        try:
-            mm = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
+    def _map(self, mm: mmap.mmap, nbytes: int) -> torch.Tensor:
         self._maps.append(mm)
         return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
 
@@ -684,11 +674,7 @@ class ControlBlock:
             raise ValueError(f"data buffer handle of {len(data)} bytes, room for {HANDLE_BYTES}")
         size = cls.size(layout, words_per)
         name = f"{prefix}{os.getpid()}_f{rank}_{secrets.token_hex(8)}"
-        fd = create_segment(name, size)
-        try:
-            block = cls(name, mmap.mmap(fd, size), layout, words_per)
-        finally:
-            os.close(fd)
+        block = cls(name, map_segment(name, size, create=True), layout, words_per)
         block._finalizer = weakref.finalize(block, unlink_if_creator, name, os.getpid())
         words = block.words
         for i, value in enumerate(layout.params):
@@ -702,23 +688,14 @@ class ControlBlock:
 
     @classmethod
     def attach(cls, name: str, layout: PlaneLayout, moe_layers: Sequence[int]) -> ControlBlock:
-        """Map an FFN rank's block (``host.open_owned_segment``: ours, mode 0600).
+        """Map an FFN rank's block (``host.map_segment``: ours, mode 0600, of the spec's size).
 
         Raises:
             ValueError: if its layout is not ``layout``'s (the two sides disagree on the spec).
         """
         words_per = schedule_words(moe_layers)
-        size = cls.size(layout, words_per)
-        fd = open_owned_segment(name, writable=True)
-        try:
-            if os.fstat(fd).st_size != size:
-                raise ValueError(
-                    f"control block {name!r} is {os.fstat(fd).st_size} bytes, the spec needs "
-                    f"{size}: attention and FFN ranks disagree on the TransportSpec"
-                )
-            block = cls(name, mmap.mmap(fd, size), layout, words_per)
-        finally:
-            os.close(fd)
+        mm = map_segment(name, cls.size(layout, words_per))
+        block = cls(name, mm, layout, words_per)
         words = block.words
         found = tuple(words[_W_PARAMS : _W_PARAMS + len(layout.params)])
         if words[_W_MAGIC] != _MAGIC or words[_W_VERSION] != _VERSION or found != layout.params:
