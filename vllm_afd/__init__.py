@@ -5,9 +5,10 @@ Start-up, in the front-end: ``config`` (``AFDConfig``: the flags, declared once;
 then start the FFN group before vLLM's engines) -> ``placement`` (the FFN ranks as Ray actors).
 
 One token, on the data path: ``remote_experts`` (the hook at the routing boundary on attention
-ranks) -> ``microbatch`` (ping-pong overlap point) -> ``transport/`` (``p2p`` dispatch and
-combine over ``shm``/``tcp``, or the slot plane: ``slots``) -> ``ffn/`` (``executor`` serve
-loop, ``kernels``; ``weights`` at start-up) -> back through ``transport/`` into the model.
+ranks) -> ``microbatch`` (ping-pong overlap point) -> ``transport/`` (the ``endpoint``'s
+dispatch and combine over the slot plane, ``slots``/``slot_plane``, or ``tcp``) -> ``ffn/``
+(``executor`` serve loop and ``ExpertKernel``; ``weights`` at start-up) -> back through
+``transport/`` into the model.
 ``metrics/`` is the sink both sides record into.
 
 Around it: ``patches/`` (every touch of a vLLM internal, by process, with its ledger),

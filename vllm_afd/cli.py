@@ -89,18 +89,19 @@ def ffn_server(argv: list[str]) -> None:
 
 def check_shared_transport(afd) -> None:
     """``AFDConfigError`` unless the transport lets front-ends that join separately share the
-    group (``Backend.shares_group``), ``auto`` resolved as the front-end would."""
-    from vllm_afd.config import AUTO_TRANSPORT, AFDConfigError
+    group (``Feature.SHARED_GROUP``), ``auto`` and its settings resolved as the front-end
+    would."""
+    from vllm_afd.config import AFDConfigError
     from vllm_afd.deployment import _resolve_transport
-    from vllm_afd.transport import backend
+    from vllm_afd.transport import Feature, backend
 
-    if afd.transport == AUTO_TRANSPORT:
-        afd = _resolve_transport(afd)
-    if not backend(afd.transport).shares_group:
+    afd = _resolve_transport(afd)
+    if Feature.SHARED_GROUP not in backend(afd.transport).features(afd.transport_config):
         raise AFDConfigError(
-            f"vllm-afd ffn-server: --afd-transport {afd.transport}: its FFN ranks serve a step "
-            "of every attention rank at once, and front-ends that join separately do not step "
-            "together; use shm (one host) or tcp"
+            f"vllm-afd ffn-server: --afd-transport {afd.transport} "
+            f"{afd.transport_config or ''}: its FFN ranks serve a step of every attention rank "
+            "at once, and front-ends that join separately do not step together; use shm or "
+            "slots with host waits (one host) or tcp"
         )
 
 

@@ -155,9 +155,10 @@ class AFDConfig:
         metadata=_flag(
             "--afd-transport",
             "Dispatch/combine backend between attention and FFN ranks: auto (shm on one CPU "
-            "host, slots on GPUs), shm (one host, shared memory), tcp (across hosts), slots "
-            "(one node: the slot plane, device memory on GPUs, CUDA-graph safe), or an "
-            "out-of-tree backend as package.module:BackendClass.",
+            "host, slots on GPUs), shm (one host: the slot plane on shared memory), slots "
+            "(one node: the slot plane on the attention ranks' memory, device memory on GPUs, "
+            "CUDA-graph safe), tcp (across hosts), or an out-of-tree backend as "
+            "package.module:BackendClass.",
             type=_transport_arg,
         ),
     )
@@ -282,7 +283,7 @@ class AFDConfig:
             _transport_arg(self.transport)
         except argparse.ArgumentTypeError as exc:
             raise AFDConfigError(f"{_where('transport')}: {exc}") from None
-        from vllm_afd.transport import backend
+        from vllm_afd.transport import Feature, backend
 
         if not isinstance(self.transport_config, dict):
             raise AFDConfigError(
@@ -327,7 +328,8 @@ class AFDConfig:
                 "the `vllm-afd ffn-server` that runs it"
             )
         if self.autoscale and self.transport != AUTO_TRANSPORT:
-            if not backend(self.transport).scales_live:
+            features = backend(self.transport).features(self.transport_config)
+            if Feature.LIVE_SCALING not in features:
                 raise AFDConfigError(
                     f"{_where('autoscale')}: the {self.transport} transport cannot change its "
                     "FFN rank count live"

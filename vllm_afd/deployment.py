@@ -63,7 +63,7 @@ def prepare_engine_args(engine_args, usage_context) -> None:
     afd = AFDConfig.of(engine_args)
     if afd is None:
         return
-    if afd.transport == AUTO_TRANSPORT and afd.join is None:  # a joining one takes its group's
+    if afd.join is None:  # a joining one takes its group's
         afd = _resolve_transport(afd)
         engine_args.additional_config = {**engine_args.additional_config, "afd": afd.to_dict()}
     if _attention_device() == "cuda":
@@ -166,20 +166,27 @@ def setup_afd(vllm_config) -> None:
 
 def _resolve_transport(afd: AFDConfig) -> AFDConfig:
     """``--afd-transport auto``: the backend for these devices on this machine
-    (``transport.auto_backend``), written back so every process gets the same."""
-    from vllm_afd.transport import auto_backend
+    (``transport.auto_backend``), and the backend's settings as it runs them here
+    (``Backend.resolve_settings``), written back so every process gets the same."""
+    from vllm_afd.transport import auto_backend, backend
 
     attention, ffn = _attention_device(), _ffn_device(afd)
-    try:
-        name = auto_backend(attention, ffn)
-    except ValueError as exc:
-        raise AFDConfigError(
-            f"--afd-transport (additional_config.afd.transport) auto: {exc}"
-        ) from None
-    logger.info(
-        "AFD: --afd-transport auto -> %s (%s attention ranks, %s FFN ranks)", name, attention, ffn
-    )
-    return dataclasses.replace(afd, transport=name)
+    name = afd.transport
+    if name == AUTO_TRANSPORT:
+        try:
+            name = auto_backend(attention, ffn)
+        except ValueError as exc:
+            raise AFDConfigError(
+                f"--afd-transport (additional_config.afd.transport) auto: {exc}"
+            ) from None
+        logger.info(
+            "AFD: --afd-transport auto -> %s (%s attention ranks, %s FFN ranks)",
+            name,
+            attention,
+            ffn,
+        )
+    settings = backend(name).resolve_settings(afd.transport_config, attention)
+    return dataclasses.replace(afd, transport=name, transport_config=settings)
 
 
 def _join(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config) -> None:
@@ -252,9 +259,9 @@ def check_devices(
 ) -> None:
     """Refuse, before anything starts, a deployment its devices cannot run (the GPU path):
 
-    - what the transport cannot connect (``Backend.device_problem``: the point-to-point
-      transports with a CUDA model, whose hidden states they would move through host memory;
-      the slot plane across two kinds of memory);
+    - what the transport cannot connect (``Backend.device_problem``: shm and tcp with a CUDA
+      model, whose hidden states they would move through host memory; the slot plane across
+      two kinds of memory);
     - with a local Ray instance, attention ranks and FFN ranks on GPUs that do not fit the
       node's GPUs side by side (``A + F``: the FFN ranks get GPUs of their own,
       ``placement.ffn_gpu``).

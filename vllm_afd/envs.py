@@ -19,7 +19,7 @@ Variables a user sets:
     this process may run on when the FFN ranks run on this host).
 ``VLLM_AFD_POLL_MS``
     Milliseconds a waiting transport endpoint polls (spin, then yield the CPU) before it
-    sleeps (number >= 0, default 20, at most ``--afd-timeout``); see ``transport/p2p.py``.
+    sleeps (number >= 0, default 20, at most ``--afd-timeout``); see ``transport/wait.py``.
 ``VLLM_AFD_AUTH_FILE``
     Path of the tcp transport's shared secret (``transport/auth.py``): this user's file, mode
     0600, at least 16 bytes. Unset: the front-end creates one per deployment in a private

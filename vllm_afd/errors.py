@@ -20,7 +20,7 @@ class FFNRankLost(TransportError):
 
     Unlike a timeout or an error answer, this is what failover recovers from: the attention
     side waits for the rank's replacement (``transport/directory.py``) and sends it the
-    requests the lost rank had not answered (``transport/p2p.py``).
+    requests the lost rank had not answered (``transport/endpoint.py``).
     """
 
     def __init__(self, ffn_rank: int, message: str) -> None:

@@ -46,6 +46,7 @@ from vllm_afd.microbatch import current_microbatch, overlap_point, vllm_dbo
 from vllm_afd.transport import (
     AttentionTransport,
     DispatchHandle,
+    Feature,
     TransportSpec,
     backend,
     create_attention_transport,
@@ -449,7 +450,7 @@ def connect() -> _Session:
         stats = recorder.endpoint_block(endpoint)
         steps = _Steps(endpoint, tp.rank_in_group, tp.world_size)
         session = _Session(key, endpoint, tp.rank_in_group, tp.world_size, stats, steps)
-        if spec.directory and backend(spec.backend).scales_live:
+        if spec.directory and Feature.LIVE_SCALING in backend(spec.backend).features(spec.config):
             session.epoch = directory.epoch_of(spec.directory)
             steps.at_boundary = session.at_step_boundary
             session.watcher = _PoolWatcher(session)
@@ -614,7 +615,8 @@ def _isolate(
     global _FAILED
     endpoint = session.endpoint
     requests = _requests_of(x.shape[0])
-    if requests is None or not backend(endpoint.spec.backend).isolates_requests:
+    spec = endpoint.spec
+    if requests is None or Feature.ISOLATION not in backend(spec.backend).features(spec.config):
         raise error
     before = failed.requests if failed is not None else frozenset()
     out = torch.zeros_like(x)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from vllm_afd.transport.shm import ShmAttentionTransport, ShmBackend, ShmFFNTransport
+from vllm_afd.transport.slots import PlaneAttentionTransport, PlaneFFN, ShmBackend
 
 
 def _record(spec, side: str, rank: int, count: int) -> None:
@@ -22,7 +22,7 @@ def _record(spec, side: str, rank: int, count: int) -> None:
         f.write(str(count))
 
 
-class _CountingAttention(ShmAttentionTransport):
+class _CountingAttention(PlaneAttentionTransport):
     combines = 0
 
     def combine(self, handle):
@@ -32,7 +32,7 @@ class _CountingAttention(ShmAttentionTransport):
         return out
 
 
-class _CountingFFN(ShmFFNTransport):
+class _CountingFFN(PlaneFFN):
     replies = 0
 
     def reply(self, request, out) -> None:

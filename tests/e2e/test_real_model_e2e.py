@@ -53,7 +53,7 @@ def test_afd_1to2_offline_on_the_slot_plane_gives_colocated_tokens(runs):
     assert afd["token_ids"] == colocated["token_ids"]
     assert len(afd["ffn"]) == 2
     # fixed shapes: every token to both FFN ranks, each serving its half of the experts
-    assert all(f["address"].startswith("vllm_afd_slots_") for f in afd["ffn"])
+    assert all(f["address"].startswith("vllm_afd_plane_") for f in afd["ffn"])
     assert afd["ffn"][0]["tokens"] == afd["ffn"][1]["tokens"] > 0
     assert afd["attention_param_bytes"] < colocated["attention_param_bytes"]
 

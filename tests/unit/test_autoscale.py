@@ -104,7 +104,15 @@ def test_without_planner_hardware_autoscale_names_its_flag(monkeypatch):
         ({"ratio": "1:1", "autoscale_interval": "inf"}, "--afd-autoscale-interval"),
         ({"ratio": "1:1", "autoscale_margin": -0.1}, "--afd-autoscale-margin"),
         ({"join": "/g.json", "autoscale": True}, "not with --afd-join"),
-        ({"ratio": "1:1", "transport": "slots", "autoscale": True}, "cannot change its FFN"),
+        (
+            {
+                "ratio": "1:1",
+                "transport": "slots",
+                "transport_config": {"waits": "device"},
+                "autoscale": True,
+            },
+            "cannot change its FFN",
+        ),
     ],
 )
 def test_bad_autoscale_settings_are_refused_naming_the_flag(raw, field):

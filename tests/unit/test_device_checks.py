@@ -25,7 +25,7 @@ def _check(afd, ranks=7, gpus=8):
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_host_memory_transports_are_refused_for_a_cuda_model(transport):
-    with pytest.raises(AFDConfigError, match=rf"--afd-transport .*{transport}: the point-to-point"):
+    with pytest.raises(AFDConfigError, match=rf"--afd-transport .*{transport}: .*host memory"):
         _check(_afd(transport=transport))
     check_devices(_afd(transport=transport, ffn_device="cpu"), 7, "cpu")
 
@@ -63,7 +63,7 @@ def test_auto_transport_picks_by_device_and_host(monkeypatch):
     from vllm_afd import deployment
     from vllm_afd.config import AFDConfig
     from vllm_afd.transport import auto_backend
-    from vllm_afd.transport.shm import ShmBackend
+    from vllm_afd.transport.slots import ShmBackend
 
     assert AFDConfig(ratio=(1, 1)).transport == "auto"
     assert auto_backend("cuda", "cuda") == "slots"

@@ -148,9 +148,11 @@ def test_liveness_fails_only_on_what_failover_cannot_heal(monkeypatch, tmp_path)
     assert healing() == [False]  # failover off: nothing will replace it
     monkeypatch.setenv(
         "VLLM_AFD_RUNTIME",
-        dataclasses.replace(_spec(tmp_path, failover_s=60.0), backend="slots").to_json(),
+        dataclasses.replace(
+            _spec(tmp_path, failover_s=60.0), backend="slots", config={"waits": "device"}
+        ).to_json(),
     )
-    assert healing() == [False]  # a backend failover cannot cover
+    assert healing() == [False]  # a backend failover cannot cover (whole steps)
 
 
 def test_a_rank_that_failed_requests_heals_only_with_failover(rank_block, monkeypatch, tmp_path):

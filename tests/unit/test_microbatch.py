@@ -137,6 +137,7 @@ def test_microbatches_through_a_live_shm_transport() -> None:
     """k=3 microbatches share one attention endpoint with ``num_slots=3``; every layer's
     answer equals the dense reference, whatever order the FFN thread serves them in."""
     from vllm_afd.transport import TransportSpec, create_attention_transport, create_ffn_transport
+    from vllm_afd.transport.control import StepSchedule
     from vllm_afd.transport.reference import LocalMoE, ScaleExperts, reference_moe_combine
 
     spec = TransportSpec(
@@ -155,6 +156,7 @@ def test_microbatches_through_a_live_shm_transport() -> None:
     ffn = create_ffn_transport(spec, 0)
     spec = dataclasses.replace(spec, addresses=(ffn.address,))
     attention = create_attention_transport(spec, 0)
+    attention.begin_step(StepSchedule(1, (5, 0, 4), (0, 1, 2, 3)))
     stop = threading.Event()
 
     def serve() -> None:
@@ -164,13 +166,13 @@ def test_microbatches_through_a_live_shm_transport() -> None:
                 time.sleep(0.001)  # the FFN stage takes a while: microbatches pile up
                 ffn.reply(request, forward(request.x, request.topk_ids, request.topk_weights))
 
-    def microbatch(tokens: int, seed: int) -> bool:
+    def microbatch(tokens: int, seed: int) -> bool:  # microbatch ``seed``
         gen = torch.Generator().manual_seed(seed)
         x = torch.randn(tokens, spec.hidden_size, generator=gen)
         for layer in range(4):
             ids = torch.rand(tokens, spec.num_experts, generator=gen).topk(2, dim=1).indices
             weights = torch.full((tokens, 2), 0.5)
-            handle = attention.dispatch(layer, x, ids, weights)
+            handle = attention.dispatch(layer, x, ids, weights, seed)
             overlap_point()
             out = attention.combine(handle)
             expected = reference_moe_combine(x, ids, weights, experts, spec.num_experts)

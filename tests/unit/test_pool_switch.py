@@ -1,8 +1,9 @@
 """A live scale, attention side: the hook switches to a newly published FFN pool at a step
 boundary (``remote_experts._Session``), and its answers stay those of the old pool.
 
-Real shm FFN ranks (reference serve loops in threads, ``LocalMoE`` experts): pool 1 has one
-rank, pool 2 two (each holding half the experts). The pool is published as
+Real FFN ranks (reference serve loops in threads, ``LocalMoE`` experts) on every backend that
+claims live scaling (the slot plane on host memory, tcp): pool 1 has one rank, pool 2 two (each
+holding half the experts). The pool is published as
 ``placement/scaling.py`` does (``directory.publish_pool``); the session's watcher switches an
 idle rank by itself, and a rank inside a step (``STEP_LOCK`` held, as the runner holds it: W1)
 switches before its next step.
@@ -68,8 +69,8 @@ class _Rank:
         self.transport.close()
 
 
-@pytest.fixture
-def pools(tmp_path, monkeypatch):
+@pytest.fixture(params=["shm", "tcp"])
+def pools(request, tmp_path, monkeypatch):
     """The hook connected to pool 1 (one FFN rank); yields (session, the pools' specs, their
     ranks, inputs, layers). Pool 2 (two ranks, half the experts each) runs, not published."""
     from vllm.distributed import parallel_state
@@ -81,7 +82,7 @@ def pools(tmp_path, monkeypatch):
         torch.randn(experts, hidden, 16, generator=gen) / 4,
     )
     base = TransportSpec(
-        backend="shm",
+        backend=request.param,
         num_attention_ranks=1,
         num_ffn_ranks=1,
         num_experts=experts,
@@ -94,7 +95,10 @@ def pools(tmp_path, monkeypatch):
     for epoch, count in ((1, 1), (2, 2)):
         (tmp_path / f"ffn{epoch}").mkdir()
         spec = dataclasses.replace(
-            base, num_ffn_ranks=count, directory=str(tmp_path / f"ffn{epoch}")
+            base,
+            num_ffn_ranks=count,
+            directory=str(tmp_path / f"ffn{epoch}"),
+            addresses=("127.0.0.1:0",) * count if request.param == "tcp" else (),
         )
         started = [_Rank(spec, r, weights) for r in range(count)]
         specs.append(
@@ -158,7 +162,8 @@ def test_a_rank_inside_a_step_switches_before_its_next_step(pools):
 
 def test_a_pool_that_cannot_be_reached_leaves_the_rank_on_its_own(pools, caplog):
     session, specs, ranks, inputs, layers = pools
-    gone = dataclasses.replace(specs[1], addresses=("afd_nosuchsegment0", "afd_nosuchsegment1"))
+    nowhere = {"shm": ("afd_nosuchsegment0", "afd_nosuchsegment1"), "tcp": ("127.0.0.1:1",) * 2}
+    gone = dataclasses.replace(specs[1], addresses=nowhere[specs[1].backend])
     directory.publish_pool(specs[0].directory, directory.Pool(2, gone.to_json()))
     assert _wait(lambda: session.watcher.given_up == 2)
     assert session.epoch == 1 and "cannot switch to FFN pool 2" in caplog.text

@@ -2,7 +2,8 @@
 requests again one by one (``remote_experts._isolate``), and the scheduler finishes the ones
 that fail alone with vLLM's request error (patch W2, ``fail_requests``).
 
-The hook runs against a real shm FFN rank (an executor thread on the tiny Qwen3-MoE) whose
+The hook runs against a real FFN rank (an executor thread on the tiny Qwen3-MoE), on every
+backend that claims request isolation (the slot plane on host memory, tcp), whose
 serve loop raises for any request of at least 5 rows (``VLLM_AFD_FAULT_FILE`` reading
 ``rows>=5``), with the model runner's batch layout given as vLLM's runner holds it.
 """
@@ -39,8 +40,8 @@ def _runner(batch: dict[str, int]) -> SimpleNamespace:
     )
 
 
-@pytest.fixture
-def hook(tiny_qwen3, tmp_path, monkeypatch):
+@pytest.fixture(params=["shm", "tcp"])
+def hook(request, tiny_qwen3, tmp_path, monkeypatch):
     """The hook connected to one FFN rank with the fault armed; yields (fault file, inputs)."""
     from transformers import AutoConfig
     from vllm.distributed import parallel_state
@@ -54,7 +55,7 @@ def hook(tiny_qwen3, tmp_path, monkeypatch):
     monkeypatch.setenv(envs.FAULT_FILE, str(fault))
     info = moe_model_info(AutoConfig.from_pretrained(tiny_qwen3))
     spec = TransportSpec(
-        backend="shm",
+        backend=request.param,
         num_attention_ranks=1,
         num_ffn_ranks=1,
         num_experts=info.num_experts,
@@ -62,6 +63,7 @@ def hook(tiny_qwen3, tmp_path, monkeypatch):
         top_k=info.top_k,
         max_tokens=16,
         moe_layers=info.moe_layers,
+        addresses=("127.0.0.1:0",) if request.param == "tcp" else (),
     )
     executor = FFNExecutor(spec, 0, tiny_qwen3, "cpu")
     executor.start()

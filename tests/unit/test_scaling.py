@@ -60,7 +60,8 @@ def test_the_size_the_pool_has_is_no_scale(group):
 
 
 def test_a_step_serving_backend_or_no_group_cannot_scale(group, monkeypatch):
-    monkeypatch.setattr(group, "spec", dataclasses.replace(group.spec, backend="slots"))
+    stepped = dataclasses.replace(group.spec, backend="slots", config={"waits": "device"})
+    monkeypatch.setattr(group, "spec", stepped)
     with pytest.raises(scaling.ScaleError, match="slots cannot change its FFN pool live") as e:
         scaling.scale_ffn_group(2)
     assert e.value.status == 409

@@ -1,10 +1,11 @@
 """One token's path through the package, measured: the files a routed token's code runs in.
 
 A profiler hook (``sys.setprofile``, on this thread and the FFN executors' threads) records the
-``vllm_afd`` files that run during one ``remote_experts_impl`` round trip of a real shm
-deployment in this process (tiny Qwen3-MoE, 1 attention rank, 2 FFN ranks as executor threads),
-after ``connect()`` (done while a worker builds the model). docs/architecture.md lists these
-files; a change that sends a token through another module must update both.
+``vllm_afd`` files that run during one ``remote_experts_impl`` round trip of a real shm (the
+slot plane on host memory) deployment in this process (tiny Qwen3-MoE, 1 attention rank, 2 FFN
+ranks as executor threads), after ``connect()`` (done while a worker builds the model).
+docs/architecture.md lists these files; a change that sends a token through another module must
+update both.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ PACKAGE = Path(vllm_afd.__file__).parent
 PATH = {
     "remote_experts.py",
     "microbatch.py",
-    "transport/p2p.py",
-    "transport/shm.py",
+    "transport/endpoint.py",  # the attention endpoint, every backend's
+    "transport/slots.py",  # the wire on the slot plane; its FFN side serving requests
+    "transport/slot_plane.py",  # the protocol: sends, waits, answers
+    "transport/control_block.py",  # the step's schedule, written and read once per step
+    "transport/wait.py",  # a wait's stages
     "transport/base.py",  # begin_step: the step's schedule, announced once per step
     "transport/control.py",  # ... and checked by the FFN rank
     "ffn/executor.py",

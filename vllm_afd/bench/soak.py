@@ -1,8 +1,8 @@
 """Soak benchmark: FFN failover (or a live scale of the FFN pool) under sustained streaming load.
 
-    python -m vllm_afd.bench.soak [--model DIR] [--ratio 2:1] [--clients 6] [--minutes 3]
-                                  [--kill-every 45] [--scale-to N,N,...] [--max-tokens 128]
-                                  [--json soak.json]
+    python -m vllm_afd.bench.soak [--model DIR] [--ratio 2:1] [--transport NAME] [--clients 6]
+                                  [--minutes 3] [--kill-every 45] [--scale-to N,N,...]
+                                  [--max-tokens 128] [--json soak.json]
 
 With ``--scale-to 2,1`` the soak scales the pool instead of killing a rank: every
 ``--kill-every`` seconds one ``POST /afd/scale`` to the next count, and the report gives each
@@ -305,7 +305,8 @@ def format_report(
         else f"kill FFN rank {s['ffn_rank']} every {s['kill_every']:g} s"
     )
     lines = [
-        f"soak: {s['model_name']} at {s['ratio']}, {s['clients']} clients, "
+        f"soak: {s['model_name']} at {s['ratio']} ({s.get('transport', 'auto')}), "
+        f"{s['clients']} clients, "
         f"{s['minutes']:g} min, {event}, "
         f"{s['max_tokens']} tokens per request",
         f"requests: {summary.completed} completed, {summary.failed} failed (lost), "
@@ -548,6 +549,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", help="model directory (default: the tiny Qwen3-MoE)")
     parser.add_argument("--ratio", default="2:1", help="--afd-ratio A:F (default 2:1)")
+    parser.add_argument(
+        "--transport", default="auto", help="--afd-transport of the server (default auto)"
+    )
     parser.add_argument("--clients", type=int, default=6, help="client threads (default 6)")
     parser.add_argument("--minutes", type=float, default=3.0, help="load duration (default 3)")
     parser.add_argument(
@@ -583,11 +587,12 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(args.log) if args.log else json_path.with_suffix(".server.log")
     settings = {
         key: getattr(args, key)
-        for key in ("model", "ratio", "clients", "minutes", "kill_every", "max_tokens")
+        for key in ("model", "ratio", "transport", "clients", "minutes", "kill_every", "max_tokens")
     } | {"ffn_rank": args.ffn_rank, "margin": args.margin, "server_log": str(log)}
     settings["scale_to"] = list(args.scale_to)
     settings["model_name"] = Path(args.model).name
-    server = ServeProcess(args.model, log, ("--afd-ratio", args.ratio), env={"VLLM_PLUGINS": "afd"})
+    flags = ("--afd-ratio", args.ratio, "--afd-transport", args.transport)
+    server = ServeProcess(args.model, log, flags, env={"VLLM_PLUGINS": "afd"})
     print(f"soak: server pid {server.proc.pid} on {server.url}, log {log}", flush=True)
     leftovers: list[int] = []
     try:

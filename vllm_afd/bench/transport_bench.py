@@ -69,7 +69,7 @@ from vllm_afd.testing.ffn import EchoForward, ffn_worker_main
 from vllm_afd.transport import TransportSpec, create_attention_transport
 from vllm_afd.transport import backend as transport_backend
 from vllm_afd.transport.control import StepSchedule
-from vllm_afd.transport.p2p import WaitPolicy
+from vllm_afd.transport.wait import WaitPolicy
 
 DEFAULT_TOKENS = (1, 4, 16, 64, 256, 512)
 DEFAULT_HIDDEN = (128, 1024, 4096)

@@ -37,17 +37,17 @@ import socket
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from vllm_afd import envs
+from vllm_afd.ffn.step_graphs import StepGraphs
 from vllm_afd.ffn.weights import expert_bytes, load_routed_experts
 from vllm_afd.metrics.blocks import FFNStatsBlock
 from vllm_afd.transport import FFNRequest, FFNTransport, TransportSpec, create_ffn_transport
-from vllm_afd.transport.control import ScheduleChecker, Tag
-from vllm_afd.transport.slots import StepGraphs
+from vllm_afd.transport.base import ServesRequests, ServesSteps, UseForward
+from vllm_afd.transport.control import Part, ScheduleChecker, Tag
 
 logger = logging.getLogger("vllm.afd")
 
@@ -262,7 +262,8 @@ class FFNExecutor:
         self._fault_file = envs.VLLM_AFD_FAULT_FILE
         #: Whole steps as CUDA graphs (a transport that serves steps, on a GPU).
         on_gpu = torch.device(device).type == "cuda"
-        self.graphs = StepGraphs() if on_gpu and self.transport.serves_steps else None
+        steps = isinstance(self.transport, ServesSteps)
+        self.graphs = StepGraphs() if on_gpu and steps else None
 
     @property
     def address(self) -> str:
@@ -271,19 +272,21 @@ class FFNExecutor:
     def serve_once(self, timeout_s: float) -> int:
         """Serve every pending request (or, for a transport that serves steps, the next whole
         step); returns how many requests were answered."""
-        if self.transport.serves_steps:
-            return self._serve_step(timeout_s)
-        requests = self.transport.recv(timeout_s)
+        transport = self.transport
+        if isinstance(transport, ServesSteps):
+            return self._serve_step(transport, timeout_s)
+        assert isinstance(transport, ServesRequests)
+        requests = transport.recv(timeout_s)
         by_layer: dict[int, list[FFNRequest]] = defaultdict(list)
         for request in requests:
-            if self._check(request):
+            if self._check(transport, request):
                 by_layer[request.layer].append(request)
         for layer, group in by_layer.items():
-            self._serve_layer(layer, group)
+            self._serve_layer(transport, layer, group)
         return len(requests)
 
-    def _serve_step(self, timeout_s: float) -> int:
-        """The next announced step, whole and in stream order (``FFNTransport.serves_steps``):
+    def _serve_step(self, transport: ServesSteps, timeout_s: float) -> int:
+        """The next announced step, whole and in stream order (``ServesSteps``):
         per use of a slot, every attention rank's rows through the layer's MoE kernel at once.
         On a GPU the step is one CUDA graph per step shape (``StepGraphs``). If serving raises
         on the host, the uses not served are answered with the error (their attention ranks'
@@ -326,17 +329,19 @@ class FFNExecutor:
             self._account(layer, [(p.attention_rank, slot) for p in parts], rows, nbytes, dt)
         return sum(len(parts) for _, _, parts in served)
 
-    def _step_forward(self, layer: int, parts) -> Callable:
+    def _step_forward(self, layer: int, parts: tuple[Part, ...]) -> UseForward:
         """The layer's experts as the plane's ``forward(x, ids, weights, out)``."""
 
-        def forward(x, topk_ids, topk_weights, out):
+        def forward(
+            x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
+        ) -> torch.Tensor:
             if self._fault_file is not None and os.path.exists(self._fault_file):
                 _inject_fault(self._fault_file, [part.rows for part in parts])
             return out.copy_(self.kernel(layer, x, topk_ids, topk_weights))
 
         return forward
 
-    def _check(self, request: FFNRequest) -> bool:
+    def _check(self, transport: ServesRequests, request: FFNRequest) -> bool:
         """Check the request's tag against its sender's schedule (``control.py``); a request
         that disagrees is failed on its attention rank with the reason."""
         tag = Tag(request.step, request.layer, request.microbatch)
@@ -353,7 +358,7 @@ class FFNExecutor:
             return True
         logger.error("AFD: %s", why)
         self._record_failures(1)
-        self.transport.reply_error(request, why)
+        transport.reply_error(request, why)
         return False
 
     def _record_failures(self, count: int) -> None:
@@ -361,7 +366,7 @@ class FFNExecutor:
         if self.stats.shared is not None:
             self.stats.shared.record_failure(count)
 
-    def _serve_layer(self, layer: int, group: list[FFNRequest]) -> None:
+    def _serve_layer(self, transport: ServesRequests, layer: int, group: list[FFNRequest]) -> None:
         """Serve one layer's requests together. If that raises, each request not answered yet
         is served again alone, so that the error reaches only the attention ranks whose
         requests raise by themselves: each of those is failed on its attention rank with the
@@ -376,7 +381,7 @@ class FFNExecutor:
             offset = 0
             for request in group:
                 n = request.x.shape[0]
-                self.transport.reply(request, out[offset : offset + n])
+                transport.reply(request, out[offset : offset + n])
                 offset += n
                 answered += 1
             sources = [(r.src_rank, r.microbatch) for r in group]
@@ -385,13 +390,13 @@ class FFNExecutor:
             rest = group[answered:]
             if len(rest) > 1:
                 for request in rest:
-                    self._serve_layer(layer, [request])
+                    self._serve_layer(transport, layer, [request])
                 return
             message = f"layer {layer}: {type(exc).__name__}: {exc}"
             logger.exception("AFD FFN rank %d failed serving %s", self.rank, message)
             if rest:  # never an error after an answer
                 self._record_failures(1)
-                self.transport.reply_error(rest[0], message)
+                transport.reply_error(rest[0], message)
         finally:
             if shared is not None:
                 shared.set_busy(0.0)

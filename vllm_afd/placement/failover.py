@@ -2,7 +2,7 @@
 died, stopped, wedged or failed serving a request (``health.rank_problem``; on another Ray
 node, ``RayWatch``: its process or its node died), and publishes the replacement in the FFN
 directory (``transport/directory.py``), where the attention ranks find it
-(``transport/p2p.py``).
+(``transport/endpoint.py``).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class Supervisor:
     (``FFNGroup.start_rank``: same experts, loaded again) and publishes it ``up`` with the next
     incarnation, the failover count and the seconds from detection to serving. The attention
     ranks, which noticed the loss themselves, wait for that entry and send the replacement what
-    the lost rank had not answered (``transport/p2p.py``).
+    the lost rank had not answered (``transport/endpoint.py``).
 
     Repeated failures back off: a rank that fails again within ``FAILOVER_STABLE_S`` of its
     replacement extends its streak, and the replacement waits ``restart_delay(streak)``; after

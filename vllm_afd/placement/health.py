@@ -114,9 +114,10 @@ class Problem:
 
 
 def _fails_over(spec: TransportSpec) -> bool:
-    from vllm_afd.transport import backend
+    from vllm_afd.transport import Feature, backend
 
-    return spec.failover_s > 0 and backend(spec.backend).supports_failover
+    features = backend(spec.backend).features(spec.config)
+    return spec.failover_s > 0 and Feature.FAILOVER in features
 
 
 def ffn_group_problems() -> list[Problem]:

@@ -38,7 +38,7 @@ from vllm_afd.placement.credentials import (
 )
 from vllm_afd.placement.failover import Supervisor
 from vllm_afd.placement.health import reap_dead_deployments
-from vllm_afd.transport import TransportSpec, backend, directory
+from vllm_afd.transport import Feature, TransportSpec, backend, directory
 from vllm_afd.transport.directory import RankEntry
 
 logger = logging.getLogger("vllm.afd")
@@ -104,7 +104,8 @@ def start_ffn_group(request: GroupRequest) -> FFNGroup:
 
 def supervise(group: FFNGroup) -> None:
     """Start failover's supervisor of ``group`` when failover is on (and the backend has it)."""
-    if group.spec.fails_over and backend(group.spec.backend).supports_failover:
+    spec = group.spec
+    if spec.fails_over and Feature.FAILOVER in backend(spec.backend).features(spec.config):
         group.supervisor = Supervisor(group)
 
 

@@ -18,11 +18,12 @@ everything they hold (KV cache, scheduler, requests in flight); only the FFN poo
 4. once every attention rank said so (``directory.Switch``), the old pool drains (nothing is
    in flight on it any more) and stops.
 
-Why no common step for every attention rank: the point-to-point backends' FFN ranks serve
-whatever arrives, from any attention rank, so two attention ranks on two pools for a step is
-correct, and a rank idle for minutes never holds a scale up. The slot plane (``slots``), whose
-FFN ranks serve a step of every attention rank at once, cannot scale live yet
-(``Backend.scales_live``): there the switch needs one step number at which every attention
+Why no common step for every attention rank: FFN ranks that serve requests as they come
+(``transport.base.ServesRequests``: the slot plane on host memory, tcp) serve whatever arrives,
+from any attention rank, so two attention ranks on two pools for a step is correct, and a rank
+idle for minutes never holds a scale up. FFN ranks that serve whole steps of every attention
+rank at once (the slot plane with the device's waits, every GPU) cannot scale live yet
+(``Feature.LIVE_SCALING``): there the switch needs one step number at which every attention
 rank changes pools (announced like a schedule), so that no FFN rank waits for a rank that
 left; each attention rank then maps the new pool's buffers and unmaps the old ones.
 
@@ -49,7 +50,7 @@ from typing import Any
 from vllm_afd.config import AFDConfigError
 from vllm_afd.placement import lifecycle, shared
 from vllm_afd.placement.cluster import FFNGroup
-from vllm_afd.transport import TransportSpec, backend, directory
+from vllm_afd.transport import Feature, TransportSpec, backend, directory
 
 logger = logging.getLogger("vllm.afd")
 #: How long a scale waits for every attention rank to switch to the new pool (a rank switches
@@ -129,7 +130,8 @@ def scale_ffn_group(
                 )
             )
             raise ScaleError(409, f"no FFN group of this front-end to scale{joined}")
-        if not backend(old.spec.backend).scales_live:
+        spec = old.spec
+        if Feature.LIVE_SCALING not in backend(spec.backend).features(spec.config):
             raise ScaleError(
                 409, f"--afd-transport {old.spec.backend} cannot change its FFN pool live"
             )

@@ -18,8 +18,8 @@ each (the whole well under 5 minutes):
   the flag values the kernels compute from it carry the protocol, with no Python on the token
   path.
 * ``host-slots`` / ``cuda-slots``: the serving backend itself (``transport/slots.py``): two
-  attention ranks' ``SlotsAttentionTransport`` (announced steps, DBO call order) and an FFN
-  process's ``SlotsFFNTransport`` serving whole steps as the FFN executor does, its steps as
+  attention ranks' ``PlaneAttentionTransport`` (announced steps, DBO call order) and an FFN
+  process's ``SteppedPlaneFFN`` serving whole steps as the FFN executor does, its steps as
   CUDA graphs from the second step of a shape on (``StepGraphs``; on the host eagerly, with
   the device's wait semantics), 4 steps against the reference (host: exact; CUDA: bf16).
 * ``cuda-round-trip``: per decode-sized batch, the round trip per MoE layer (graph replays of a
@@ -48,7 +48,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from vllm_afd.transport.slot_plane import AttentionPlane, FFNPlane, Part, PlaneLayout
+from vllm_afd.transport.control import Part
+from vllm_afd.transport.slot_plane import AttentionPlane, FFNPlane, PlaneLayout
 
 LAYERS, EXPERTS, TOP_K, HIDDEN, INTER, TOKENS = 4, 8, 2, 256, 128, 16
 SKIP = 77
@@ -335,8 +336,8 @@ def _slots_spec(dtype: torch.dtype, waits: str, addresses: tuple[str, ...] = ())
 def _slots_ffn_main(kind: str, dtype: torch.dtype, steps: int, to_attention, done) -> None:
     """The FFN process of ``run_slots_pair``: the slots FFN endpoint serving whole steps, as
     ``FFNExecutor._serve_step`` does, around the toy model's experts."""
+    from vllm_afd.ffn.step_graphs import StepGraphs
     from vllm_afd.transport import create_ffn_transport
-    from vllm_afd.transport.slots import StepGraphs
 
     if kind == "cuda":
         torch.cuda.set_device(0)

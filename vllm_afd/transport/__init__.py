@@ -15,6 +15,7 @@ from vllm_afd.transport.base import (
     AttentionTransport,
     Backend,
     DispatchHandle,
+    Feature,
     FFNRankLost,
     FFNRequest,
     FFNServeError,
@@ -27,7 +28,7 @@ from vllm_afd.transport.base import (
 
 # name -> "module:BackendClass"
 _BACKENDS: dict[str, str] = {
-    "shm": "vllm_afd.transport.shm:ShmBackend",
+    "shm": "vllm_afd.transport.slots:ShmBackend",
     "tcp": "vllm_afd.transport.tcp:TcpBackend",
     "slots": "vllm_afd.transport.slots:SlotsBackend",
 }
@@ -131,33 +132,34 @@ def create_attention_transport(spec: TransportSpec, rank: int) -> AttentionTrans
     """The attention endpoint of backend ``spec.backend`` for attention rank ``rank``.
 
     ``spec`` is the one the FFN group published (its ``addresses`` filled in); the endpoint
-    connects to every FFN rank before it returns.
+    (``Backend.endpoints`` for ``spec.config``) connects to every FFN rank before it returns.
 
     Raises:
         ValueError: for an unknown backend, or a ``spec``/``rank`` the backend refuses.
         TransportError: if an FFN rank cannot be reached.
         RuntimeError: if this machine cannot run the backend (e.g. shm on aarch64).
     """
-    return backend(spec.backend).attention(spec, rank)
+    return backend(spec.backend).endpoints(spec.config)[0](spec, rank)
 
 
 def create_ffn_transport(spec: TransportSpec, rank: int) -> FFNTransport:
     """The FFN endpoint of backend ``spec.backend`` for FFN rank ``rank``.
 
-    An entry of ``spec.addresses`` is a request here (shm: segment-name prefix, tcp: the
-    ``host:port`` to bind); the endpoint's ``address`` is what attention ranks connect to.
+    An entry of ``spec.addresses`` is a request here (the slot plane: segment-name prefix, tcp:
+    the ``host:port`` to bind); the endpoint's ``address`` is what attention ranks connect to.
 
     Raises:
         ValueError: for an unknown backend, or a ``spec``/``rank`` the backend refuses.
         RuntimeError: if this machine cannot run the backend (e.g. shm on aarch64).
     """
-    return backend(spec.backend).ffn(spec, rank)
+    return backend(spec.backend).endpoints(spec.config)[1](spec, rank)
 
 
 __all__ = [
     "AttentionTransport",
     "Backend",
     "DispatchHandle",
+    "Feature",
     "FFNRankLost",
     "FFNRequest",
     "FFNServeError",

@@ -7,46 +7,51 @@ and combine splits into a receive hook and the receive, as DeepEP's ``return_rec
   hidden states and their routing decision. It returns at once with a ``DispatchHandle``;
   ``combine(handle)`` waits and returns, in the original token order, the sum over the token's
   top-k experts of ``weight * expert(x)``.
-* The FFN side calls ``recv`` to take every request that has arrived (from any attention rank,
-  any layer), runs the experts it owns, and answers each request with ``reply``: per row, the
-  sum over the request's ``topk_ids`` it owns of ``topk_weights * expert(x)``.
+* The FFN side serves in one of two ways, each an interface (``ServesRequests``: ``recv``
+  takes every request that has arrived, from any attention rank, any layer, and ``reply``
+  answers each; ``ServesSteps``: whole announced steps in stream order, for CUDA graphs). Either
+  way an answer is, per row, the sum over the request's ``topk_ids`` the FFN rank owns of
+  ``topk_weights * expert(x)``.
 
 Every backend sends the routing weights to the FFN side, which returns rows already weighted
 and summed over its experts; the attention side only adds the FFN ranks' answers. So a token
 crosses once to each FFN rank it goes to and once back, whatever its top-k.
 
 Expert placement is fixed and contiguous: with ``E`` routed experts and ``F`` FFN ranks, global
-expert ``e`` lives on FFN rank ``e // (E // F)`` with local id ``e % (E // F)``. The
-point-to-point backends send a token to an FFN rank only if at least one of its top-k experts
-lives there (the slot plane sends it to every FFN rank: fixed shapes); the FFN side receives
+expert ``e`` lives on FFN rank ``e // (E // F)`` with local id ``e % (E // F)``. An attention
+endpoint sends a token to an FFN rank only if at least one of its top-k experts lives there,
+except on device memory (fixed shapes: every token to every FFN rank); the FFN side receives
 the *global* ids and weights and masks the experts it does not own.
 
-Why point-to-point requests rather than a lockstep collective on the FFN side: the FFN side
-then never needs to know how many tokens, ranks or layers to expect. Prefill batches, decode
-batches, profile and dummy runs, and idle periods (no request at all) all fall out of the same
-"serve whatever is pending" loop, and there is nothing to deadlock on. Attention ranks that run
-in lockstep (vLLM data parallel) still get their tokens batched together on the FFN side,
-because their requests for the same layer arrive together. A backend whose FFN side serves
-announced steps (``slots``: fixed-shape slots for CUDA graphs) keeps the same contract on both
-sides; its ``recv`` hands out one use of a slot of the step at a time.
+Why requests served as they come rather than a lockstep collective on the FFN side: the FFN
+side then never needs every attention rank to step together. Prefill batches, decode batches,
+profile and dummy runs, idle periods, one attention rank sending a request again on its own,
+and front-ends that share one FFN group all fall out of the same "serve whatever is pending"
+loop, and there is nothing to deadlock on. Attention ranks that run in lockstep (vLLM data
+parallel) still get their tokens batched together on the FFN side, because their requests for
+the same layer arrive together. An FFN side that serves announced steps (fixed-shape slots for
+CUDA graphs) keeps the same contract on the attention side.
 
 Failure: ``combine`` never waits forever. It raises ``TransportError`` after
 ``TransportSpec.timeout_s``, ``FFNServeError`` at once, with the FFN rank's error text, when
-serving the request raised on the FFN rank (``FFNTransport.reply_error``), and ``FFNRankLost``
-when the FFN rank is known gone (backends check liveness while waiting), unless failover is on
-(``TransportSpec.directory``): then the point-to-point backends wait for the rank's replacement
-and send it again what the lost rank had not answered, so that ``combine`` returns the same
-result (``p2p.py``).
+serving the request raised on the FFN rank (``ServesRequests.reply_error``), and
+``FFNRankLost`` when the FFN rank is known gone (backends check liveness while waiting),
+unless failover is on (``TransportSpec.directory``): then an attention endpoint that
+``Reconnects`` waits for the rank's replacement and sends it again what the lost rank had not
+answered, so that ``combine`` returns the same result (``endpoint.py``). What a backend can do
+of the pool's features follows from the interfaces its endpoints implement
+(``Backend.features``): nothing is claimed by default.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 import functools
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -59,7 +64,7 @@ from vllm_afd.errors import (  # noqa: F401 - the contract's errors, named here 
     ProtocolError,
     TransportError,
 )
-from vllm_afd.transport.control import StepSchedule
+from vllm_afd.transport.control import Part, Step, StepSchedule, Use
 
 
 def expert_range(num_experts: int, num_ffn_ranks: int, ffn_rank: int) -> range:
@@ -92,8 +97,9 @@ class TransportSpec:
     timeout_s: float = 30.0
     #: Backend-specific rendezvous data filled in by the FFN side when it starts listening
     #: (shared-memory segment names, host:port pairs, ...), one entry per FFN rank.
-    #: An entry in the spec given to the FFN side is a request, not a result: shm takes it as
-    #: the segment-name prefix, tcp as the "host:port" to bind (port 0: any free port).
+    #: An entry in the spec given to the FFN side is a request, not a result: the slot plane
+    #: takes it as the segment-name prefix, tcp as the "host:port" to bind (port 0: any free
+    #: port).
     addresses: tuple[str, ...] = field(default_factory=tuple)
     #: The model's MoE layer indices, ascending (filled by placement from the model): what a
     #: step visits (``control.StepSchedule``).
@@ -155,8 +161,7 @@ class TransportSpec:
         return torch.div(expert_ids, self.experts_per_ffn_rank, rounding_mode="floor")
 
 
-#: Type of ``DispatchHandle.state``, one per backend (``p2p.P2PState``,
-#: ``slot_plane.PlaneHandle``).
+#: Type of ``DispatchHandle.state``, one per backend (``endpoint.SendState``).
 StateT = TypeVar("StateT")
 
 
@@ -174,8 +179,8 @@ class DispatchHandle(Generic[StateT]):
     dtype: torch.dtype
     token_index: dict[int, torch.Tensor]
     #: Backend-private bookkeeping (slot and sequence numbers, the plane's use, ...); ``None``
-    #: after ``combine`` took it (a handle is combined only once), and for a point-to-point
-    #: dispatch that sent nothing.
+    #: after ``combine`` took it (a handle is combined only once), and for a dispatch that
+    #: sent nothing.
     state: StateT | None = None
     #: The step (``AttentionTransport.step``) and microbatch the dispatch belongs to.
     step: int = 0
@@ -197,7 +202,7 @@ class FFNRequest:
         reply_buffer: ``[N, H]`` ``spec.dtype`` where ``reply`` puts the answer, or ``None``
             when the backend has no such buffer (tcp sends ``out`` itself). An FFN rank may
             compute its answer straight into it and pass it to ``reply``, which then only
-            publishes it (shm: one copy less per request). Valid until ``reply``.
+            publishes it (the slot plane: one copy less per request). Valid until ``reply``.
         step, microbatch: the rest of the request's tag (``control.Tag``), as sent.
         schedule: the last ``StepSchedule`` its attention rank announced when it arrived, or
             ``None`` if that rank never announced one (``control.ScheduleChecker``).
@@ -294,15 +299,21 @@ class AttentionTransport(abc.ABC):
         """Release buffers and connections."""
 
 
-class FFNTransport(abc.ABC):
-    """FFN-rank endpoint. One per FFN rank, reachable by every attention rank."""
+class Reconnects(abc.ABC):
+    """An attention endpoint that can link to a lost FFN rank's replacement: what failover
+    needs of it (``endpoint.AttentionEndpoint`` waits for the replacement, tells it the step and
+    sends it again what the lost rank had not answered)."""
 
-    #: It serves whole announced steps in stream order instead of ``recv``/``reply``
-    #: (``slots`` where waits are the device's): ``next_step(timeout_s)``, then per use of the
-    #: step ``serve_use(slot, parts, forward)``, ``fail_uses(uses, message)`` for those an
-    #: error leaves, ``end_step()``; the executor drives them, on a GPU as one CUDA graph per
-    #: step shape (``ffn/executor.py``).
-    serves_steps: bool = False
+    @abc.abstractmethod
+    def reconnect(self, ffn_rank: int, address: str) -> None:
+        """Drop the link to FFN rank ``ffn_rank`` (lost) and link to its replacement at
+        ``address``. Views of the old link's buffers that a caller still holds stay valid."""
+
+
+class FFNTransport(abc.ABC):
+    """FFN-rank endpoint. One per FFN rank, reachable by every attention rank. It serves in one
+    of two ways, each an interface of its own: ``ServesRequests`` (each request as it comes)
+    or ``ServesSteps`` (whole announced steps in stream order)."""
 
     def __init__(self, spec: TransportSpec, rank: int) -> None:
         self.spec = spec
@@ -312,6 +323,15 @@ class FFNTransport(abc.ABC):
     @abc.abstractmethod
     def address(self) -> str:
         """Rendezvous string attention ranks use to reach this FFN rank."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release buffers and connections."""
+
+
+class ServesRequests(FFNTransport):
+    """An FFN endpoint that serves each attention rank's requests as they come, whatever the
+    other attention ranks do: what live scaling, request isolation and an FFN group shared by
+    several front-ends need (their attention ranks do not step together)."""
 
     @abc.abstractmethod
     def recv(self, timeout_s: float) -> list[FFNRequest]:
@@ -326,16 +346,58 @@ class FFNTransport(abc.ABC):
         row, weighted by ``request.topk_weights`` and summed over this rank's experts. ``out``
         may be ``request.reply_buffer`` itself (then nothing is copied)."""
 
+    @abc.abstractmethod
     def reply_error(self, request: FFNRequest, message: str) -> None:
-        """Fail ``request``: its ``combine`` raises ``FFNServeError`` carrying ``message``.
+        """Fail ``request``: its ``combine`` raises ``FFNServeError`` carrying ``message``."""
 
-        Every backend here answers the one request; one that cannot fail a request alone raises
-        ``TransportError`` (the caller then stops serving).
-        """
-        raise TransportError(f"{type(self).__name__} cannot fail one request: {message}")
 
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release buffers and connections."""
+#: ``forward(x [N, H], topk_ids [N, K] int32, topk_weights [N, K] float32, out [N, H]) -> out``:
+#: the FFN rank's experts over a use's rows, written into ``out``.
+UseForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ServesSteps(FFNTransport):
+    """An FFN endpoint that serves whole announced steps in stream order, so that on a GPU a
+    step is one CUDA graph (``ffn/step_graphs.py``): ``next_step``, then per use of the step
+    ``serve_use``, ``fail_uses`` for those an error leaves, ``end_step``. It waits for every
+    attention rank's step (``control.Step``), so it serves only ranks that step together."""
+
+    @abc.abstractmethod
+    def next_step(self, timeout_s: float) -> Step | None:
+        """The next announced step, ready to serve; ``None`` if none came within
+        ``timeout_s``."""
+
+    @abc.abstractmethod
+    def serve_use(self, slot: int, parts: tuple[Part, ...], forward: UseForward) -> None:
+        """One use of a slot of the step: every part's rows through one ``forward``, every
+        answer published (in stream order on devices with streams)."""
+
+    @abc.abstractmethod
+    def fail_uses(self, uses: Sequence[Use], message: str) -> None:
+        """Answer every part of ``uses`` with ``message`` (their attention ranks' waits end)."""
+
+    @abc.abstractmethod
+    def end_step(self) -> None:
+        """The step is served (what its waits recorded is reported)."""
+
+
+class Feature(enum.Enum):
+    """A pool feature a backend can claim (``Backend.features``), only by implementing what it
+    needs."""
+
+    #: A lost FFN rank is replaced and the requests in flight complete (``--afd-failover-
+    #: timeout``): an attention endpoint that ``Reconnects``, an FFN side that
+    #: ``ServesRequests`` (its waits raise, so a loss is seen at once).
+    FAILOVER = "failover"
+    #: The FFN pool changes size while it serves (``POST /afd/scale``): each attention rank
+    #: switches to the new pool at a step boundary of its own (``ServesRequests``).
+    LIVE_SCALING = "live scaling"
+    #: An FFN error fails only the request it follows: one attention rank sends a layer's rows
+    #: again, request by request, in steps of its own (``ServesRequests``).
+    ISOLATION = "request isolation"
+    #: Several front-ends share one FFN group (``vllm-afd ffn-server``, ``--afd-join``); they do
+    #: not step together (``ServesRequests``).
+    SHARED_GROUP = "shared group"
 
 
 class Backend:
@@ -346,7 +408,8 @@ class Backend:
     registered by name (``register_transport``) or named by its module path
     (``--afd-transport package.module:MyBackend``).
 
-    Every answer has a default here (what the point-to-point CPU backends do); a backend
+    Every answer has a default here that claims nothing a backend must implement (its pool
+    features follow from the interfaces its endpoints implement: ``features``); a backend
     overrides what differs. Class-level only: nothing is instantiated and nothing heavy is
     imported by asking (the front-end asks before any worker starts).
     """
@@ -363,23 +426,6 @@ class Backend:
     #: Its data plane crosses the FFN host's interface unencrypted (the front-end warns when
     #: that interface is not loopback).
     plaintext_on_ffn_host: ClassVar[bool] = False
-    #: Failover (``--afd-failover-timeout``) can replace its lost FFN ranks.
-    supports_failover: ClassVar[bool] = True
-    #: Its FFN pool can change size while it serves (``POST /afd/scale``): each attention
-    #: rank switches to a new pool's endpoints on its own, at a step boundary, while the old
-    #: pool still serves the others; one whose FFN side waits for every attention rank's step
-    #: (``slots``) cannot yet.
-    scales_live: ClassVar[bool] = True
-    #: One attention rank may send a layer's rows again on its own, request by request, in
-    #: steps of its own, to fail only the request an FFN error follows
-    #: (``remote_experts._isolate``); one whose FFN side serves announced steps of every
-    #: attention rank (``slots``) does not yet.
-    isolates_requests: ClassVar[bool] = True
-    #: Several front-ends may share one FFN group of it (``vllm-afd ffn-server`` and
-    #: ``--afd-join``): its FFN side serves each attention rank's requests as they come; a
-    #: backend whose FFN side waits for a step of every attention rank (``slots``) cannot,
-    #: since front-ends do not step together.
-    shares_group: ClassVar[bool] = True
     #: Its attention side dispatches only inside announced steps (``begin_step``): its FFN
     #: side learns what to serve from the schedules (``slots``). A producer that drives
     #: endpoints directly (a benchmark) announces steps for it.
@@ -387,6 +433,26 @@ class Backend:
     #: The settings it takes in ``--afd-transport-config`` (its endpoints read them from
     #: ``TransportSpec.config``): name -> type of the JSON value. Empty: none.
     settings: ClassVar[Mapping[str, type]] = {}
+
+    @classmethod
+    def endpoints(
+        cls, settings: Mapping[str, Any]
+    ) -> tuple[type[AttentionTransport], type[FFNTransport]]:
+        """Its endpoint classes for these ``settings`` (``TransportSpec.config``)."""
+        return cls.attention, cls.ffn
+
+    @classmethod
+    def features(cls, settings: Mapping[str, Any] | None = None) -> frozenset[Feature]:
+        """The pool features its endpoints for ``settings`` implement (``Feature``): none
+        unless its FFN side ``ServesRequests``, failover only where its attention side
+        ``Reconnects``."""
+        attention, ffn = cls.endpoints(settings or {})
+        if not issubclass(ffn, ServesRequests):
+            return frozenset()
+        features = {Feature.LIVE_SCALING, Feature.ISOLATION, Feature.SHARED_GROUP}
+        if issubclass(attention, Reconnects):
+            features.add(Feature.FAILOVER)
+        return frozenset(features)
 
     @classmethod
     def config_problem(cls, config: Mapping[str, Any]) -> str | None:
@@ -408,6 +474,13 @@ class Backend:
         return None
 
     @classmethod
+    def resolve_settings(cls, settings: Mapping[str, Any], attention_device: str) -> dict:
+        """``settings`` as this backend runs them with attention ranks on
+        ``attention_device`` (``"cpu"``, ``"cuda"``); the front-end writes them back before any
+        worker starts, so every process gets the same."""
+        return dict(settings)
+
+    @classmethod
     def host_problem(cls) -> str | None:
         """Why this machine cannot run the backend's endpoints (``None``: it can)."""
         return None
@@ -426,8 +499,8 @@ class Backend:
 
     @classmethod
     def reap_stale(cls) -> list[str]:
-        """Remove what this user's dead endpoints of this backend left on this host (shm: its
-        ``/dev/shm`` segments); returns their names."""
+        """Remove what this user's dead endpoints of this backend left on this host (the slot
+        plane: its ``/dev/shm`` segments); returns their names."""
         return []
 
     @classmethod

@@ -14,12 +14,13 @@ order. The attention side checks that an answer carries the tag it waits for. A 
 ``base.ProtocolError`` naming both sides: never silent corruption. (This module imports nothing
 of the package: the checks return the reason, and their callers raise or reply it.)
 
-The FFN side of the point-to-point backends does not need the schedule to serve (it serves whatever
-is pending); it needs it to check. The slot plane's FFN side (``slots.py``) needs it to know which
-uses of its slots a step makes and how many rows each carries, which is why the schedule is a
-message of its own and the same on every backend. A producer that never announces a step (a
-benchmark or test driving a transport directly) sends step 0; its requests are checked only against
-the spec's MoE layers.
+An FFN side that serves requests as they come needs the schedule to check them (and, on the slot
+plane, to read a request's layer: its flag carries the layer's position in the step). One that
+serves whole steps (``slots.SteppedPlaneFFN``) needs it to know which uses of its slots a step
+makes and how many rows each carries, which is why the schedule is a message of its own and the
+same on every backend. The slot plane serves only announced steps; a producer that never
+announces one on tcp (a benchmark or test driving a transport directly) sends step 0, whose
+requests are checked only against the spec's MoE layers.
 
 Encoding, shared by the backends: a schedule is a fixed number of int64 words (``words``):
 step, mode, microbatch count, ``WIRE_MICROBATCHES`` token counts, then a bitmap of layer
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 #: Microbatch token counts a schedule has room for on the wire (at least the largest
@@ -172,3 +173,51 @@ class ScheduleChecker:
 def answer_mismatch(ffn_rank: int, expected: Tag, got: Tag) -> str:
     """Attention side: the reason for an answer whose tag is not its request's."""
     return f"FFN rank {ffn_rank} answered ({got}) where this attention rank waits for ({expected})"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One attention rank's share of a use of a slot on the FFN side of a step served whole:
+    its rows (from its schedule) and the layer's position in its step."""
+
+    attention_rank: int
+    rows: int
+    position: int
+
+
+#: One use of a slot in a step served whole: ``(layer, slot, parts)``.
+Use = tuple[int, int, tuple[Part, ...]]
+
+
+@dataclass
+class Step:
+    """A step served whole by an FFN rank (``base.ServesSteps``): every attention rank's
+    schedule in it, the uses of its slots in order, and who is left out."""
+
+    schedules: dict[int, StepSchedule]
+    #: Layer by layer, the microbatches of a layer in turn.
+    uses: list[Use]
+    next: int = 0
+    dropped: set[int] = field(default_factory=set)
+
+    @property
+    def shape(self) -> tuple[Use, ...]:
+        """What a CUDA graph of the whole step is keyed by (the step number is not in it: it
+        is a device word the graph reads)."""
+        return tuple(self.uses)
+
+    @classmethod
+    def of(cls, schedules: dict[int, StepSchedule]) -> Step:
+        layers = sorted({layer for s in schedules.values() for layer in s.layers})
+        slots = max((len(s.microbatch_tokens) for s in schedules.values()), default=0)
+        uses: list[Use] = []
+        for layer in layers:
+            for slot in range(slots):
+                parts = tuple(
+                    Part(a, s.microbatch_tokens[slot], s.layers.index(layer))
+                    for a, s in sorted(schedules.items())
+                    if layer in s.layers and slot < len(s.microbatch_tokens)
+                )
+                if parts:
+                    uses.append((layer, slot, parts))
+        return cls(schedules, uses)

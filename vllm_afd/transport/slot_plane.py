@@ -1,22 +1,22 @@
-"""The slot plane: the shm backend's slot protocol as stream-ordered operations, written once and
-run on two memories (issue 19; docs/architecture.md, "The slot plane"). The ``slots`` backend
-(``slots.py``) serves a deployment on it.
+"""The slot plane: the one attention <-> FFN protocol, written once and run on every memory
+(docs/architecture.md, "The slot plane"). The ``shm`` and ``slots`` backends (``slots.py``)
+serve deployments on it; the attention endpoint (``endpoint.py``) drives it through a few wire
+primitives, as it drives tcp.
 
 Why. On GPUs the A:F hop must move each token once per FFN rank (not once per expert, as
 DeepEP's low-latency kernels with virtual experts do), keep its buffers to the slots (not the
 gigabytes of NVSHMEM those kernels take on every GPU) and make no host synchronization on the
 token path, so that both sides' steps can be captured as CUDA graphs
-(../shared/design/reviews/gpu-path-2.md). The shm backend's layout already has that shape; what
-it lacks on a GPU is a way to publish and wait that is not a host spin. So the layout, the
-protocol, the step schedules and the failure signalling live here, expressed in a handful of
-operations a device executes in stream order, and a ``PlaneMemory`` supplies only the memory and
-the publish/wait primitive:
+(../shared/design/reviews/gpu-path-2.md). On one CPU host the same layout is the fastest way
+there is (shared memory, plain stores). So the layout, the protocol, the step schedules and the
+failure signalling live here, expressed in a handful of operations a device executes in stream
+order, and a ``PlaneMemory`` supplies only the memory and the publish/wait primitive:
 
 * ``HostPlaneMemory`` (this file): a ``/dev/shm`` segment, plain stores (x86-64 total store
-  order, as in shm.py) and a host spin. Every CI run exercises the protocol through it, with
-  either wait semantics: the host's (a wait that fails raises at once) or the device's
-  (``device_waits``: it is recorded and ``check()`` raises at the step's end), the CPU stand-in
-  of the GPU layer's host-side logic.
+  order) and a host wait. Every CI run exercises the protocol through it, with either wait
+  semantics: the host's (a wait that fails raises at once) or the device's (``device_waits``:
+  it is recorded and ``check()`` raises at the step's end), the CPU stand-in of the GPU layer's
+  host-side logic.
 * ``CudaPlaneMemory`` (``slot_plane_cuda.py``): device memory shared by CUDA IPC, a Triton
   store with release semantics and a Triton spin-wait with acquire semantics at system scope;
   every operation is a kernel on the current stream, so CUDA graphs capture the whole exchange.
@@ -28,8 +28,9 @@ through a rendezvous of one process group. The CUDA layer here uses PyTorch and 
 
 Layout. One data buffer per FFN rank, owned by it, mapped by every attention rank::
 
-    flags          int64, one 128-byte line each: request flag and response flag of every
-                   (attention rank a, slot s)
+    flags          one 128-byte line each for the request and the response of every
+                   (attention rank a, slot s); int64 words: the flag, then, on host memory,
+                   the request's row count and the CPU its writer last ran on
     slot (s, a)    x [T, H] spec.dtype | topk_ids [T, K] int32 | topk_weights [T, K] float32 |
                    out [T, H] spec.dtype       (T = max_tokens, each part 128-byte aligned)
 
@@ -38,47 +39,50 @@ the FFN rank's host reads it): the FFN process's identity, the data buffer's han
 attention rank's last announced ``StepSchedule`` (``control.py``).
 
 Protocol. Slot ``s`` carries microbatch ``s``. Every use of a slot is tagged by its flag value,
-``step << POSITION_BITS | position + 1`` (the use's value): the sender's step and the
-layer's position in that step's schedule. Both sides hold the step as a device word
-(``begin``), so the value is computed on the device and a CUDA graph replay, whose host code
-does not run, uses the step announced before it::
+``step << POSITION_BITS | position + 1`` (the use's value, ``use_value``): the sender's step
+and the layer's position in that step's schedule. Both sides hold the step as a word on the
+memory's device (``begin``), so the value is computed on the device and a CUDA graph replay,
+whose host code does not run, uses the step announced before it::
 
     attention a, begin(step):   step word = step << 16; schedule into every control block
-    attention a, dispatch(s, p): copy x, ids, weights into slot (s, a) of every FFN rank f;
-                                signal(request flag (a, s) of f, value(step, p))
-    FFN f, begin(a, step):      f's step word of a = step << 16 (read from a's schedule)
+    attention a, send(f, s, p): copy x, ids, weights (and, on the host, the row count) into
+                                slot (s, a) of FFN rank f; signal(request flag, value(step, p))
     FFN f, take(s, a, p):       wait(request flag (a, s), value(step_a, p))
     FFN f, answer(s, a, p):     signal(response flag (a, s), value(step_a, p)), after writing
                                 the weighted sum of f's experts into out; ``fail``: the
                                 negated value, the error text in out
-    attention a, combine(h):    wait(response flag (a, s) of f, value(step, p)) for every f;
-                                sum the f answers
+    attention a, await(f, s):   wait(response flag (a, s) of f, value(step, p)); sum the
+                                FFN ranks' answers
 
-A signal is a store ordered after the payload (release); a wait returns once ``|flag|`` reaches
-the awaited value (acquire), so the reader never sees a half-written payload. Values only grow
-(steps grow, and positions within a step), so a replay cannot be fooled by the previous use,
-and a wait that finds a larger value knows its peer moved on (an attention rank that abandoned
-a step after an error): it ends instead of waiting for a use that will never come. Slots of
-different microbatches never share a flag, so any interleaving of two microbatches'
-dispatches and combines (vLLM's DBO runs D0, D1, C0, D0', C1, ...) is served as long as the FFN
-side serves each slot's uses in order (layer by layer, the microbatches of a layer in turn).
-Tags are thereby checked on every message, on the device, and steps resynchronise the two sides
-at every announcement: a step abandoned half-way leaves nothing behind.
+A signal is a store ordered after the payload (release); a wait returns once the flag reaches
+the awaited value (acquire), so the reader never sees a half-written payload. The FFN side
+serves the plane in one of two ways, from the same flags:
 
-Fixed shapes. Every dispatch sends all its ``n`` rows to every FFN rank (no host-side filtering
-by expert, which needs the routing on the host), so traffic per layer is ``n x H x F`` each way,
-against ``n x H x (FFN ranks a token touches)`` for the shm backend's filtered sends: equal at
-F = 1 (7:1), 4 against 3.6 for Qwen3-235B at 28 + 4. The FFN side masks the experts it does not
-hold. The row counts of a use come from the announced step schedule, as the CUDA graph to
-replay does; a dispatch may send fewer (an upper bound was announced: the rest is not read).
+* what is pending (``FFNPlane`` read by ``slots.PlaneFFN``, host memory): it scans the request
+  flags, and a flag whose value changed is a request; its step and position come from the
+  value, its layer from its sender's announced schedule, its rows from the row-count word
+  (an attention rank sends each FFN rank only the rows routed to it). Each attention rank is
+  served as its requests come, so ranks need not step together: failover, live scaling,
+  request isolation and several front-ends on one FFN group all rest on this.
+* whole announced steps (``slots.SteppedPlaneFFN``, every device): it waits until every
+  attention rank announced its next step and walks the uses the schedules name, each wait for
+  the value the use must carry. Values only grow within a step, so a wait that finds a larger
+  value knows its peer moved on (an attention rank that abandoned a step after an error): it
+  ends instead of waiting for a use that will never come. Shapes are fixed (every row to every
+  FFN rank, rows from the schedule), so that a step is one CUDA graph.
 
-Failure. A host wait raises ``FFNTimeout`` naming the flag after ``timeout_s`` and reports a
-flag that moved past the awaited value to its caller; its ``watch`` callback (every
-``WATCH_INTERVAL_S``) lets the caller end it early (the FFN process died, the sender announced
-a newer step). A device wait gives up after its spin budget, or on an error answer or a peer
-that moved on, records it in a device word and lets the stream go on (a kernel cannot raise);
-``check()`` reads that word on the host (at step boundaries, where the host looks anyway) and
-raises.
+Fixed shapes on devices. Every dispatch on device memory sends all its ``n`` rows to every FFN
+rank (no host-side filtering by expert, which needs the routing on the host), so traffic per
+layer is ``n x H x F`` each way, against ``n x H x (FFN ranks a token touches)`` for filtered
+sends: equal at F = 1 (7:1), 4 against 3.6 for Qwen3-235B at 28 + 4. The FFN side masks the
+experts it does not hold.
+
+Failure. A host wait raises ``FFNTimeout`` after its deadline and reports a flag that moved
+past the awaited value to its caller; its ``watch`` callback (every ``WATCH_INTERVAL_S``) lets
+the caller end it early (the FFN process died, the sender announced a newer step). A device
+wait gives up after its spin budget, or on an error answer or a peer that moved on, records it
+in a device word and lets the stream go on (a kernel cannot raise); ``check()`` reads that word
+on the host (at step boundaries, where the host looks anyway) and raises.
 """
 
 from __future__ import annotations
@@ -86,7 +90,6 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -95,32 +98,76 @@ from typing import Protocol
 import torch
 
 from vllm_afd.host import (
+    SHM_DIR,
     map_segment,
-    pid_namespace,
-    process_start_time,
-    reap_segments,
     shm_platform_problem,
     unlink_if_creator,
 )
-from vllm_afd.transport.base import FFNTimeout, TransportSpec
-from vllm_afd.transport.control import StepSchedule, schedule_words
+from vllm_afd.transport.base import FFNTimeout, TransportError, TransportSpec
+from vllm_afd.transport.control import Part
+from vllm_afd.transport.wait import Backoff, ViewCache, WaitPolicy
 
 #: Alignment of flags and payload parts: a GPU's L2 line (128 bytes), two x86 cache lines.
 LINE = 128
 _FLAG_WORDS = LINE // 8
+#: Words of a flag line after the flag (host memory only): the request's row count, and the
+#: CPU the line's writer last ran on (a peer there skips its spin: ``wait.current_cpu``).
+ROWS_WORD, CPU_WORD = 1, 2
 #: Bits of a flag value below the step: the layer's position in the step (+1).
 POSITION_BITS = 16
-#: Name prefix of the data segments ``HostPlaneMemory`` creates.
+#: Name prefix of an FFN rank's control block; its data segment on the host adds ``data_``.
 PLANE_PREFIX = "vllm_afd_plane_"
 #: How often a waiting host calls its ``watch`` (seconds).
 WATCH_INTERVAL_S = 0.05
+#: Fresh names a segment's creator tries when a name is taken (planted by someone else).
+_CREATE_ATTEMPTS = 8
 #: ``forward(x [N, H], topk_ids [N, K] int32, topk_weights [N, K] float32, out [N, H]) -> out``,
 #: already weighted and summed over the FFN rank's experts (``transport.reference.FFNForward``).
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _words(tensor: torch.Tensor) -> memoryview:
+    """A host tensor's int64 words as a memoryview (it shares the tensor's memory)."""
+    return memoryview(tensor.numpy()).cast("B").cast("q")
+
+
+#: ``(x, ids, weights, out)`` views of a slot's first rows (``SlotViews.rows``).
+SlotRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def _align(n: int, to: int = LINE) -> int:
     return (n + to - 1) // to * to
+
+
+def create_fresh(stem: str, size: int) -> tuple[str, mmap.mmap]:
+    """A new ``/dev/shm`` segment of ``size`` bytes named ``<stem><8 random bytes>`` (mode
+    0600, ``host.map_segment``); a taken name (a file someone planted) is skipped, so it cannot
+    keep the creator from starting.
+
+    Raises:
+        TransportError: when ``_CREATE_ATTEMPTS`` fresh names were all taken.
+    """
+    taken = []
+    for _ in range(_CREATE_ATTEMPTS):
+        name = f"{stem}{secrets.token_hex(8)}"
+        try:
+            return name, map_segment(name, size, create=True)
+        except FileExistsError:
+            taken.append(name)
+    raise TransportError(
+        f"could not create a shared-memory segment in {SHM_DIR}: {_CREATE_ATTEMPTS} fresh "
+        f"names were all taken ({', '.join(taken[:2])}, ...)"
+    )
+
+
+def use_value(step: int, position: int) -> int:
+    """The flag value of the use of a slot at ``position`` of step ``step`` (module doc)."""
+    return step << POSITION_BITS | position + 1
+
+
+def value_use(value: int) -> tuple[int, int]:
+    """Inverse of ``use_value``: ``(step, position)``."""
+    return value >> POSITION_BITS, (value & ((1 << POSITION_BITS) - 1)) - 1
 
 
 @dataclass(frozen=True)
@@ -197,20 +244,38 @@ class PlaneLayout:
         )
 
 
-#: Row counts whose views a slot keeps (``SlotViews.rows``) before it drops them all.
-_MAX_CACHED_ROWS = 1024
-
-
 class SlotViews:
-    """One slot's flags (one-element int64 views) and payload (``[T, ...]`` views)."""
+    """One slot's flag lines (``[16]`` int64 views, the flag first; on host memory also as
+    memoryviews, ``request_words`` and ``response_words``: a word read or written through one
+    costs a fraction of a tensor's ``int()`` or ``fill_``) and payload (``[T, ...]`` views);
+    ``rows(n)``: ``(x, ids, weights, out)`` of the first ``n`` rows, built once per ``n``
+    (``wait.ViewCache``: a slice costs about as much as copying a decode-sized row, so the hot
+    path reuses them)."""
 
-    __slots__ = ("request", "response", "x", "ids", "weights", "out", "_rows")
+    __slots__ = (
+        "request_line",
+        "response_line",
+        "request_words",
+        "response_words",
+        "request",
+        "response",
+        "x",
+        "ids",
+        "weights",
+        "out",
+        "rows",
+    )
 
     def __init__(self, buffer: torch.Tensor, layout: PlaneLayout, attention_rank: int, slot: int):
         words = buffer[: layout.flags_bytes].view(torch.int64)
         req = layout.flag_word(attention_rank, slot, response=False)
         resp = layout.flag_word(attention_rank, slot, response=True)
-        self.request, self.response = words[req : req + 1], words[resp : resp + 1]
+        self.request_line = words[req : req + _FLAG_WORDS]
+        self.response_line = words[resp : resp + _FLAG_WORDS]
+        self.request, self.response = self.request_line[:1], self.response_line[:1]
+        host = buffer.device.type == "cpu"
+        self.request_words = _words(self.request_line) if host else None
+        self.response_words = _words(self.response_line) if host else None
         at = layout.slot_offset(attention_rank, slot)
         rows = layout.max_tokens
 
@@ -220,21 +285,12 @@ class SlotViews:
             at += nbytes
             return view
 
-        self.x = part(layout.dtype, layout.hidden, layout.x_bytes)
-        self.ids = part(torch.int32, layout.top_k, layout.routing_bytes)
-        self.weights = part(torch.float32, layout.top_k, layout.routing_bytes)
-        self.out = part(layout.dtype, layout.hidden, layout.x_bytes)
-        self._rows: dict[int, tuple[torch.Tensor, ...]] = {}
-
-    def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(x, ids, weights, out)`` of the first ``n`` rows, built once per ``n`` (a slice
-        costs about as much as copying a decode-sized row: the hot path reuses them)."""
-        views = self._rows.get(n)
-        if views is None:
-            if len(self._rows) >= _MAX_CACHED_ROWS:
-                self._rows.clear()
-            views = self._rows[n] = (self.x[:n], self.ids[:n], self.weights[:n], self.out[:n])
-        return views
+        self.x = x = part(layout.dtype, layout.hidden, layout.x_bytes)
+        self.ids = ids = part(torch.int32, layout.top_k, layout.routing_bytes)
+        self.weights = weights = part(torch.float32, layout.top_k, layout.routing_bytes)
+        self.out = out = part(layout.dtype, layout.hidden, layout.x_bytes)
+        cache: ViewCache[SlotRows] = ViewCache(lambda n: (x[:n], ids[:n], weights[:n], out[:n]))
+        self.rows = cache.__getitem__  # a bound method: one call less on the hot path
 
     def write_error(self, message: str) -> None:
         """An error answer's text into ``out`` (its length first, as one int64)."""
@@ -310,8 +366,8 @@ def _set_step(word: torch.Tensor, step: int) -> None:
 
 @dataclass(frozen=True)
 class PlaneHandle:
-    """What ``dispatch`` returns and ``combine`` consumes: the slot, the layer's position in
-    the step and the rows sent."""
+    """What ``AttentionPlane.dispatch`` returns and its ``combine`` consumes: the slot, the
+    layer's position in the step and the rows sent."""
 
     slot: int
     position: int
@@ -328,21 +384,100 @@ class PlaneError(Exception):
 
 class AttentionPlane:
     """Attention rank ``rank``'s end: maps every FFN rank's buffer (``handles``, in FFN rank
-    order), dispatches into its own slots there and combines the answers."""
+    order), sends into its own slots there and awaits the answers, one FFN rank at a time
+    (``send``, ``await_answer``, ``answer``: what the attention endpoint's wire is made of), or
+    every FFN rank at once (``dispatch``, ``combine_hook``: the device check)."""
 
     def __init__(
         self, layout: PlaneLayout, memory: PlaneMemory, rank: int, handles: Sequence[str]
     ) -> None:
         self.layout, self.memory, self.rank = layout, memory, rank
-        self.buffers = [memory.attach(h, layout.total_bytes) for h in handles]
-        self.slots = [
-            [SlotViews(b, layout, rank, s) for s in range(layout.num_slots)] for b in self.buffers
-        ]
+        self.slots: list[list[SlotViews]] = []
+        for handle in handles:
+            self.slots.append(self._map(handle))
         self.step = step_word(memory.device)
+        #: On host memory the step word as a memoryview: ``send`` stores flags through the
+        #: request line's words (the hot path), as ``HostPlaneMemory.signal`` would.
+        self._host_step = _words(self.step) if memory.device.type == "cpu" else None
+
+    def _map(self, handle: str) -> list[SlotViews]:
+        buffer = self.memory.attach(handle, self.layout.total_bytes)
+        return [SlotViews(buffer, self.layout, self.rank, s) for s in range(self.layout.num_slots)]
+
+    def attach(self, ffn_rank: int, handle: str) -> None:
+        """Map FFN rank ``ffn_rank``'s new buffer (its replacement's), in place of its old one."""
+        self.slots[ffn_rank] = self._map(handle)
+
+    def last_step(self) -> int:
+        """The largest step found in this rank's request flags of every buffer (a restarted
+        attention rank goes on above it, so no value of its last life is sent again)."""
+        values = [int(v.request) for views in self.slots for v in views]
+        return max((value_use(value)[0] for value in values), default=0)
 
     def begin(self, step: int) -> None:
-        """The step the next dispatches belong to (after its schedule is announced)."""
+        """The step the next sends belong to (after its schedule is announced)."""
         _set_step(self.step, step)
+
+    def send(
+        self,
+        ffn_rank: int,
+        slot: int,
+        position: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        index: torch.Tensor | None = None,
+        cpu: int = -1,
+    ) -> None:
+        """Copy ``x`` ``[T, H]`` (``layout.dtype``), ``topk_ids`` ``[T, K]`` (integer, global
+        expert ids) and ``topk_weights`` ``[T, K]`` (floating), or only their rows ``index``
+        (``[N]`` int64), into ``slot`` of FFN rank ``ffn_rank`` and signal it as layer
+        ``position`` of the step; returns at once on devices with streams. On host memory the
+        row count and ``cpu`` go into the request line first. The caller checked the rows
+        against ``layout.max_tokens`` (``dispatch`` does). They may be none (a
+        tensor-parallel rank with no share of a small batch): the flag is still published, so
+        the FFN rank's wait ends."""
+        rows = x.shape[0] if index is None else index.shape[0]
+        view = self.slots[ffn_rank][slot]
+        if rows:
+            dst_x, dst_ids, dst_weights, _ = view.rows(rows)
+            if index is None:  # one call for the three (it converts the ids to int32)
+                torch._foreach_copy_((dst_x, dst_ids, dst_weights), (x, topk_ids, topk_weights))
+            else:
+                torch.index_select(x, 0, index, out=dst_x)
+                dst_ids.copy_(topk_ids.index_select(0, index))
+                dst_weights.copy_(topk_weights.index_select(0, index))
+        words = view.request_words
+        if words is None or self._host_step is None:
+            self.memory.signal(view.request, self.step, position)
+            return
+        words[ROWS_WORD], words[CPU_WORD] = rows, cpu
+        words[0] = self._host_step[0] + position + 1  # after the payload (x86-64 TSO)
+
+    def what(self, ffn_rank: int, slot: int) -> str:
+        return f"response of FFN rank {ffn_rank} to attention rank {self.rank}, slot {slot}"
+
+    def await_answer(
+        self, ffn_rank: int, slot: int, position: int, watch: Watch | None = None
+    ) -> None:
+        """Wait for FFN rank ``ffn_rank``'s answer to the use of ``slot`` at ``position``
+        (on devices with streams, queue the wait). On the host raises ``PlaneError`` for an
+        error answer (its text) or an answer to another use."""
+        view = self.slots[ffn_rank][slot]
+        what = self.what(ffn_rank, slot)
+        found = self.memory.wait(view.response, self.step, position, what, watch)
+        if found is None:
+            return
+        want = int(self.step) + position + 1
+        if found == -want:
+            raise PlaneError(f"FFN rank {ffn_rank}: {view.read_error()}", found)
+        if found != want:
+            raise PlaneError(f"{what} carries {found:#x}, awaited {want:#x}", found)
+
+    def answer(self, ffn_rank: int, slot: int, rows: int) -> torch.Tensor:
+        """FFN rank ``ffn_rank``'s answer in ``slot``: ``[rows, H]``, a view of its buffer
+        (read it before the slot's next use)."""
+        return self.slots[ffn_rank][slot].rows(rows)[3]
 
     def dispatch(
         self,
@@ -352,74 +487,41 @@ class AttentionPlane:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
     ) -> PlaneHandle:
-        """Send ``x`` ``[N, H]`` (``layout.dtype``), ``topk_ids`` ``[N, K]`` (integer, global
-        expert ids) and ``topk_weights`` ``[N, K]`` (floating) through ``slot`` to every FFN
-        rank, as layer ``position`` of the step; returns at once on devices with streams.
-        ``N`` may be 0 (a tensor-parallel rank with no share of a small batch): the flag is
-        still published, so the FFN ranks' wait ends."""
+        """``send`` every row to every FFN rank."""
         n = x.shape[0]
         if not 0 <= n <= self.layout.max_tokens:
-            raise ValueError(f"dispatch of {n} tokens: allowed 0..{self.layout.max_tokens}")
-        views = [v[slot] for v in self.slots]
-        if n:
-            dsts = [t for v in views for t in v.rows(n)[:3]]
-            torch._foreach_copy_(dsts, [x, topk_ids, topk_weights] * len(views))
-        for v in views:
-            self.memory.signal(v.request, self.step, position)
+            raise ValueError(f"send of {n} tokens: allowed 0..{self.layout.max_tokens}")
+        for f in range(len(self.slots)):
+            self.send(f, slot, position, x, topk_ids, topk_weights)
         return PlaneHandle(slot, position, n)
-
-    def combine(self, handle: PlaneHandle, watch: Watch | None = None) -> torch.Tensor:
-        """``[N, H]`` (``layout.dtype``): the FFN ranks' answers to ``handle``'s dispatch, summed
-        in FFN rank order. A new tensor: the slot may be reused at once."""
-        hook, receive = self.combine_hook(handle, watch)
-        hook()
-        return receive()
 
     def combine_hook(
         self, handle: PlaneHandle, watch: Watch | None = None
     ) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
         """``combine`` in two parts, as DeepEP's ``return_recv_hook=True`` and vLLM's async
-        finalize split it: ``hook()`` waits for every FFN rank's answer (on devices with
-        streams, it queues the waits), ``receive()`` then sums them. Under vLLM's DBO the hook
-        goes to ``dbo_register_recv_hook`` and the other microbatch runs it before its next
-        send; ``receive`` runs after the yield.
-
-        On the host, ``hook`` raises ``PlaneError`` for an error answer (its text) or an
-        answer to another use."""
+        finalize split it: ``hook()`` awaits every FFN rank's answer (on devices with streams,
+        it queues the waits), ``receive()`` then sums them in FFN rank order (a new tensor:
+        the slot may be reused at once)."""
         slot, position, n = handle.slot, handle.position, handle.num_tokens
-        views = [v[slot] for v in self.slots]
-        want = None
+        ranks = range(len(self.slots))
 
         def hook() -> None:
-            nonlocal want
-            for f, view in enumerate(views):
-                what = f"response of FFN rank {f} to attention rank {self.rank}, slot {slot}"
-                found = self.memory.wait(view.response, self.step, position, what, watch)
-                if found is None:
-                    continue
-                want = want or int(self.step) + position + 1
-                if found == -want:
-                    raise PlaneError(f"FFN rank {f}: {view.read_error()}", found)
-                if found != want:
-                    raise PlaneError(f"{what} carries {found:#x}, awaited {want:#x}", found)
+            for f in ranks:
+                self.await_answer(f, slot, position, watch)
 
         def receive() -> torch.Tensor:
-            total = views[0].rows(n)[3].clone()
-            for view in views[1:]:
-                total += view.rows(n)[3]
+            total = self.answer(0, slot, n).clone()
+            for f in ranks[1:]:
+                total += self.answer(f, slot, n)
             return total
 
         return hook, receive
 
-
-@dataclass(frozen=True)
-class Part:
-    """One attention rank's share of a use of a slot on the FFN side: its rows (from its
-    schedule) and the layer's position in its step."""
-
-    attention_rank: int
-    rows: int
-    position: int
+    def combine(self, handle: PlaneHandle, watch: Watch | None = None) -> torch.Tensor:
+        """``[N, H]`` (``layout.dtype``): ``combine_hook``'s two parts in a row."""
+        hook, receive = self.combine_hook(handle, watch)
+        hook()
+        return receive()
 
 
 class FFNPlane:
@@ -474,7 +576,7 @@ class FFNPlane:
         self.memory.signal(view.response, self.steps[a], part.position, failed=True)
 
     def serve(self, slot: int, parts: Sequence[Part], forward: Forward) -> None:
-        """One use of ``slot``, whole and in stream order (the device check and a captured FFN
+        """One use of ``slot``, whole and in stream order (a step served whole, a captured FFN
         step): wait for every part's request, run ``forward`` once over all their rows and
         publish each answer."""
         views = [self.take(slot, part) for part in parts]
@@ -486,7 +588,9 @@ class FFNPlane:
         for part in parts:
             self.answer(slot, part)
 
-    def _serve_gathered(self, views: list[SlotViews], rows: Sequence[int], forward: Forward):
+    def _serve_gathered(
+        self, views: list[SlotViews], rows: Sequence[int], forward: Forward
+    ) -> None:
         """One forward over the attention ranks' rows: gathered by one ``cat`` per part, the
         answers scattered back by one ``_foreach_copy_``."""
         total = sum(rows)
@@ -495,7 +599,7 @@ class FFNPlane:
         for i, gathered in enumerate((x, ids, weights)):
             torch.cat([p[i] for p in parts], out=gathered)
         forward(x, ids, weights, out)
-        torch._foreach_copy_([p[3] for p in parts], list(out.split(rows)))
+        torch._foreach_copy_([p[3] for p in parts], list(out.split(list(rows))))
 
 
 class RecordedWaits:
@@ -520,9 +624,39 @@ class RecordedWaits:
             )
 
 
+def await_word(
+    word: memoryview,
+    want: int,
+    deadline: float,
+    backoff: Backoff,
+    watch: Watch | None = None,
+    exact: bool = False,
+) -> int | None:
+    """Poll the int64 ``word[0]`` until ``|word[0]|`` reaches ``want`` (``exact``: equals it),
+    pausing as ``backoff`` stages it and calling ``watch`` every ``WATCH_INTERVAL_S``; returns
+    the value read, or ``None`` once ``deadline`` (``time.perf_counter()``) passed."""
+    seen = word[0]
+    if abs(seen) == want or (not exact and abs(seen) > want):
+        return seen
+    next_watch = backoff.start + WATCH_INTERVAL_S
+    while True:
+        now = backoff.pause()
+        seen = word[0]
+        if abs(seen) == want or (not exact and abs(seen) > want):
+            return seen
+        if now >= next_watch:
+            if watch is not None:
+                watch()
+            if now >= deadline:
+                return None
+            next_watch = now + WATCH_INTERVAL_S
+
+
 class HostPlaneMemory(RecordedWaits):
     """Host memory: a ``/dev/shm`` segment (mode 0600, ``host.create_segment``), plain stores
-    and a host spin. x86-64 only, for the reason shm.py gives (total store order).
+    and a staged host wait (``wait.Backoff``). x86-64 only: a store is published after the
+    stores before it (total store order), and Python has no portable barrier to add on weakly
+    ordered CPUs (``host.shm_platform_problem``).
 
     ``device_waits``: waits with the device's semantics (``RecordedWaits``) instead of raising
     where they fail; the CPU stand-in of ``CudaPlaneMemory``'s host-side logic."""
@@ -532,25 +666,27 @@ class HostPlaneMemory(RecordedWaits):
     def __init__(
         self,
         timeout_s: float = 30.0,
-        prefix: str = PLANE_PREFIX,
+        prefix: str = PLANE_PREFIX + "data_",
         device_waits: bool = False,
+        policy: WaitPolicy | None = None,
     ) -> None:
         problem = shm_platform_problem()
         if problem is not None:
             raise RuntimeError(problem)
         self.timeout_s, self.prefix, self.device_waits = timeout_s, prefix, device_waits
+        self.policy = policy or WaitPolicy()
         self.records_waits = device_waits
         self.errors = torch.zeros(1, dtype=torch.int64)
         self.bound = f"{timeout_s} s"
         self._maps: list[mmap.mmap] = []
         self._created: list[weakref.finalize] = []
-        #: One-word int64 views of flags and step words, by address: a word read or written
+        #: int64 memoryviews of flag lines and step words, by address: a word read or written
         #: through one costs a fraction of a tensor's ``int()`` or ``fill_``, on the hot path.
-        self._words: dict[int, memoryview] = {}
+        self._words: dict[tuple[int, int], memoryview] = {}
 
     def create(self, nbytes: int) -> tuple[torch.Tensor, str]:
-        name = f"{self.prefix}{os.getpid()}_{secrets.token_hex(8)}"
-        buffer = self._map(map_segment(name, nbytes, create=True), nbytes)
+        name, mm = create_fresh(f"{self.prefix}{os.getpid()}_", nbytes)
+        buffer = self._map(mm, nbytes)
         self._created.append(weakref.finalize(self, unlink_if_creator, name, os.getpid()))
         return buffer, name
 
@@ -561,19 +697,19 @@ class HostPlaneMemory(RecordedWaits):
         self._maps.append(mm)
         return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
 
-    def _word(self, tensor: torch.Tensor) -> memoryview:
-        """``tensor``'s one int64 word (a flag or a step word), as a memoryview."""
-        word = self._words.get(tensor.data_ptr())
-        if word is None:
-            word = memoryview(tensor.numpy()).cast("B").cast("q")
-            self._words[tensor.data_ptr()] = word
-        return word
+    def word(self, tensor: torch.Tensor) -> memoryview:
+        """``tensor``'s int64 words (a flag line, a flag, a step word), as a memoryview."""
+        key = (tensor.data_ptr(), tensor.numel())
+        words = self._words.get(key)
+        if words is None:
+            words = self._words[key] = _words(tensor)
+        return words
 
     def signal(
         self, flag: torch.Tensor, step: torch.Tensor, position: int, failed: bool = False
     ) -> None:
-        value = self._word(step)[0] + position + 1
-        self._word(flag)[0] = -value if failed else value  # after the payload (x86-64 TSO)
+        value = self.word(step)[0] + position + 1
+        self.word(flag)[0] = -value if failed else value  # after the payload (x86-64 TSO)
 
     def wait(
         self,
@@ -583,29 +719,14 @@ class HostPlaneMemory(RecordedWaits):
         what: str,
         watch: Watch | None = None,
     ) -> int | None:
-        want = self._word(step)[0] + position + 1
-        word = self._word(flag)
-        seen = word[0]
-        if abs(seen) >= want:
-            return self._outcome(seen, want)
-        start = time.perf_counter()
-        deadline, next_watch = start + self.timeout_s, start + WATCH_INTERVAL_S
-        while abs(seen := word[0]) < want:
-            now = time.perf_counter()
-            if now > next_watch:
-                if watch is not None:
-                    watch()
-                next_watch = now + WATCH_INTERVAL_S
-            if now > deadline:
-                if self.device_waits:
-                    self.errors += 1
-                    return None
-                raise FFNTimeout(f"slot plane: {what} did not come within {self.timeout_s} s")
-            if now - start > 1e-3:
-                time.sleep(50e-6)
-        return self._outcome(seen, want)
-
-    def _outcome(self, seen: int, want: int) -> int | None:
+        want = self.word(step)[0] + position + 1
+        backoff = Backoff(self.policy)
+        seen = await_word(self.word(flag), want, backoff.start + self.timeout_s, backoff, watch)
+        if seen is None:
+            if self.device_waits:
+                self.errors += 1
+                return None
+            raise FFNTimeout(f"slot plane: {what} did not come within {self.timeout_s} s")
         if not self.device_waits:
             return seen
         if seen != want:
@@ -630,162 +751,10 @@ class HostPlaneMemory(RecordedWaits):
         self._maps.clear()
 
 
-# --------------------------------------------------------------------------------------------
-# The control block: the step schedules, in host memory whatever the data plane's memory.
-# --------------------------------------------------------------------------------------------
-
-CONTROL_PREFIX = "vllm_afd_slots_"
-_MAGIC = 0x3130_5354_4F4C_5341  # b"ASLOTS01" little-endian
-_VERSION = 1
-_OPEN, _CLOSED = 1, 2
-# header words: magic, version, pid, pid namespace, state, handle bytes, schedule words, then
-# the layout's params from word 8
-_W_MAGIC, _W_VERSION, _W_PID, _W_PIDNS, _W_STATE, _W_HANDLE, _W_SCHEDULE = range(7)
-_W_PARAMS = 8
-_HEADER_WORDS = 16
-#: Room for the data buffer's handle (a segment name; a CUDA IPC handle as JSON).
-HANDLE_BYTES = 2048
-
-
-class ControlBlock:
-    """An FFN rank's control block (``/dev/shm``, mode 0600): who the FFN process is, the
-    handle of its data buffer, and per attention rank the last ``StepSchedule`` it announced
-    (``control.StepSchedule.words``).
-
-    A schedule is written as a seqlock over x86-64 store order: its step word is zeroed, the
-    other words written, then the step word; a reader takes the step word, the rest, and the
-    step word again, and keeps only a read where both agree."""
-
-    def __init__(self, name: str, mm: mmap.mmap, layout: PlaneLayout, words_per: int) -> None:
-        self.name, self.mm, self.layout, self.words_per = name, mm, layout, words_per
-        self.words = memoryview(mm).cast("q")
-
-    @staticmethod
-    def size(layout: PlaneLayout, words_per: int) -> int:
-        return 8 * (_HEADER_WORDS + layout.num_attention_ranks * words_per) + HANDLE_BYTES
-
-    @classmethod
-    def create(
-        cls, layout: PlaneLayout, moe_layers: Sequence[int], handle: str, prefix: str, rank: int
-    ) -> ControlBlock:
-        words_per = schedule_words(moe_layers)
-        data = handle.encode()
-        if len(data) > HANDLE_BYTES:
-            raise ValueError(f"data buffer handle of {len(data)} bytes, room for {HANDLE_BYTES}")
-        size = cls.size(layout, words_per)
-        name = f"{prefix}{os.getpid()}_f{rank}_{secrets.token_hex(8)}"
-        block = cls(name, map_segment(name, size, create=True), layout, words_per)
-        block._finalizer = weakref.finalize(block, unlink_if_creator, name, os.getpid())
-        words = block.words
-        for i, value in enumerate(layout.params):
-            words[_W_PARAMS + i] = value
-        block.mm[size - HANDLE_BYTES : size - HANDLE_BYTES + len(data)] = data
-        words[_W_HANDLE], words[_W_SCHEDULE] = len(data), words_per
-        words[_W_VERSION], words[_W_PID], words[_W_PIDNS] = _VERSION, os.getpid(), pid_namespace()
-        words[_W_STATE] = _OPEN
-        words[_W_MAGIC] = _MAGIC
-        return block
-
-    @classmethod
-    def attach(cls, name: str, layout: PlaneLayout, moe_layers: Sequence[int]) -> ControlBlock:
-        """Map an FFN rank's block (``host.map_segment``: ours, mode 0600, of the spec's size).
-
-        Raises:
-            ValueError: if its layout is not ``layout``'s (the two sides disagree on the spec).
-        """
-        words_per = schedule_words(moe_layers)
-        mm = map_segment(name, cls.size(layout, words_per))
-        block = cls(name, mm, layout, words_per)
-        words = block.words
-        found = tuple(words[_W_PARAMS : _W_PARAMS + len(layout.params)])
-        if words[_W_MAGIC] != _MAGIC or words[_W_VERSION] != _VERSION or found != layout.params:
-            block.close()
-            raise ValueError(
-                f"control block {name!r} has layout {found}, expected {layout.params} "
-                "(attention ranks, slots, max_tokens, hidden, top_k, itemsize): attention and "
-                "FFN ranks disagree on the TransportSpec"
-            )
-        return block
-
-    @property
-    def handle(self) -> str:
-        start = len(self.mm) - HANDLE_BYTES
-        return bytes(self.mm[start : start + self.words[_W_HANDLE]]).decode()
-
-    @property
-    def pid(self) -> int:
-        return self.words[_W_PID]
-
-    @property
-    def pid_namespace(self) -> int:
-        return self.words[_W_PIDNS]
-
-    @property
-    def closed(self) -> bool:
-        return self.words[_W_STATE] == _CLOSED
-
-    def _base(self, attention_rank: int) -> int:
-        return _HEADER_WORDS + attention_rank * self.words_per
-
-    def announce(self, attention_rank: int, schedule: StepSchedule) -> None:
-        """Write ``attention_rank``'s schedule (the seqlock of the class docstring)."""
-        words, base = self.words, self._base(attention_rank)
-        encoded = schedule.words(self.words_per)
-        words[base] = 0
-        for i in range(len(encoded) - 1, 0, -1):
-            words[base + i] = encoded[i]
-        words[base] = encoded[0]
-
-    def announced_step(self, attention_rank: int) -> int:
-        """The step ``attention_rank`` announced last (0: none, or one being written)."""
-        return self.words[self._base(attention_rank)]
-
-    def schedule(self, attention_rank: int) -> StepSchedule | None:
-        """``attention_rank``'s last schedule, or ``None`` if none or being written."""
-        words, base = self.words, self._base(attention_rank)
-        step = words[base]
-        if not step:
-            return None
-        encoded = words[base : base + self.words_per].tolist()
-        if words[base] != step:
-            return None
-        return StepSchedule.from_words(encoded)
-
-    def close(self, creator: bool = False) -> None:
-        """Unmap; the creator marks the block closed (waiting attention ranks fail fast) and
-        unlinks it."""
-        if creator:
-            self.words[_W_STATE] = _CLOSED
-            self._finalizer()
-        self.words.release()
-        self.mm.close()
-
-
-def reap_stale_control_blocks(prefix: str = CONTROL_PREFIX) -> list[str]:
-    """Unlink control blocks (and their data segments on the host) whose creator, in this pid
-    namespace, is dead. Returns the names unlinked."""
-    own_ns = pid_namespace()
-
-    def is_stale(name: str, header) -> bool:
-        if header[_W_MAGIC] != _MAGIC or header[_W_PIDNS] != own_ns:
-            return False
-        return process_start_time(header[_W_PID]) is None
-
-    def creator_dead(name: str, header) -> bool:
-        pid = name[len(PLANE_PREFIX) :].split("_", 1)[0]
-        return pid.isdigit() and process_start_time(int(pid)) is None
-
-    return reap_segments(prefix, _HEADER_WORDS, is_stale) + reap_segments(
-        PLANE_PREFIX, 0, creator_dead
-    )
-
-
 __all__ = [
     "AttentionPlane",
-    "ControlBlock",
     "FFNPlane",
     "HostPlaneMemory",
-    "Part",
     "PlaneError",
     "PlaneHandle",
     "PlaneLayout",

@@ -1,53 +1,38 @@
-"""The ``slots`` backend: a deployment served on the slot plane (``slot_plane.py``), host memory
-on CPUs, device memory on GPUs (``slot_plane_cuda.py``), the same protocol on both.
+"""The slot plane's backends: ``shm`` (one CPU host, host memory) and ``slots`` (the memory of
+the attention ranks' device: host memory on CPUs, device memory shared by CUDA IPC on GPUs,
+``slot_plane_cuda.py``). One protocol (``slot_plane.py``) and one attention endpoint
+(``endpoint.AttentionEndpoint``) for both; what differs is how the FFN side serves, chosen by
+the wait semantics (``waits``):
 
-What it adds to the plane is the step-driven FFN side. Each FFN rank serves *steps*: it waits
-until every attention rank announced its next step (its ``StepSchedule`` in the FFN rank's
-control block; vLLM's data-parallel ranks step together, idle ones with a dummy batch), then
-walks the union of their schedules, layer by layer and, within a layer, microbatch by
-microbatch, each use of a slot taking the rows of every attention rank whose schedule has it
-(``Part``: its row count and the layer's position in its step). Two ways to drive that, by the
-wait semantics of the plane's memory:
+* host waits (CPUs; ``shm``, and ``slots`` by default there): ``PlaneFFN`` serves what is
+  pending, each attention rank's requests as they come (``base.ServesRequests``), and the
+  attention side sends each FFN rank only the rows routed to it. A wait that fails raises at
+  once, so a lost FFN rank is seen within ``slot_plane.WATCH_INTERVAL_S``: failover, live
+  scaling, request isolation and FFN groups shared by several front-ends all work here, as
+  the attention endpoint and the executor provide them for every backend that serves requests.
+* the device's waits (every GPU; ``waits: device`` on CPU, the stand-in of the GPU layer's
+  host-side logic): ``SteppedPlaneFFN`` serves whole announced steps in stream order
+  (``base.ServesSteps``), every row to every FFN rank, so that on a GPU a step is one CUDA
+  graph per step shape (``ffn/step_graphs.py``). Each FFN rank waits until every attention
+  rank announced its next step (its ``StepSchedule`` in the FFN rank's control block; vLLM's
+  data-parallel ranks step together, idle ones with a dummy batch), then walks the union of
+  their schedules (``control.Step``). A rank that has not announced within half of
+  ``timeout_s`` after the first is left out of that step (logged) and served in a later one.
+  Waits record where they fail and raise at the next step boundary, so none of the pool
+  features above is claimed there yet (``Backend.features``; docs/architecture.md, "The slot
+  plane").
 
-* host waits (CPU, ``waits: host``): ``recv`` hands the executor one use at a time, every
-  attention rank's rows of it as requests, so ``FFNExecutor`` batches them into one forward of
-  the layer's own vLLM MoE kernel exactly as for the point-to-point backends, checks their
-  tags against the schedules and fails a request alone; ``reply`` publishes each answer. A rank
-  whose wait fails is left out of the rest of the step.
-* the device's waits (every GPU, ``waits: device`` on CPU; ``serves_steps``): the executor
-  serves the whole step in stream order (``next_step``, ``serve_use`` per use, ``fail_uses``
-  for what an error leaves, ``end_step``), nothing read back on the host, so that on a GPU the
-  step is one CUDA graph per step shape (``StepGraphs``).
-
+Where the attention ranks run on GPUs, ``waits`` is the device's (``resolve_settings``).
 There is no Python relay and no hub: the schedule is a few words in shared memory, read once
 per step.
-
-Why "every attention rank", and how it stays bounded. A fixed group of ranks per step is what
-lets the GPU side batch all attention ranks' tokens in fixed-shape slots and capture the FFN
-step as one graph per shape. vLLM runs its data-parallel ranks in lockstep, but start-up
-(profile and warm-up runs) may skew them: a rank that has not announced its next step within
-half of ``timeout_s`` after the first one did is left out of that step (logged), and served in a
-later one. A rank that abandons a step half-way (its combine failed) is dropped from the rest of
-it as soon as it announces a newer step or dispatches past the awaited use (the plane's flag
-values carry the step). Several front-ends sharing one FFN group (``vllm-afd ffn-server``) do
-not step together, so this backend does not take them (``Backend.shares_group``).
-
-Capabilities (``SlotsBackend``): CPU or GPU at both ends, the same kind; no failover, live
-scaling or request isolation yet (each maps onto the plane: a replaced FFN rank's new buffer and
-control block, resynchronised at the next announced step; not written). A dead FFN rank fails
-a host wait within ``slot_plane.WATCH_INTERVAL_S`` (``FFNRankLost``); a silent one after
-``timeout_s``. Settings (``--afd-transport-config``): ``{"waits": "host" | "device"}``: on
-host memory, whether a failed wait raises at once (``host``, the default) or is recorded and
-raised at the next step's announcement, as a device wait must be (``device``: the CPU stand-in
-of the GPU layer's host-side logic). On GPUs waits are always the device's.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -55,67 +40,90 @@ from vllm_afd.host import Creator, UnsafeFileError, shm_platform_problem
 from vllm_afd.transport.base import (
     AttentionTransport,
     Backend,
-    DispatchHandle,
     FFNRankLost,
     FFNRequest,
     FFNServeError,
     FFNTimeout,
     FFNTransport,
     ProtocolError,
+    ServesRequests,
+    ServesSteps,
     TransportError,
     TransportSpec,
+    UseForward,
 )
-from vllm_afd.transport.control import Mode, StepSchedule
-from vllm_afd.transport.p2p import Backoff, RowViews, WaitPolicy, check_dispatch_args
+from vllm_afd.transport.control import Mode, Part, Step, StepSchedule, Tag, Use
+from vllm_afd.transport.control_block import ControlBlock, reap_stale_control_blocks
+from vllm_afd.transport.endpoint import AttentionEndpoint
 from vllm_afd.transport.slot_plane import (
-    CONTROL_PREFIX,
+    CPU_WORD,
+    PLANE_PREFIX,
+    POSITION_BITS,
+    ROWS_WORD,
     AttentionPlane,
-    ControlBlock,
     FFNPlane,
     HostPlaneMemory,
-    Part,
-    PlaneError,
-    PlaneHandle,
     PlaneLayout,
     PlaneMemory,
-    reap_stale_control_blocks,
+    await_word,
+    value_use,
 )
+from vllm_afd.transport.wait import Backoff, WaitPolicy, current_cpu
 
 logger = logging.getLogger("vllm.afd")
 WAITS = ("host", "device")
 
 
-def plane_memory(spec: TransportSpec) -> PlaneMemory:
-    """The plane's memory in this process: the current GPU's where CUDA is, else the host's."""
-    if torch.cuda.is_available():
+def device_waits(spec: TransportSpec) -> bool:
+    """The plane's waits are the device's (``waits: device``; set on GPUs)."""
+    return spec.config.get("waits", "host") == "device"
+
+
+def plane_memory(spec: TransportSpec, prefix: str = PLANE_PREFIX + "data_") -> PlaneMemory:
+    """The plane's memory in this process: with the device's waits the current GPU's where
+    CUDA is; else the host's (data segments named ``<prefix>...``), also for CPU attention
+    ranks whose FFN ranks compute on a GPU."""
+    waits = device_waits(spec)
+    if waits and torch.cuda.is_available():
         from vllm_afd.transport.slot_plane_cuda import CudaPlaneMemory
 
         return CudaPlaneMemory(torch.cuda.current_device())
-    device_waits = spec.config.get("waits", "host") == "device"
-    return HostPlaneMemory(spec.timeout_s, device_waits=device_waits)
+    return HostPlaneMemory(spec.timeout_s, prefix, device_waits=waits)
 
 
-class SlotsAttentionTransport(AttentionTransport):
-    """Attention endpoint: maps every FFN rank's control block (``spec.addresses``) and data
-    buffer; dispatches only inside announced steps (``begin_step``)."""
+class PlaneAttentionTransport(AttentionEndpoint):
+    """The attention endpoint's wire on the slot plane: maps every FFN rank's control block
+    (``spec.addresses``) and data buffer; dispatches only inside announced steps
+    (``begin_step``), microbatch ``s`` in slot ``s``; a request's identity is its use's value
+    (``slot_plane.use_value``)."""
 
-    def __init__(self, spec: TransportSpec, rank: int) -> None:
-        super().__init__(spec, rank)
-        if not 0 <= rank < spec.num_attention_ranks:
-            raise ValueError(f"attention rank {rank} outside [0, {spec.num_attention_ranks})")
-        if len(spec.addresses) != spec.num_ffn_ranks:
-            raise ValueError(
-                f"slots transport needs one address per FFN rank ({spec.num_ffn_ranks}), got "
-                f"{spec.addresses!r}"
-            )
-        layout = PlaneLayout.of(spec)
-        self.controls = [_attach(f, a, layout, spec) for f, a in enumerate(spec.addresses)]
+    backend_name = "slot plane"
+
+    def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
+        super().__init__(spec, rank, wait)
+        self.layout = layout = PlaneLayout.of(spec)
+        self.controls = [_attach(f, a, layout, spec) for f, a in enumerate(self.addresses)]
         self._creators = [_creator(f, c) for f, c in enumerate(self.controls)]
         self.memory = plane_memory(spec)
+        self.filters_rows = not self.memory.records_waits  # fixed shapes where waits record
         self.plane = AttentionPlane(layout, self.memory, rank, [c.handle for c in self.controls])
-        self._rows = RowViews(torch.arange(spec.max_tokens))
+        self.step = self.plane.last_step()
+        #: The announced step's layer positions, and its microbatches' tokens (one per slot).
         self._positions: dict[int, int] = {}
-        self._busy = [False] * spec.num_slots
+        self._tokens: tuple[int, ...] = ()
+        #: Per slot, the position of its last use in this step (a use's value is sent once).
+        self._used = [-1] * spec.num_slots
+        #: Per FFN rank and slot: the rows last sent, and (host memory) the response line.
+        self._sent = [[0] * spec.num_slots for _ in self.controls]
+        self._lines = [self._response_lines(f) for f in range(spec.num_ffn_ranks)]
+        self._cpu = -1
+
+    def _response_lines(self, ffn_rank: int) -> list[memoryview] | None:
+        """FFN rank ``ffn_rank``'s response lines per slot where this side waits on the host;
+        ``None`` where waits are the device's."""
+        if self.memory.records_waits:
+            return None
+        return [v.response_words for v in self.plane.slots[ffn_rank]]  # type: ignore[misc]
 
     def _announce(self, schedule: StepSchedule) -> None:
         """Raise what the last step's device waits recorded, then start ``schedule``'s step
@@ -126,96 +134,145 @@ class SlotsAttentionTransport(AttentionTransport):
             self.memory.check()
             self.plane.begin(schedule.step)
         self._positions = {layer: i for i, layer in enumerate(schedule.layers)}
-        self._busy = [False] * self.spec.num_slots
-        for control in self.controls:
-            control.announce(self.rank, schedule)
+        self._tokens = schedule.microbatch_tokens[: self.spec.num_slots]
+        self._free = list(range(self.spec.num_slots - 1, -1, -1))
+        self._used = [-1] * self.spec.num_slots
+        super()._announce(schedule)
 
-    def dispatch(
+    def _announce_to(self, ffn_rank: int, schedule: StepSchedule) -> None:
+        self.controls[ffn_rank].announce(self.rank, schedule)
+
+    def _take_slot(self, tag: Tag, num_tokens: int) -> int:
+        """Slot ``tag.microbatch``, as the layer's use of the announced step (its position in
+        the step is kept in ``_used`` until the slot's next use: ``_send`` reads it there).
+
+        Raises:
+            ProtocolError: outside an announced step, past what it announced, or for a layer
+                of the microbatch at or before one it already sent in this step (the layers
+                of a microbatch go in the schedule's order, each once).
+            RuntimeError: while the slot's last dispatch is not combined.
+        """
+        position, slot, tokens = self._positions.get(tag.layer), tag.microbatch, self._tokens
+        if (
+            position is None
+            or not 0 <= slot < len(tokens)
+            or num_tokens > tokens[slot]
+            or position <= self._used[slot]
+        ):
+            raise self._misuse(tag, num_tokens)
+        try:
+            self._free.remove(slot)
+        except ValueError:
+            raise RuntimeError(
+                f"slot {slot} is busy: combine its dispatch before dispatching again"
+            ) from None
+        self._used[slot] = position
+        return slot
+
+    def _misuse(self, tag: Tag, num_tokens: int) -> ProtocolError:
+        """What ``_take_slot`` refused, explained."""
+        schedule, rank, layer, slot = self.schedule, self.rank, tag.layer, tag.microbatch
+        if schedule is None or layer not in self._positions:
+            return ProtocolError(
+                f"slot plane: attention rank {rank} dispatched layer {layer} outside an "
+                f"announced step (schedule: {schedule}); the FFN ranks serve announced steps"
+            )
+        if not 0 <= slot < len(self._tokens) or num_tokens > self._tokens[slot]:
+            return ProtocolError(
+                f"slot plane: attention rank {rank} dispatched {num_tokens} tokens of "
+                f"microbatch {slot}; step {schedule.step} announced "
+                f"{list(schedule.microbatch_tokens)} (slots: {self.spec.num_slots})"
+            )
+        return ProtocolError(
+            f"slot plane: attention rank {rank} dispatched layer {layer} of microbatch {slot} "
+            f"after layer {schedule.layers[self._used[slot]]} in step {schedule.step}: each "
+            "layer once, in the schedule's order"
+        )
+
+    def _begin_dispatch(self) -> None:
+        """Record the CPU this dispatch runs on (FFN ranks on it skip their spin stage)."""
+        self._cpu = current_cpu()
+
+    def _send(
         self,
-        layer: int,
+        ffn_rank: int,
+        slot: int,
+        tag: Tag,
         x: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
-        microbatch: int = 0,
-    ) -> DispatchHandle:
-        """See ``AttentionTransport.dispatch``: every row to every FFN rank, in slot
-        ``microbatch``, as the layer's use of the announced step.
+        rows: torch.Tensor,
+        deadline: float,
+    ) -> int:
+        """Write the request into ``slot`` of FFN rank ``ffn_rank`` and signal it; returns its
+        value. Never blocks (``deadline`` is unused): the slot is this dispatch's alone."""
+        position = self._used[slot]
+        n = rows.shape[0]
+        index = None if n == x.shape[0] else rows
+        self.plane.send(ffn_rank, slot, position, x, topk_ids, topk_weights, index, self._cpu)
+        self._sent[ffn_rank][slot] = n
+        return tag.step << POSITION_BITS | position + 1  # ``use_value``, inlined (hot path)
 
-        Raises:
-            ProtocolError: outside an announced step, or past what it announced.
-        """
-        spec, schedule = self.spec, self.schedule
-        n = check_dispatch_args(spec, x, topk_ids)
-        position = self._positions.get(layer)
-        if schedule is None or position is None:
-            raise ProtocolError(
-                f"slots transport: attention rank {self.rank} dispatched layer {layer} outside "
-                f"an announced step (schedule: {schedule}); the FFN ranks serve announced steps"
-            )
-        tokens = schedule.microbatch_tokens
-        if not 0 <= microbatch < min(len(tokens), spec.num_slots) or n > tokens[microbatch]:
-            raise ProtocolError(
-                f"slots transport: attention rank {self.rank} dispatched {n} tokens of "
-                f"microbatch {microbatch}; step {schedule.step} announced {list(tokens)}"
-            )
-        if self._busy[microbatch]:
-            raise RuntimeError(
-                f"slot {microbatch} is busy: combine its dispatch before dispatching again"
-            )
-        state = self.plane.dispatch(microbatch, position, x, topk_ids, topk_weights)
-        self._busy[microbatch] = True
-        rows = self._rows[n]
-        index = {f: rows for f in range(spec.num_ffn_ranks)}
-        return DispatchHandle(
-            layer, n, spec.hidden_size, spec.dtype, index, state, self.step, microbatch
-        )
+    def _wait(
+        self,
+        ffn_rank: int,
+        slot: int,
+        seq: int,
+        tag: Tag,
+        deadline: float,
+        awaited: Sequence[int],
+    ) -> torch.Tensor:
+        """FFN rank ``ffn_rank``'s answer to the use ``seq`` of ``slot``: ``[N, H]``, a view of
+        its buffer (read before the slot's next use). On host memory waits for exactly
+        ``seq`` (the answer) or ``-seq`` (an error answer: ``FFNServeError``), checking every
+        ``awaited`` FFN rank's liveness meanwhile; on the device's waits, queues the wait
+        (``memory.check`` raises what it records)."""
+        lines = self._lines[ffn_rank]
+        if lines is None:
+            self.plane.await_answer(ffn_rank, slot, value_use(seq)[1])
+            return self.plane.answer(ffn_rank, slot, self._sent[ffn_rank][slot])
+        line = lines[slot]
+        found = line[0]
+        if found != seq:
+            backoff = Backoff(self.wait, spin=line[CPU_WORD] != self._cpu)
+            watch = lambda: self._check_alive(awaited)  # noqa: E731
+            found = await_word(line, seq, deadline, backoff, watch, exact=True)
+            if found is None:
+                raise FFNTimeout(
+                    f"FFN rank {ffn_rank} (pid {self._creators[ffn_rank].pid}) did not answer "
+                    f"within timeout_s={self.spec.timeout_s} ({tag})"
+                )
+        if found != seq:
+            text = self.plane.slots[ffn_rank][slot].read_error()
+            raise FFNServeError(f"FFN rank {ffn_rank}: {text}")
+        return self.plane.answer(ffn_rank, slot, self._sent[ffn_rank][slot])
 
-    def combine(self, handle: DispatchHandle) -> torch.Tensor:
-        hook, receive = self.combine_hook(handle)
-        hook()
-        return receive()
-
-    def combine_hook(self, handle: DispatchHandle):
-        """See ``AttentionTransport.combine_hook``: the plane's waits, then its sum."""
-        state: PlaneHandle | None = handle.state
-        if state is None:
-            raise ValueError(f"handle of layer {handle.layer} was already combined")
-        handle.state = None
-        hook, receive = self.plane.combine_hook(state, self._watch)
-
-        def wait() -> None:
-            try:
-                hook()
-            except PlaneError as error:
-                self._busy[state.slot] = False
-                if error.found < 0:
-                    raise FFNServeError(str(error)) from None
-                raise ProtocolError(f"slots transport: {error}") from None
-            except BaseException:
-                self._busy[state.slot] = False
-                raise
-
-        def received() -> torch.Tensor:
-            out = receive()
-            self._busy[state.slot] = False
-            return out
-
-        return wait, received
-
-    def _watch(self) -> None:
-        """While a host wait blocks: ``FFNRankLost`` for an FFN rank that closed its endpoint
-        or died."""
-        creators = zip(self.controls, self._creators, strict=True)
-        for f, (control, creator) in enumerate(creators):
+    def _check_alive(self, ffn_ranks: Sequence[int]) -> None:
+        """Raise ``FFNRankLost`` for the first of ``ffn_ranks`` that closed its endpoint, died,
+        or that the failover supervisor declared lost (a wedged rank: ``_check_superseded``)."""
+        for f in ffn_ranks:
+            control, creator = self.controls[f], self._creators[f]
             if control.closed:
-                raise FFNRankLost(f, f"FFN rank {f} (pid {creator.pid}) closed its slots endpoint")
+                raise FFNRankLost(f, f"FFN rank {f} (pid {creator.pid}) closed its endpoint")
             if creator.died():
                 raise FFNRankLost(f, f"FFN rank {f} (pid {creator.pid}) died")
+            self._check_superseded(f)
+
+    def reconnect(self, ffn_rank: int, address: str) -> None:
+        """Map the replacement's control block and data buffer (``address``: its control
+        block); the old mappings stay until ``close``."""
+        control = _attach(ffn_rank, address, self.layout, self.spec)
+        self._creators[ffn_rank] = _creator(ffn_rank, control)
+        self.controls[ffn_rank], old = control, self.controls[ffn_rank]
+        old.close()
+        self.plane.attach(ffn_rank, control.handle)
+        self._lines[ffn_rank] = self._response_lines(ffn_rank)
 
     def close(self) -> None:
+        """Unmap everything (never unlinks: the FFN side owns its segments)."""
         for control in self.controls:
             control.close()
-        self.controls = []
+        self.controls, self._lines = [], []
         self.memory.close()
 
 
@@ -242,80 +299,9 @@ def _creator(ffn_rank: int, control: ControlBlock) -> Creator:
     return creator
 
 
-#: One use of a slot: ``(layer, slot, parts)``.
-Use = tuple[int, int, tuple[Part, ...]]
-
-
-@dataclass
-class Step:
-    """The FFN side's current step: the uses of its slots, in order, and who is left out."""
-
-    schedules: dict[int, StepSchedule]
-    #: Layer by layer, the microbatches of a layer in turn.
-    uses: list[Use]
-    next: int = 0
-    dropped: set[int] = field(default_factory=set)
-
-    @property
-    def shape(self) -> tuple[Use, ...]:
-        """What a CUDA graph of the whole step is keyed by (the step number is not in it: it
-        is a device word the graph reads)."""
-        return tuple(self.uses)
-
-    @classmethod
-    def of(cls, schedules: dict[int, StepSchedule]) -> Step:
-        layers = sorted({layer for s in schedules.values() for layer in s.layers})
-        slots = max((len(s.microbatch_tokens) for s in schedules.values()), default=0)
-        uses = []
-        for layer in layers:
-            for slot in range(slots):
-                parts = tuple(
-                    Part(a, s.microbatch_tokens[slot], s.layers.index(layer))
-                    for a, s in sorted(schedules.items())
-                    if layer in s.layers and slot < len(s.microbatch_tokens)
-                )
-                if parts:
-                    uses.append((layer, slot, parts))
-        return cls(schedules, uses)
-
-
-class StepGraphs:
-    """Whole FFN steps as CUDA graphs, one per step shape (``Step.shape``: the uses of the
-    step, each attention rank's rows and layer positions). A shape seen once runs eagerly (it
-    warms the kernels up); seen again, it is captured (a capture runs nothing), then replayed,
-    and replayed from then on. The step number is a device word the graph reads, set before
-    each replay (``FFNPlane.begin``), so a replay serves the step announced, with no Python on
-    the token path. At most ``limit`` graphs (each holds its own memory pool); shapes past it
-    run eagerly. NOT YET RUN ON A GPU (the device check captures and replays the same stream
-    of plane operations, and this class around the slots endpoints, with a PyTorch reference
-    MoE: ``testing/slot_plane_check.py``)."""
-
-    def __init__(self, limit: int = 32) -> None:
-        self.limit = limit
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._seen: set[tuple] = set()
-
-    def run(self, shape: tuple, step: Callable[[], None]) -> None:
-        graph = self._graphs.get(shape)
-        if graph is None:
-            if shape not in self._seen or len(self._graphs) >= self.limit:
-                self._seen.add(shape)
-                step()
-                return
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            self._graphs[shape] = graph
-        graph.replay()
-
-
-class _MovedOn(Exception):
-    """An attention rank announced a newer step while the FFN side waited for this one."""
-
-
-class SlotsFFNTransport(FFNTransport):
-    """FFN endpoint: owns its data buffer and control block; serves announced steps (module
-    docstring). ``recv`` returns one use of a slot: every attention rank's request of it."""
+class _PlaneFFN(FFNTransport):
+    """What both FFN endpoints of the plane own: the data buffer and the control block, named
+    ``<prefix>...`` (``spec.addresses[rank]`` when given, else ``PLANE_PREFIX``)."""
 
     def __init__(self, spec: TransportSpec, rank: int) -> None:
         super().__init__(spec, rank)
@@ -323,85 +309,166 @@ class SlotsFFNTransport(FFNTransport):
         if problem is not None:
             raise RuntimeError(problem)
         requested = spec.addresses[rank] if rank < len(spec.addresses) else ""
-        prefix = requested or CONTROL_PREFIX
+        prefix = requested or PLANE_PREFIX
         reap_stale_control_blocks(prefix)
-        self.memory = plane_memory(spec)
+        self.memory = plane_memory(spec, prefix + "data_")
         self.plane = FFNPlane(PlaneLayout.of(spec), self.memory, rank)
         self.control = ControlBlock.create(
             self.plane.layout, spec.moe_layers, self.plane.handle, prefix, rank
         )
-        self._served = [0] * spec.num_attention_ranks  # the last step taken, per rank
-        self._step: Step | None = None
-        self._first_seen: float | None = None  # a step announced while others are awaited
-        self._left_out: set[int] = set()  # ranks left out of a step (logged once each)
-        self._backoff = Backoff(WaitPolicy())
         self._closing = False
 
     @property
     def address(self) -> str:
         return self.control.name
 
-    @property
-    def serves_steps(self) -> bool:
-        """Whole steps (``FFNTransport.serves_steps``) where waits are the device's: a wait
-        there cannot leave a rank out of the rest of a step, and a step can be a CUDA graph."""
-        return self.memory.records_waits
+    def close(self) -> None:
+        """Mark the control block closed (waiting attention ranks fail fast), unlink it and
+        the data buffer."""
+        if self._closing:
+            return
+        self._closing = True
+        self.control.close(creator=True)
+        self.memory.close()
 
-    def next_step(self, timeout_s: float) -> Step | None:
-        """The next announced step (``recv``'s rule for who is in it), its step words set;
-        ``None`` when none came within ``timeout_s``."""
-        return self._next_step(time.perf_counter() + timeout_s)
 
-    def serve_use(self, slot: int, parts: tuple[Part, ...], forward) -> None:
-        """One use of a step in stream order (``FFNPlane.serve``): every part's rows in one
-        ``forward(x, topk_ids, topk_weights, out)``, every answer published."""
-        self.plane.serve(slot, parts, forward)
+class PlaneFFN(_PlaneFFN, ServesRequests):
+    """FFN endpoint serving what is pending (host memory): a request flag whose value changed
+    is a request; its step and position come from the value, its layer from its sender's
+    announced schedule, its rows from the row-count word. Requests are views of their slot:
+    valid until ``reply``."""
 
-    def fail_uses(self, uses: list[Use], message: str) -> None:
-        """Answer every part of ``uses`` with ``message``: their attention ranks' waits end
-        (recorded as failed) instead of spinning to their bound."""
-        for _, slot, parts in uses:
-            for part in parts:
-                self.plane.fail(slot, part, message)
-
-    def end_step(self) -> None:
-        """The step is served: what its device waits recorded is logged (the attention ranks
-        that moved on see their own)."""
-        self._step = None
-        try:
-            self.memory.check()
-        except FFNTimeout as exc:
-            logger.warning("AFD FFN rank %d: %s", self.rank, exc)
+    def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
+        super().__init__(spec, rank)
+        memory = self.memory
+        if not isinstance(memory, HostPlaneMemory) or memory.device_waits:
+            raise ValueError(
+                "slot plane: serving requests as they come needs host memory and host waits "
+                "(waits: host); device memory serves whole steps"
+            )
+        #: Per (attention rank, slot): its slot views and request and response lines.
+        self._channels = [
+            (a, s, view, view.request_words, view.response_words)
+            for s, views in enumerate(self.plane.slots)
+            for a, view in enumerate(views)
+        ]
+        self._seen = [0] * len(self._channels)
+        #: Per attention rank: the step schedule last read from its control block.
+        self._schedules: list[StepSchedule | None] = [None] * spec.num_attention_ranks
+        self._backoff = Backoff(wait or WaitPolicy())
+        self._idle = False
+        self._cpu = -1
 
     def recv(self, timeout_s: float) -> list[FFNRequest]:
-        """The next use of a slot of the current step (or of the next announced step, waiting
-        up to ``timeout_s`` for one): one request per attention rank that sent it. Inside a
-        step a rank's request is awaited up to ``spec.timeout_s``; a rank that does not send
-        it, or moves on, is left out of the rest of the step."""
+        """See ``ServesRequests.recv``: every pending request, in dispatch order per rank."""
+        self._cpu = current_cpu()
+        requests = self._poll()
+        if requests:
+            self._idle = False
+            return requests
+        if not self._idle:  # first wait after serving: start again from the spin stage
+            self._idle = True
+            self._backoff.reset()
+        self._backoff.set_spin(self._spin_ok())
         deadline = time.perf_counter() + timeout_s
         while True:
-            if self._step is None:
-                self._step = self._next_step(deadline)
-                if self._step is None:
-                    return []
-            step = self._step
-            if step.next == len(step.uses):
-                self.end_step()
-                continue
-            layer, slot, parts = step.uses[step.next]
-            step.next += 1
-            requests = [
-                request
-                for part in parts
-                if part.attention_rank not in step.dropped
-                and (request := self._take(step, layer, slot, part)) is not None
-            ]
+            now = self._backoff.pause()
+            requests = self._poll()
             if requests:
+                self._idle = False
                 return requests
+            if now >= deadline:
+                return []
 
-    def _next_step(self, deadline: float) -> Step | None:
+    def _spin_ok(self) -> bool:
+        """Spin only if no attention rank last dispatched from the CPU we run on."""
+        cpu = self._cpu
+        return all(request[CPU_WORD] != cpu for _, _, _, request, _ in self._channels)
+
+    def _poll(self) -> list[FFNRequest]:
+        requests = []
+        seen = self._seen
+        for i, (a, slot, view, request, _) in enumerate(self._channels):
+            value = request[0]
+            if value == seen[i]:
+                continue
+            seen[i] = value
+            made = self._request(i, a, slot, view, value, request[ROWS_WORD])
+            if made is not None:
+                requests.append(made)
+        if len(requests) > 1:
+            requests.sort(key=lambda r: (r.src_rank, r.reply_key[1], r.microbatch))
+        return requests
+
+    def _request(self, i: int, a: int, slot: int, view, value: int, rows: int) -> FFNRequest | None:
+        """The request of value ``value`` in channel ``i``, or ``None`` when it is refused with
+        an error answer (a row count out of range, a use its sender's schedule does not have)
+        or stale (its sender already announced a newer step: nobody waits for it)."""
+        step, position = value_use(value)
+        schedule = self._schedules[a]
+        if schedule is None or schedule.step != step:
+            schedule = self._schedules[a] = self.control.schedule(a)
+        if schedule is not None and schedule.step > step:
+            return None
+        why = None
+        if not 0 <= rows <= self.spec.max_tokens:
+            why = f"corrupted request header: {rows} tokens, allowed 0..{self.spec.max_tokens}"
+        elif schedule is None or schedule.step != step:
+            why = f"step {step} was never announced (last: {schedule})"
+        elif not 0 <= position < len(schedule.layers):
+            why = f"position {position} is not in step {step}'s layers {list(schedule.layers)}"
+        if why is not None:
+            self._answer(i, value, failed=why)
+            return None
+        x, ids, weights, out = view.rows(rows)
+        layer = schedule.layers[position]  # type: ignore[union-attr]
+        return FFNRequest(a, layer, x, ids, weights, (i, value), out, step, slot, schedule)
+
+    def reply(self, request: FFNRequest, out: torch.Tensor) -> None:
+        """See ``ServesRequests.reply``; ``out``: ``[N, H]``, converted to ``spec.dtype``, or
+        ``request.reply_buffer`` itself (already in place: nothing is copied)."""
+        i, value = request.reply_key  # type: ignore[misc]
+        buffer = request.reply_buffer
+        assert buffer is not None
+        if out is not buffer:
+            if out.shape != buffer.shape:
+                raise ValueError(f"reply must be {list(buffer.shape)}, got {list(out.shape)}")
+            buffer.copy_(out)
+        self._answer(i, value)
+
+    def reply_error(self, request: FFNRequest, message: str) -> None:
+        """See ``ServesRequests.reply_error``: the text goes into the slot's ``out``."""
+        i, value = request.reply_key  # type: ignore[misc]
+        self._answer(i, value, failed=message)
+
+    def _answer(self, i: int, value: int, failed: str | None = None) -> None:
+        """Publish the answer to ``value`` in channel ``i`` (its ``out`` written), or an
+        error answer with the text ``failed``; nothing for a request superseded meanwhile (its
+        attention rank gave up on it and reused the slot)."""
+        _, _, view, request, response = self._channels[i]
+        if request[0] != value:
+            return
+        if failed is not None:
+            view.write_error(failed)
+        response[CPU_WORD] = self._cpu
+        response[0] = -value if failed is not None else value  # after the payload (TSO)
+
+
+class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
+    """FFN endpoint serving whole announced steps in stream order (module docstring)."""
+
+    def __init__(self, spec: TransportSpec, rank: int) -> None:
+        super().__init__(spec, rank)
+        self._served = [0] * spec.num_attention_ranks  # the last step taken, per rank
+        self._first_seen: float | None = None  # a step announced while others are awaited
+        self._left_out: set[int] = set()  # ranks left out of a step (logged once each)
+        self._backoff = Backoff(WaitPolicy())
+
+    def next_step(self, timeout_s: float) -> Step | None:
         """Every attention rank's next schedule, or those announced when half of
-        ``timeout_s`` passed since the first; ``None`` if none came by ``deadline``."""
+        ``timeout_s`` passed since the first, their step words set; ``None`` if none came
+        within ``timeout_s``."""
+        deadline = time.perf_counter() + timeout_s
         everyone = self.spec.num_attention_ranks
         self._backoff.reset()
         while True:
@@ -441,89 +508,62 @@ class SlotsFFNTransport(FFNTransport):
             running[a] = schedule
         return Step.of(running)
 
-    def _take(self, step: Step, layer: int, slot: int, part: Part) -> FFNRequest | None:
-        """``part``'s request as an ``FFNRequest`` (views of its slot), or ``None`` when its
-        attention rank did not send it (it is left out of the rest of the step)."""
-        a = part.attention_rank
-        schedule = step.schedules[a]
+    def serve_use(self, slot: int, parts: tuple[Part, ...], forward: UseForward) -> None:
+        """One use of a step in stream order (``FFNPlane.serve``): every part's rows in one
+        ``forward(x, topk_ids, topk_weights, out)``, every answer published."""
+        self.plane.serve(slot, parts, forward)
+
+    def fail_uses(self, uses: Sequence[Use], message: str) -> None:
+        """Answer every part of ``uses`` with ``message``: their attention ranks' waits end
+        (recorded as failed) instead of spinning to their bound."""
+        for _, slot, parts in uses:
+            for part in parts:
+                self.plane.fail(slot, part, message)
+
+    def end_step(self) -> None:
+        """The step is served: what its device waits recorded is logged (the attention ranks
+        that moved on see their own)."""
         try:
-            view = self.plane.take(slot, part, lambda: self._check_current(a, schedule.step))
-        except (PlaneError, FFNTimeout, _MovedOn) as why:
-            step.dropped.add(a)
-            logger.warning(
-                "AFD FFN rank %d: attention rank %d left step %d at layer %d (%s); serving "
-                "the others",
-                self.rank,
-                a,
-                schedule.step,
-                layer,
-                why or type(why).__name__,
-            )
-            return None
-        x, ids, weights, out = view.rows(part.rows)
-        return FFNRequest(
-            a, layer, x, ids, weights, (slot, part), out, schedule.step, slot, schedule
-        )
-
-    def _check_current(self, attention_rank: int, step: int) -> None:
-        """While a host wait blocks: end it when the endpoint closes, or when the rank
-        announced another step (it abandoned this one)."""
-        if self._closing:
-            raise _MovedOn("the endpoint is closing")
-        if self.control.announced_step(attention_rank) != step:
-            raise _MovedOn(f"it announced step {self.control.announced_step(attention_rank)}")
-
-    def reply(self, request: FFNRequest, out: torch.Tensor) -> None:
-        """See ``FFNTransport.reply``; ``out`` may be ``request.reply_buffer`` itself."""
-        slot, part = request.reply_key
-        buffer = request.reply_buffer
-        if out is not buffer:
-            if out.shape != buffer.shape:
-                raise ValueError(f"reply must be {list(buffer.shape)}, got {list(out.shape)}")
-            buffer.copy_(out)
-        self.plane.answer(slot, part)
-
-    def reply_error(self, request: FFNRequest, message: str) -> None:
-        """See ``FFNTransport.reply_error``: the text goes into the slot's ``out``; the rank is
-        left out of the rest of the step (its forward fails)."""
-        slot, part = request.reply_key
-        self.plane.fail(slot, part, message)
-        if self._step is not None:
-            self._step.dropped.add(part.attention_rank)
-
-    def close(self) -> None:
-        """Mark the control block closed (waiting attention ranks fail fast), unlink it and
-        the data buffer."""
-        if self._closing:
-            return
-        self._closing = True
-        self.control.close(creator=True)
-        self.memory.close()
+            self.memory.check()
+        except FFNTimeout as exc:
+            logger.warning("AFD FFN rank %d: %s", self.rank, exc)
 
 
 class SlotsBackend(Backend):
-    """The slot plane: host memory on CPUs, device memory (CUDA IPC, Triton flags) on GPUs."""
+    """The slot plane: host memory on CPUs, device memory (CUDA IPC, Triton flags) on GPUs;
+    FFN ranks serve requests as they come with host waits, whole steps with the device's."""
 
     name = "slots"
-    attention = SlotsAttentionTransport
-    ffn = SlotsFFNTransport
-    supports_failover = False
-    scales_live = False
-    isolates_requests = False
-    shares_group = False
+    attention = PlaneAttentionTransport
+    ffn = PlaneFFN
     needs_steps = True
     settings = {"waits": str}
 
     @classmethod
-    def config_problem(cls, config) -> str | None:
+    def endpoints(
+        cls, settings: Mapping[str, Any]
+    ) -> tuple[type[AttentionTransport], type[FFNTransport]]:
+        if settings.get("waits", "host") == "device":
+            return cls.attention, SteppedPlaneFFN
+        return cls.attention, cls.ffn
+
+    @classmethod
+    def config_problem(cls, config: Mapping[str, Any]) -> str | None:
         problem = super().config_problem(config)
         if problem is None and config.get("waits", "host") not in WAITS:
             return f"slots setting waits takes one of {', '.join(WAITS)}, got {config['waits']!r}"
         return problem
 
     @classmethod
+    def resolve_settings(cls, settings: Mapping[str, Any], attention_device: str) -> dict:
+        """On GPUs waits are the device's (a kernel cannot raise)."""
+        if attention_device == "cpu":
+            return dict(settings)
+        return {**settings, "waits": "device"}
+
+    @classmethod
     def host_problem(cls) -> str | None:
-        """The control block's seqlock relies on x86-64 store order, as shm does."""
+        """Host memory and the control block's seqlock rely on x86-64 store order."""
         return shm_platform_problem()
 
     @classmethod
@@ -531,10 +571,31 @@ class SlotsBackend(Backend):
         if attention_device == ffn_device:
             return None
         return (
-            f"slots: the slot plane lives in one kind of memory; this deployment has attention "
-            f"ranks on {attention_device} and FFN ranks on {ffn_device} (--afd-ffn-device)"
+            f"{cls.name}: the slot plane lives in one kind of memory; this deployment has "
+            f"attention ranks on {attention_device} and FFN ranks on {ffn_device} "
+            "(--afd-ffn-device)"
         )
 
     @classmethod
     def reap_stale(cls) -> list[str]:
         return reap_stale_control_blocks()
+
+
+class ShmBackend(SlotsBackend):
+    """One CPU host: the slot plane on host memory, FFN ranks serving requests as they come."""
+
+    name = "shm"
+    settings: Mapping[str, type] = {}
+
+    @classmethod
+    def resolve_settings(cls, settings: Mapping[str, Any], attention_device: str) -> dict:
+        return dict(settings)  # host waits on host memory, whatever the device
+
+    @classmethod
+    def device_problem(cls, attention_device: str, ffn_device: str) -> str | None:
+        if attention_device == "cpu":
+            return None
+        return (
+            f"{cls.name}: hidden states travel through host memory, which cannot serve a "
+            f"{attention_device.upper()} model; use --afd-transport slots on GPUs"
+        )

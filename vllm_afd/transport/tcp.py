@@ -55,12 +55,12 @@ do not fit in the socket buffer are queued and flushed from ``recv``. ``dispatch
 kernel holds all bytes of the request.
 
 Waiting. Both sides first poll their sockets without blocking, through the spin and yield
-stages of ``WaitPolicy`` (as shm does), then block in ``epoll``: a wake-up from ``epoll`` costs
-far more than a non-blocking poll (measured numbers: docs/benchmarks.md).
+stages of ``WaitPolicy`` (as the slot plane does), then block in ``epoll``: a wake-up from
+``epoll`` costs far more than a non-blocking poll (measured numbers: docs/benchmarks.md).
 
 Failure. A closed or reset connection raises ``FFNRankLost`` naming the FFN rank at once
-(SIGKILL of an FFN process closes its sockets; with failover, ``p2p`` then connects to its
-replacement: ``_reconnect``); a silent FFN rank raises ``TransportError`` after
+(SIGKILL of an FFN process closes its sockets; with failover, ``endpoint.py`` then connects to its
+replacement: ``reconnect``); a silent FFN rank raises ``TransportError`` after
 ``spec.timeout_s``.
 The FFN side drops a dead attention rank's connection and keeps serving the others; a reconnecting
 attention rank replaces its old connection.
@@ -81,23 +81,19 @@ from vllm_afd.errors import AFDConfigError
 from vllm_afd.host import LOOPBACK, parse_address
 from vllm_afd.transport import auth
 from vllm_afd.transport.base import (
+    Backend,
     FFNRankLost,
     FFNRequest,
     FFNServeError,
     FFNTimeout,
-    FFNTransport,
     ProtocolError,
+    ServesRequests,
     TransportError,
     TransportSpec,
 )
 from vllm_afd.transport.control import StepSchedule, Tag, answer_mismatch, schedule_words
-from vllm_afd.transport.p2p import (
-    Backoff,
-    PointToPointAttentionTransport,
-    PointToPointBackend,
-    RowViews,
-    WaitPolicy,
-)
+from vllm_afd.transport.endpoint import AttentionEndpoint
+from vllm_afd.transport.wait import Backoff, RowViews, WaitPolicy
 
 DEFAULT_HOST = LOOPBACK
 
@@ -119,7 +115,7 @@ MAX_UNAUTHENTICATED = 16
 HANDSHAKE_TIMEOUT_S = 10.0
 _CONNECT_TIMEOUT_S = 10.0
 #: How long an attention rank's wait blocks on its sockets before it looks in the FFN
-#: directory for a rank the supervisor declared lost (``P2PAttentionTransport._check_superseded``).
+#: directory for a rank the supervisor declared lost (``AttentionEndpoint._check_superseded``).
 DIRECTORY_CHECK_S = 0.1
 
 
@@ -347,7 +343,7 @@ class _FFNPeer:
             raise FFNRankLost(self.ffn_rank, self.error) from None
 
 
-class TcpAttentionTransport(PointToPointAttentionTransport):
+class TcpAttentionTransport(AttentionEndpoint):
     """Attention endpoint: one TCP connection per FFN rank (``spec.addresses``)."""
 
     backend_name = "tcp"
@@ -361,7 +357,7 @@ class TcpAttentionTransport(PointToPointAttentionTransport):
         for f, address in enumerate(self.addresses):
             self._peers.append(self._connect(f, address))
 
-    def _reconnect(self, ffn_rank: int, address: str) -> None:
+    def reconnect(self, ffn_rank: int, address: str) -> None:
         """Close the lost connection and connect to the replacement at ``address``."""
         old = self._peers[ffn_rank]
         if old.sock.fileno() >= 0:  # not closed by an earlier, failed reconnect
@@ -621,7 +617,7 @@ class _AttentionPeer:
         )
 
 
-class TcpFFNTransport(FFNTransport):
+class TcpFFNTransport(ServesRequests):
     """FFN endpoint: listens, accepts one connection per attention rank, serves them all.
 
     Requests returned by ``recv`` are views of per-(attention rank, slot) buffers: valid until
@@ -652,7 +648,7 @@ class TcpFFNTransport(FFNTransport):
         return self._address
 
     def recv(self, timeout_s: float) -> list[FFNRequest]:
-        """See ``FFNTransport.recv``; also accepts connections and flushes queued replies."""
+        """See ``ServesRequests.recv``; also accepts connections and flushes queued replies."""
         requests: list[FFNRequest] = []
         backoff = Backoff(self.wait)
         deadline = backoff.start + timeout_s
@@ -751,7 +747,7 @@ class TcpFFNTransport(FFNTransport):
         self._drop(peer)
 
     def reply(self, request: FFNRequest, out: torch.Tensor) -> None:
-        """See ``FFNTransport.reply``; ``out``: ``[N, H]``, converted to ``spec.dtype``."""
+        """See ``ServesRequests.reply``; ``out``: ``[N, H]``, converted to ``spec.dtype``."""
         peer, slot, seq = request.reply_key
         n = request.x.shape[0]
         if out.shape != (n, self.spec.hidden_size):
@@ -764,7 +760,7 @@ class TcpFFNTransport(FFNTransport):
         self._queue(peer, [header, _byte_view(out.contiguous())])
 
     def reply_error(self, request: FFNRequest, message: str) -> None:
-        """See ``FFNTransport.reply_error``: an ERROR frame with the text (truncated to
+        """See ``ServesRequests.reply_error``: an ERROR frame with the text (truncated to
         ``MAX_TEXT_BYTES``)."""
         peer, slot, seq = request.reply_key
         if peer.closed:
@@ -821,7 +817,7 @@ class TcpFFNTransport(FFNTransport):
         self._listener.close()
 
 
-class TcpBackend(PointToPointBackend):
+class TcpBackend(Backend):
     """Across hosts: the FFN ranks listen on ``--afd-ffn-host`` (any free port), peers
     authenticate with the deployment's secret (HMAC), hidden states travel unencrypted."""
 
@@ -834,3 +830,14 @@ class TcpBackend(PointToPointBackend):
     @classmethod
     def requested_addresses(cls, ffn_host: str, num_ffn_ranks: int) -> tuple[str, ...]:
         return (f"{ffn_host}:0",) * num_ffn_ranks
+
+    @classmethod
+    def device_problem(cls, attention_device: str, ffn_device: str) -> str | None:
+        """Hidden states travel through host memory: CPU attention ranks only (their FFN ranks
+        may compute on a GPU)."""
+        if attention_device == "cpu":
+            return None
+        return (
+            f"{cls.name}: hidden states travel through host memory, which cannot serve a "
+            f"{attention_device.upper()} model; use --afd-transport slots on GPUs"
+        )

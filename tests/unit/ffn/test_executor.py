@@ -15,6 +15,8 @@ from tests.unit.metrics.metrics_testlib import scrape, value
 from vllm_afd.ffn.executor import FFNExecutor
 from vllm_afd.metrics.blocks import ffn_block_name, read_block
 from vllm_afd.transport import TransportSpec, create_attention_transport
+from vllm_afd.transport.base import ServesSteps
+from vllm_afd.transport.control import StepSchedule
 
 
 def test_expert_range_is_contiguous():
@@ -53,6 +55,7 @@ def test_ffn_executor_writes_its_block(tiny_qwen3):
         executor.start()
         spec = TransportSpec(**{**spec.__dict__, "addresses": (executor.address,)})
         endpoint = create_attention_transport(spec, 0)
+        endpoint.begin_step(StepSchedule(1, (5,), (0, 1)))
         x = torch.randn(5, spec.hidden_size)
         ids = torch.tensor([[0, 7]] * 5, dtype=torch.int32)
         weights = torch.full((5, 2), 0.5)
@@ -118,19 +121,24 @@ def test_a_failing_layer_fails_its_request_and_the_rank_serves_on(
         x = torch.randn(2, 128)
         ids = torch.tensor([[0, 7]] * 2, dtype=torch.int32)
         weights = torch.full((2, 2), 0.5)
-        endpoint.combine(endpoint.dispatch(0, x, ids, weights))  # no fault file: served
+
+        def round_trip(layer: int) -> torch.Tensor:  # a step of one layer each
+            endpoint.begin_step(StepSchedule(endpoint.step + 1, (2,), (layer,)))
+            return endpoint.combine(endpoint.dispatch(layer, x, ids, weights))
+
+        round_trip(0)  # no fault file: served
         fault.touch()
         start = time.monotonic()
         for layer in (1, 0):  # every batch fails while the file exists, each one at once
             text = rf"FFN rank 0: layer {layer}: RuntimeError: injected fault .*"
             text += re.escape(str(fault))
             with pytest.raises(FFNServeError, match=text):
-                endpoint.combine(endpoint.dispatch(layer, x, ids, weights))
+                round_trip(layer)
         assert time.monotonic() - start < 2.0
         scalars = read_block(ffn_block_name(executor.address, 0)).scalars
         assert scalars[F_FAILURES] == 2
         fault.unlink()  # the serve loop is still alive
-        out = endpoint.combine(endpoint.dispatch(1, x, ids, weights))
+        out = round_trip(1)
         assert out.shape == x.shape and torch.isfinite(out).all()
         assert time.monotonic() - scalars[F_HEARTBEAT] < 1.0
     finally:
@@ -219,7 +227,7 @@ def test_a_batch_that_fails_partway_is_served_again_request_by_request():
     executor.transport = transport = Transport()
     ids, weights = torch.zeros(1, 2, dtype=torch.int32), torch.full((1, 2), 0.5)
     group = [FFNRequest(src, 0, torch.full((1, 4), src + 1.0), ids, weights) for src in range(3)]
-    executor._serve_layer(0, group)
+    executor._serve_layer(transport, 0, group)
     answered = [(src, out.tolist()) for src, out in transport.answered]
     assert answered == [(0, [[2.0] * 4]), (2, [[6.0] * 4])]
     assert [src for src, _ in transport.failed] == [1]
@@ -242,7 +250,7 @@ def test_requests_are_counted_per_attention_rank():
 def test_with_device_waits_the_executor_serves_whole_steps_and_fails_what_it_cannot(
     tiny_qwen3, monkeypatch, tmp_path
 ):
-    """The slots transport with the device's wait semantics (``serves_steps``): the executor
+    """The slots transport with the device's wait semantics (``ServesSteps``): the executor
     serves each announced step whole (per layer and microbatch, the layer's own kernel), the
     answers are exactly that kernel's, the stats count every use; a use that raises (the
     injected fault) is answered with the error together with the rest of its step, which the
@@ -266,7 +274,7 @@ def test_with_device_waits_the_executor_serves_whole_steps_and_fails_what_it_can
     )
     executor = FFNExecutor(spec, 0, tiny_qwen3, "cpu")
     endpoint = None
-    assert executor.transport.serves_steps and executor.graphs is None  # CPU: eager
+    assert isinstance(executor.transport, ServesSteps) and executor.graphs is None  # CPU: eager
     try:
         executor.start()
         spec = TransportSpec(**{**spec.__dict__, "addresses": (executor.address,)})

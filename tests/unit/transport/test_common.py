@@ -9,19 +9,15 @@ from transport_testlib import make_spec, routing
 
 from vllm_afd import envs
 from vllm_afd.config import AFDConfigError
-from vllm_afd.transport import DispatchHandle, TransportSpec, p2p
-from vllm_afd.transport.p2p import (
-    Backoff,
-    WaitPolicy,
-    combine_partials,
-    split_by_ffn_rank,
-)
+from vllm_afd.transport import DispatchHandle, TransportSpec, wait
+from vllm_afd.transport.endpoint import combine_partials, split_by_ffn_rank
 from vllm_afd.transport.reference import (
     LocalMoE,
     ScaleExperts,
     SiluMulExperts,
     reference_moe_combine,
 )
+from vllm_afd.transport.wait import Backoff, WaitPolicy
 
 
 def test_split_contiguous_placement() -> None:
@@ -100,7 +96,7 @@ def test_poll_window_comes_from_the_environment(monkeypatch) -> None:
 
 def test_backoff_polls_through_the_window_then_sleeps_doubling(monkeypatch) -> None:
     slept: list[float] = []
-    monkeypatch.setattr(p2p.time, "sleep", slept.append)
+    monkeypatch.setattr(wait.time, "sleep", slept.append)
     polling = Backoff(WaitPolicy(spin_s=0.0, yield_s=3600.0))
     for _ in range(100):
         polling.pause()

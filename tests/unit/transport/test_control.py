@@ -21,7 +21,7 @@ from vllm_afd.transport.control import (
 from vllm_afd.transport.reference import LocalMoE
 
 pytestmark = pytest.mark.timeout(60)
-BACKENDS = ["shm", "tcp"]
+BACKENDS = ["shm", "slots", "tcp"]
 #: DeepSeek-like: layer 0 dense, then MoE layers; numbers past 64 take a second bitmap word.
 LAYERS = (1, 2, 3, 63, 64, 93)
 
@@ -79,7 +79,8 @@ def test_requests_carry_the_announced_schedule_and_answers_their_tag(backend, lo
     lb = loopback(make_spec(backend, 1, 2, moe_layers=LAYERS))
     att = lb.attention[0]
     inputs = [routing(4, lb.spec, seed=s) for s in (0, 1)]
-    for step in (1, 2):
+    first = att.step + 1  # the loopback announced one step already
+    for step in (first, first + 1):
         schedule = StepSchedule(step, (4, 4), LAYERS)
         att.begin_step(schedule)
         handles = [att.dispatch(63, *inputs[mb], microbatch=mb) for mb in (0, 1)]
@@ -93,28 +94,30 @@ def test_requests_carry_the_announced_schedule_and_answers_their_tag(backend, lo
         for mb, handle in enumerate(handles):
             assert (handle.step, handle.microbatch) == (step, mb)
             assert torch.equal(att.combine(handle), expected(lb.spec, *inputs[mb]))
-    with pytest.raises(ValueError, match="step 2 announced after step 2"):
-        att.begin_step(StepSchedule(2, (1,), LAYERS))
+    with pytest.raises(ValueError, match=f"step {step} announced after step {step}"):
+        att.begin_step(StepSchedule(step, (1,), LAYERS))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_an_answer_with_another_tag_is_refused(backend, loopback):
-    lb = loopback(make_spec(backend, 1, 1, moe_layers=LAYERS))
+def test_a_tcp_answer_with_another_tag_is_refused(loopback):
+    """tcp's answer carries its request's tag back (the slot plane's carries the use's value,
+    so an answer to another use is never taken: test_shm_hardening)."""
+    lb = loopback(make_spec("tcp", 1, 1, moe_layers=LAYERS))
     att = lb.attention[0]
-    att.begin_step(StepSchedule(1, (2,), LAYERS))
+    step = att.step + 1
+    att.begin_step(StepSchedule(step, (2,), LAYERS))
     x, ids, weights = routing(2, lb.spec, seed=0)
     handle = att.dispatch(2, x, ids, weights)
     (request,) = recv_all(lb.ffn[0], 1)
     lb.ffn[0].reply(dataclasses.replace(request, layer=3), request.x)
     text = (
-        r"FFN rank 0 answered \(step 1, layer 3, microbatch 0\) where this attention rank "
-        r"waits for \(step 1, layer 2, microbatch 0\)"
+        rf"FFN rank 0 answered \(step {step}, layer 3, microbatch 0\) where this attention rank "
+        rf"waits for \(step {step}, layer 2, microbatch 0\)"
     )
     with pytest.raises(ProtocolError, match=text):
         att.combine(handle)
 
 
-def test_shm_keeps_each_attention_rank_schedule_apart():
+def test_the_plane_keeps_each_attention_rank_schedule_apart():
     """Each attention rank's schedule words are its own."""
     spec = make_spec("shm", 2, 1, moe_layers=LAYERS)
     ffn = create_ffn_transport(spec, 0)

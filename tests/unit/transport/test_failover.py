@@ -1,4 +1,5 @@
-"""Failover on the attention side (``p2p``): a lost FFN rank's requests go to its replacement.
+"""Failover on the attention side (``endpoint.py``): a lost FFN rank's requests go to its
+replacement, on every backend that claims it (``Feature.FAILOVER``).
 
 FFN ranks run in child processes (``FFNCluster``); the test plays the front-end's supervisor: it
 kills a rank while requests wait on it (or once it failed one: an exception in its serve loop),
@@ -25,7 +26,8 @@ from vllm_afd.transport.directory import FAILED, RECOVERING, UP, RankEntry
 from vllm_afd.transport.reference import LocalMoE, ScaleExperts, reference_moe_combine
 
 pytestmark = pytest.mark.timeout(90)
-BACKENDS = ["shm", "tcp"]
+#: The slot plane on host memory (``shm`` is the same endpoints) and tcp.
+BACKENDS = ["slots", "tcp"]
 SCALES = ScaleExperts(torch.arange(1.0, 9.0) / 4)
 
 
@@ -52,7 +54,7 @@ def _cluster(start_ffn, backend: str, tmp_path, delay_rank1: float, failover_s: 
 def test_requests_of_a_killed_rank_are_answered_by_its_replacement(backend, start_ffn, tmp_path):
     spec, cluster = _cluster(start_ffn, backend, tmp_path, delay_rank1=30.0)
     att = cluster.connect(0)
-    att.begin_step(StepSchedule(1, (8, 8), (0,), Mode.RUN))
+    att.begin_step(StepSchedule(att.step + 1, (8, 8), (0,), Mode.RUN))
     inputs = [routing(8, spec, seed=s) for s in (1, 2)]
     handles = [att.dispatch(0, *inputs[mb], microbatch=mb) for mb in (0, 1)]
     assert all(set(h.token_index) == {0, 1} for h in handles)
@@ -70,7 +72,7 @@ def test_requests_of_a_killed_rank_are_answered_by_its_replacement(backend, star
     assert (att.replacements, att.redispatched) == (1, 2)
     assert att.addresses[1] != cluster.spec.addresses[1]
 
-    att.begin_step(StepSchedule(2, (5,), (0,), Mode.RUN))  # the next step, on the replacement
+    att.begin_step(StepSchedule(att.step + 1, (5,), (0,), Mode.RUN))  # on the replacement
     x = routing(5, spec, seed=3)
     assert torch.equal(att.combine(att.dispatch(0, *x)), reference_moe_combine(*x, SCALES, 8, 2))
     assert att.redispatched == 2
@@ -185,14 +187,14 @@ def test_a_failed_request_of_a_rank_on_another_host_goes_to_its_replacement(
     assert (att.replacements, att.redispatched) == (1, 1)
 
 
-def test_a_tcp_rank_the_supervisor_declared_lost_is_left_without_a_closed_connection(
-    start_ffn, tmp_path
-):
-    """A rank on a node that died (or was cut off) closes no connection: the attention rank's
-    wait sees the supervisor's verdict in the FFN directory within ``DIRECTORY_CHECK_S`` and
-    sends what it had not answered to the replacement; the old process is never heard from
-    again (here it is alive, 30 s late)."""
-    spec, cluster = _cluster(start_ffn, "tcp", tmp_path, delay_rank1=30.0)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_the_supervisor_declared_lost_is_left_while_it_lives(backend, start_ffn, tmp_path):
+    """A rank on a node that died (or was cut off, or wedged) closes no connection and does not
+    die: the attention rank's wait sees the supervisor's verdict in the FFN directory (tcp
+    within ``DIRECTORY_CHECK_S``, the slot plane within ``WATCH_INTERVAL_S``) and sends what it
+    had not answered to the replacement; the old process is never heard from again (here it is
+    alive, 30 s late)."""
+    spec, cluster = _cluster(start_ffn, backend, tmp_path, delay_rank1=30.0)
     att = cluster.connect(0)
     x = routing(8, spec, seed=7)
     handle = att.dispatch(0, *x)

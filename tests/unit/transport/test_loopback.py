@@ -1,4 +1,5 @@
-"""Both point-to-point backends with FFN and attention endpoints in this one process.
+"""Every backend whose FFN side serves requests as they come, with FFN and attention endpoints in
+this one process: the slot plane on host memory (``shm``, ``slots``) and tcp.
 
 The FFN side is driven by hand (``recv`` then ``reply``) between ``dispatch`` and ``combine``,
 which makes batching, ordering and the protocol checks deterministic.
@@ -21,7 +22,9 @@ from vllm_afd.transport import (
 from vllm_afd.transport.reference import LocalMoE
 
 pytestmark = pytest.mark.timeout(60)
-BACKENDS = ["shm", "tcp"]
+BACKENDS = ["shm", "slots", "tcp"]
+#: The slot plane's backends (on host memory here).
+PLANE = ["shm", "slots"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -40,9 +43,9 @@ def test_outstanding_handles_answered_in_any_order(backend: str, loopback) -> No
     lb = loopback(make_spec(backend, 1, 2, num_slots=3))
     att = lb.attention[0]
     inputs = [routing(n, lb.spec, seed=n) for n in (3, 9, 1)]
-    handles = [att.dispatch(layer, *inputs[layer]) for layer in range(3)]
-    with pytest.raises(RuntimeError, match="num_slots"):
-        att.dispatch(3, *inputs[0])
+    handles = [att.dispatch(layer, *inputs[layer], microbatch=layer) for layer in range(3)]
+    with pytest.raises(RuntimeError, match="num_slots|busy"):
+        att.dispatch(3, *inputs[0], microbatch=2)
     for rank, endpoint in enumerate(lb.ffn):
         forward = LocalMoE.for_rank(EXPERTS, lb.spec, rank)
         requests = recv_all(endpoint, sum(rank in h.token_index for h in handles))
@@ -80,7 +83,7 @@ def test_rank_without_tokens_gets_no_message(backend: str, loopback) -> None:
 def test_mismatched_spec_is_refused(backend: str, loopback) -> None:
     lb = loopback(make_spec(backend, 1, 1))
     wrong = dataclasses.replace(lb.spec, hidden_size=16)
-    if backend == "shm":
+    if backend in PLANE:
         with pytest.raises(ValueError, match="TransportSpec|layout"):
             create_attention_transport(wrong, 0)
         return
@@ -95,7 +98,7 @@ def test_error_reply_fails_that_request_only(backend: str, loopback) -> None:
     lb = loopback(make_spec(backend, 1, 2, timeout_s=30.0))
     att = lb.attention[0]
     inputs = [routing(6, lb.spec, seed=s) for s in (1, 2)]
-    bad, good = att.dispatch(3, *inputs[0]), att.dispatch(4, *inputs[1])
+    bad, good = att.dispatch(3, *inputs[0]), att.dispatch(4, *inputs[1], microbatch=1)
     for rank, endpoint in enumerate(lb.ffn):
         forward = LocalMoE.for_rank(EXPERTS, lb.spec, rank)
         for request in recv_all(endpoint, 2):
@@ -123,8 +126,9 @@ def test_tcp_ffn_survives_a_dead_attention_rank(loopback) -> None:
     lb.attention = lb.attention[1:]
 
 
-def test_shm_closed_ffn_fails_fast(loopback) -> None:
-    lb = loopback(make_spec("shm", 1, 1, timeout_s=30.0))
+@pytest.mark.parametrize("backend", PLANE)
+def test_plane_closed_ffn_fails_fast(backend: str, loopback) -> None:
+    lb = loopback(make_spec(backend, 1, 1, timeout_s=30.0))
     att = lb.attention[0]
     handle = att.dispatch(0, *routing(2, lb.spec, seed=0))
     lb.ffn[0].close()
@@ -171,8 +175,9 @@ def test_reply_buffer_shape_and_ownership(backend: str, loopback) -> None:
     assert torch.equal(att.combine(handle), expected(lb.spec, x, ids, weights))
 
 
-def test_shm_reply_with_its_buffer_copies_nothing(loopback, monkeypatch) -> None:
-    lb = loopback(make_spec("shm", 1, 1))
+@pytest.mark.parametrize("backend", PLANE)
+def test_plane_reply_with_its_buffer_copies_nothing(backend: str, loopback, monkeypatch) -> None:
+    lb = loopback(make_spec(backend, 1, 1))
     att = lb.attention[0]
     copies: list[torch.Tensor] = []
     real_copy = torch.Tensor.copy_
@@ -183,7 +188,7 @@ def test_shm_reply_with_its_buffer_copies_nothing(loopback, monkeypatch) -> None
 
     for into_buffer in (True, False):
         inputs = routing(3, lb.spec, seed=int(into_buffer))
-        handle = att.dispatch(0, *inputs)
+        handle = att.dispatch(int(not into_buffer), *inputs)
         (request,) = recv_all(lb.ffn[0], 1)
         answer = request.x * 2
         if into_buffer:
@@ -197,9 +202,10 @@ def test_shm_reply_with_its_buffer_copies_nothing(loopback, monkeypatch) -> None
         assert torch.equal(att.combine(handle), inputs[0] * 2)
 
 
-def test_shm_superseded_request_computed_in_place_is_dropped(loopback) -> None:
+@pytest.mark.parametrize("backend", PLANE)
+def test_plane_superseded_request_computed_in_place_is_dropped(backend: str, loopback) -> None:
     """A late in-place answer to a timed-out request leaves the slot's next request intact."""
-    lb = loopback(make_spec("shm", 1, 1, timeout_s=0.2, num_slots=1))
+    lb = loopback(make_spec(backend, 1, 1, timeout_s=0.2, num_slots=1))
     att = lb.attention[0]
     first = routing(4, lb.spec, seed=1)
     handle = att.dispatch(0, *first)
@@ -210,7 +216,7 @@ def test_shm_superseded_request_computed_in_place_is_dropped(loopback) -> None:
     handle = att.dispatch(1, *second)
     forward = LocalMoE.for_rank(EXPERTS, lb.spec, 0)
     out = forward(stale.x, stale.topk_ids, stale.topk_weights, stale.reply_buffer)
-    lb.ffn[0].reply(stale, out)  # superseded: dropped, seq not published
+    lb.ffn[0].reply(stale, out)  # superseded: dropped, its value not published
     (fresh,) = recv_all(lb.ffn[0], 1)
     assert fresh.layer == 1
     out = forward(fresh.x, fresh.topk_ids, fresh.topk_weights, fresh.reply_buffer)

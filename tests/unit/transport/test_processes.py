@@ -1,4 +1,5 @@
-"""Both point-to-point backends with every FFN rank in its own process.
+"""Every backend whose FFN side serves requests as they come (the slot plane on host memory:
+``shm`` is the same endpoints as ``slots`` there; tcp), every FFN rank in its own process.
 
 Checks the results against the single-process reference (exactly for row-wise experts, to float32
 rounding for gated-MLP experts), T = 0 and T = max_tokens, two outstanding microbatches, and the
@@ -24,7 +25,7 @@ from vllm_afd.transport.reference import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-BACKENDS = ["shm", "tcp"]
+BACKENDS = ["slots", "tcp"]
 SCALES = ScaleExperts(torch.arange(1.0, 9.0) / 4)
 
 
@@ -59,7 +60,7 @@ def test_silu_mlp_experts_and_two_microbatches(backend: str, start_ffn) -> None:
     ranks = [cluster.connect(a) for a in range(2)]
     keys = [(a, mb) for a in range(2) for mb in (0, 1)]  # (attention rank, microbatch)
     inputs = {(a, mb): routing(5 + 20 * mb, spec, seed=2 * a + mb) for a, mb in keys}
-    handles = {key: ranks[key[0]].dispatch(3, *inputs[key]) for key in inputs}
+    handles = {key: ranks[key[0]].dispatch(3, *inputs[key], key[1]) for key in inputs}
     for key in [(0, 1), (1, 1), (0, 0), (1, 0)]:  # second microbatch first
         out = ranks[key[0]].combine(handles[key])
         ref = reference_moe_combine(*inputs[key], experts, spec.num_experts, spec.num_ffn_ranks)
@@ -96,24 +97,24 @@ def test_silent_ffn_rank_times_out(backend: str, start_ffn) -> None:
     cluster.kill(0)  # still sleeping in its forward
 
 
-def test_killed_shm_ffn_segment_is_reaped(start_ffn) -> None:
+def test_a_killed_plane_ffn_rank_s_segments_are_reaped(start_ffn) -> None:
     spec = make_spec("shm", 1, 1)
     cluster = start_ffn(spec, local_forwards(SCALES, spec))
-    assert len(leftover_segments()) == 1
+    assert len(leftover_segments()) == 2  # its control block and its data buffer
     cluster.kill(0)
     cluster.procs[0].join(5)
     cluster.close()  # reaps segments whose creator is dead
     assert leftover_segments() == []
 
 
-def test_shm_attacher_exit_keeps_segment(start_ffn, mp_ctx) -> None:
+def test_a_plane_attacher_s_exit_keeps_the_segments(start_ffn, mp_ctx) -> None:
     spec = make_spec("shm", 1, 1)
     cluster = start_ffn(spec, local_forwards(SCALES, spec))
     child = mp_ctx.Process(target=attach_and_exit, args=(cluster.spec,))
     child.start()
     child.join(10)
     assert child.exitcode == 0
-    assert len(leftover_segments()) == 1  # the attacher's exit did not unlink it
+    assert len(leftover_segments()) == 2  # the attacher's exit did not unlink them
     att = cluster.connect(0)
     inputs = routing(3, spec, seed=0)
     out = att.combine(att.dispatch(0, *inputs))

@@ -3,17 +3,24 @@ a CPU machine."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transport_testlib import make_spec
 
 from vllm_afd import transport
 from vllm_afd.transport import (
+    AttentionTransport,
+    Backend,
+    Feature,
     available_transports,
     backend,
     create_attention_transport,
     register_transport,
 )
+from vllm_afd.transport.base import ServesRequests
+from vllm_afd.transport.slots import PlaneFFN, SteppedPlaneFFN
 
 
 def test_unknown_backend_names_allowed_values() -> None:
@@ -30,7 +37,7 @@ def test_builtin_backends_registered() -> None:
 
 def test_register_refuses_a_second_target_for_a_name(monkeypatch) -> None:
     monkeypatch.setattr(transport, "_BACKENDS", dict(transport._BACKENDS))
-    shm = "vllm_afd.transport.shm:ShmBackend"
+    shm = "vllm_afd.transport.slots:ShmBackend"
     register_transport("shm", shm)  # the same target again: a no-op
     with pytest.raises(ValueError, match=r"'shm' is already registered.*ShmBackend"):
         register_transport("shm", "vllm_afd.transport.tcp:TcpBackend")
@@ -53,12 +60,18 @@ def test_a_backend_declares_what_it_can_do() -> None:
     shm, tcp, slots = (backend(name) for name in ("shm", "tcp", "slots"))
     assert [b.name for b in (shm, tcp, slots)] == ["shm", "tcp", "slots"]
     assert (shm.needs_secret, tcp.needs_secret, slots.needs_secret) == (False, True, False)
-    assert (shm.supports_failover, slots.supports_failover) == (True, False)
-    assert (tcp.shares_group, slots.shares_group) == (True, False)
+    every = frozenset(Feature)
+    assert shm.features() == tcp.features() == slots.features() == every  # host waits
+    assert slots.features({"waits": "device"}) == frozenset()
+    assert slots.endpoints({"waits": "device"})[1] is SteppedPlaneFFN
+    assert shm.endpoints({})[1] is slots.endpoints({"waits": "host"})[1] is PlaneFFN
     assert tcp.plaintext_on_ffn_host and not shm.plaintext_on_ffn_host
     assert tcp.requested_addresses("10.0.0.2", 2) == ("10.0.0.2:0",) * 2
     assert shm.requested_addresses("10.0.0.2", 2) == ()
-    assert shm.device_problem("cpu", "cuda") is None
+    assert shm.device_problem("cpu", "cuda") is None  # FFN ranks may compute on a GPU
+    assert "cannot serve a CUDA model" in shm.device_problem("cuda", "cuda")
+    assert slots.resolve_settings({}, "cuda") == {"waits": "device"}
+    assert slots.resolve_settings({}, "cpu") == {} == shm.resolve_settings({}, "cuda")
     assert "cannot serve a CUDA model" in tcp.device_problem("cuda", "cuda")
     assert slots.device_problem("cuda", "cuda") is None and slots.device_problem("cpu", "cuda")
     assert tcp.reap_stale() == [] and isinstance(shm.reap_stale(), list)
@@ -66,3 +79,69 @@ def test_a_backend_declares_what_it_can_do() -> None:
     hidden = spec.hidden_size * 2
     assert tcp.round_trip_bytes(spec, 3) == (3 * (hidden + spec.top_k * 8), 3 * hidden)
     assert slots.round_trip_bytes(spec, 3) == tcp.round_trip_bytes(spec, 3)
+
+
+class _Attention(AttentionTransport):
+    def dispatch(self, layer, x, topk_ids, topk_weights, microbatch=0):
+        raise NotImplementedError
+
+    def combine(self, handle):
+        raise NotImplementedError
+
+
+class _FFN(ServesRequests):
+    address = "nowhere"
+
+    def recv(self, timeout_s):
+        return []
+
+    def reply(self, request, out) -> None:
+        pass
+
+    def reply_error(self, request, message) -> None:
+        pass
+
+
+class _Bare(Backend):
+    name = "bare"
+    attention = _Attention
+    ffn = _FFN
+
+
+def test_a_backend_claims_only_what_its_endpoints_implement() -> None:
+    """Nothing is claimed by default: an FFN side serving requests gives scaling, isolation and
+    shared groups; failover needs an attention endpoint that ``Reconnects`` too."""
+    assert Feature.FAILOVER not in _Bare.features()
+    assert _Bare.features() == {Feature.LIVE_SCALING, Feature.ISOLATION, Feature.SHARED_GROUP}
+
+    class Stepped(_Bare):
+        ffn = SteppedPlaneFFN
+
+    assert Stepped.features() == frozenset()
+
+
+#: docs/architecture.md's backend x feature table: its columns, as (backend, settings).
+_COLUMNS = {
+    "shm": ("shm", {}),
+    "slots, host waits": ("slots", {"waits": "host"}),
+    "slots, device waits (every GPU)": ("slots", {"waits": "device"}),
+    "tcp": ("tcp", {}),
+}
+
+
+def test_the_documented_feature_table_is_what_the_backends_claim() -> None:
+    doc = (Path(__file__).parents[3] / "docs" / "architecture.md").read_text()
+    lines = [line for line in doc.splitlines() if line.startswith("| ")]
+    header = next(i for i, line in enumerate(lines) if line.startswith("| feature | shm |"))
+    columns = [cell.strip() for cell in lines[header].strip("|").split("|")][1:]
+    assert columns == list(_COLUMNS)
+    rows = {}
+    for line in lines[header + 1 : header + 1 + len(Feature)]:  # "|---" is not a "| " line
+        name, *cells = (cell.strip() for cell in line.strip("|").split("|"))
+        rows[Feature(name)] = cells
+    assert set(rows) == set(Feature)
+    for i, column in enumerate(columns):
+        name, settings = _COLUMNS[column]
+        claimed = backend(name).features(settings)
+        assert {f for f, cells in rows.items() if cells[i] == "yes"} == claimed, column
+        assert all(cells[i] in ("yes", "no") for cells in rows.values())

@@ -1,5 +1,6 @@
-"""The shm transport against other users and corruption: planted files never block an FFN
-rank nor get attached to, header fields are checked, weakly ordered CPUs are refused."""
+"""The slot plane on host memory (``shm``, ``slots``) against other users and corruption: planted
+files never block an FFN rank nor get attached to, header words are checked, weakly ordered
+CPUs are refused."""
 
 from __future__ import annotations
 
@@ -13,14 +14,17 @@ from vllm_afd import host
 from vllm_afd.config import AFDConfig, AFDConfigError, check_this_host
 from vllm_afd.transport import (
     FFNServeError,
+    FFNTimeout,
     ProtocolError,
     TransportError,
     create_attention_transport,
     create_ffn_transport,
-    shm,
+    slot_plane,
 )
 from vllm_afd.transport.base import DispatchHandle
-from vllm_afd.transport.p2p import combine_partials
+from vllm_afd.transport.control_block import reap_stale_control_blocks
+from vllm_afd.transport.endpoint import combine_partials
+from vllm_afd.transport.slot_plane import ROWS_WORD
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,8 +38,8 @@ def _plant(name: str, mode: int = 0o644) -> str:
 
 
 def test_a_planted_name_does_not_keep_the_ffn_rank_from_starting(monkeypatch):
-    names = iter(["planted00000000", "fresh000000000000"])
-    monkeypatch.setattr(shm.secrets, "token_hex", lambda n: next(names))
+    names = iter(["data000000000000", "planted00000000", "fresh000000000000"])
+    monkeypatch.setattr(slot_plane.secrets, "token_hex", lambda n: next(names))
     planted = _plant(f"{SHM_PREFIX}{os.getpid()}_f0_planted00000000")
     ffn = None
     try:
@@ -80,41 +84,46 @@ def test_reaping_reads_only_our_own_files():
     planted = _plant(f"{SHM_PREFIX}999999_f0_dead", mode=0o644)
     try:
         assert host.read_segment_header(os.path.basename(planted), 8) is None
-        assert shm.reap_stale_segments(SHM_PREFIX) == []
+        assert reap_stale_control_blocks(SHM_PREFIX) == []
         assert os.path.exists(planted)
     finally:
         os.unlink(planted)
 
 
+def _line(att, handle, response: bool = False):
+    """The int64 words of the request (or response) line of ``handle``'s slot on FFN rank 0."""
+    view = att.plane.slots[0][handle.microbatch]
+    return att.memory.word(view.response_line if response else view.request_line)
+
+
 def test_a_corrupted_request_count_is_answered_with_an_error(loopback):
     lb = loopback(make_spec("shm", 1, 1))
     att, ffn = lb.attention[0], lb.ffn[0]
-    for bad in (lb.spec.max_tokens + 1, -1):
+    for layer, bad in enumerate((lb.spec.max_tokens + 1, -1)):
         x, ids, weights = routing(1, lb.spec, seed=0)
-        handle = att.dispatch(0, x, ids, weights)
-        slot = att._slots[0][handle.state.slot]
-        att._words[0][slot.req_ntok] = bad  # before the FFN rank reads it
+        handle = att.dispatch(layer, x, ids, weights)
+        _line(att, handle)[ROWS_WORD] = bad  # before the FFN rank reads it
         assert ffn.recv(0.05) == []
         with pytest.raises(FFNServeError, match=f"corrupted request header: {bad} tokens"):
             att.combine(handle)
     x, ids, weights = routing(2, lb.spec, seed=1)
-    handle = att.dispatch(0, x, ids, weights)
+    handle = att.dispatch(2, x, ids, weights)
     lb.serve(expect=1)
     assert torch.equal(att.combine(handle), expected(lb.spec, x, ids, weights))
 
 
-@pytest.mark.parametrize("rows", [3, -1, 10**6])
-def test_a_corrupted_answer_count_is_an_error(loopback, rows):
-    """One token sent, the response header says ``rows``: an error, never ``rows`` rows."""
-    lb = loopback(make_spec("shm", 1, 1))
+def test_an_answer_of_another_use_is_never_taken(loopback):
+    """A response flag that carries another value than the use awaited (a stale or forged
+    answer) is not the answer: the combine times out rather than read the slot."""
+    lb = loopback(make_spec("shm", 1, 1, timeout_s=0.3))
     att, ffn = lb.attention[0], lb.ffn[0]
     x, ids, weights = routing(1, lb.spec, seed=2)
     handle = att.dispatch(0, x, ids, weights)
-    for request in recv_all(ffn, 1):
-        ffn.reply(request, torch.zeros(1, lb.spec.hidden_size))
-    slot = att._slots[0][handle.state.slot]
-    att._words[0][slot.resp_ntok] = rows
-    with pytest.raises(ProtocolError, match="rows"):
+    (request,) = recv_all(ffn, 1)
+    value = request.reply_key[1]
+    for other in (value + 1, value - 1, -(value + 1)):
+        _line(att, handle, response=True)[0] = other
+    with pytest.raises(FFNTimeout, match="did not answer"):
         att.combine(handle)
 
 

@@ -153,7 +153,7 @@ def test_a_combine_nobody_answers_fails_within_the_timeout_naming_the_flag():
     handle = attention.dispatch(1, 0, x, ids, weights)
     with pytest.raises(FFNTimeout, match="response of FFN rank 0 to attention rank 0, slot 1"):
         attention.combine(handle)
-    with pytest.raises(ValueError, match=r"dispatch of 7 tokens: allowed 0\.\.6"):
+    with pytest.raises(ValueError, match=r"send of 7 tokens: allowed 0\.\.6"):
         attention.dispatch(0, 0, *_routing(7, seed=2))
 
 

@@ -1,8 +1,10 @@
-"""The ``slots`` backend (``transport/slots.py``) on host memory, with both wait semantics: steps
-of several attention and FFN ranks against the reference, every attention rank's rows of a use
-in one FFN request batch, errors, a rank that abandons a step or never announces one, a dead FFN
-rank, the device's recorded waits (the CPU stand-in of the GPU layer), the control block, and
-what the backend refuses."""
+"""The ``slots`` backend (``transport/slots.py``) on host memory, with both wait semantics (host:
+requests served as they come; the device's: whole steps, the CPU stand-in of the GPU layer):
+steps of several attention and FFN ranks against the reference, every attention rank's rows of
+a use in one FFN batch of a step served whole, errors, a rank that abandons a step or never
+announces one, a dead FFN rank, the device's recorded waits, the control block, and what the
+backend refuses. The contract every backend that serves requests keeps (loopback, processes,
+control, failover) is tested over slots there."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from transport_testlib import EXPERTS, expected, routing
 
 from vllm_afd.testing.ffn import serve_ffn
 from vllm_afd.transport import (
+    Feature,
     FFNRankLost,
     FFNServeError,
     FFNTimeout,
@@ -25,9 +28,11 @@ from vllm_afd.transport import (
     create_attention_transport,
     create_ffn_transport,
 )
+from vllm_afd.transport.base import ServesSteps
 from vllm_afd.transport.control import Mode, StepSchedule
+from vllm_afd.transport.control_block import ControlBlock
 from vllm_afd.transport.reference import LocalMoE
-from vllm_afd.transport.slot_plane import ControlBlock, PlaneLayout
+from vllm_afd.transport.slot_plane import PlaneLayout
 
 pytestmark = pytest.mark.timeout(120)
 LAYERS = (1, 3, 4)
@@ -69,6 +74,10 @@ class Group:
 
     def _serve(self, f: int, forward) -> None:
         endpoint = self.ffn[f]
+        forward = forward or LocalMoE.for_rank(EXPERTS, self.spec, f)
+        if isinstance(endpoint, ServesSteps):
+            self._serve_steps(endpoint, forward)
+            return
         recv = endpoint.recv
 
         def recording(timeout_s):
@@ -78,7 +87,18 @@ class Group:
             return requests
 
         endpoint.recv = recording
-        serve_ffn(endpoint, forward or LocalMoE.for_rank(EXPERTS, self.spec, f), self.stop.is_set)
+        serve_ffn(endpoint, forward, self.stop.is_set)
+
+    def _serve_steps(self, endpoint: ServesSteps, forward) -> None:
+        """Whole steps, as ``FFNExecutor._serve_step`` serves them (eagerly, on the host)."""
+        while not self.stop.is_set():
+            step = endpoint.next_step(0.05)
+            if step is None:
+                continue
+            for _, slot, parts in step.uses:
+                endpoint.serve_use(slot, parts, forward)
+                self.batches.append([(p.attention_rank, p.rows) for p in parts])
+            endpoint.end_step()
 
     def close(self) -> None:
         self.stop.set()
@@ -139,7 +159,8 @@ def _run_ranks(endpoints, body) -> list:
 @pytest.mark.parametrize("waits", ["host", "device"])
 def test_steps_of_two_attention_and_two_ffn_ranks_match_the_reference(group, waits):
     """Three steps of two microbatches (a TP rank's empty share among them), every answer
-    exactly the reference's, and each FFN batch holds both attention ranks' rows of a use."""
+    exactly the reference's; served whole (the device's waits), each FFN batch holds both
+    attention ranks' rows of a use, all of them (fixed shapes)."""
     g = group(_spec(config={"waits": waits}))
     sizes = [[(5, 3), (16, 1), (2, 0)], [(4, 4), (7, 2), (1, 6)]]
 
@@ -152,6 +173,9 @@ def test_steps_of_two_attention_and_two_ffn_ranks_match_the_reference(group, wai
     for per_rank in _run_ranks(g.attention, body):
         for key, (got, want) in per_rank.items():
             assert torch.equal(got, want), key
+    if waits == "host":  # served as they come, each FFN rank only the rows routed to it
+        assert g.batches and all(rows <= 16 for b in g.batches for _, rows in b)
+        return
     # 3 steps x 3 layers x 2 microbatches per FFN rank, each one batch of both attention ranks,
     # each rank's rows as it announced them
     assert len(g.batches) == 2 * 3 * 3 * 2
@@ -185,10 +209,12 @@ def test_an_error_answer_fails_that_rank_only_and_the_next_step_is_served(group)
         assert torch.equal(got, want)
 
 
-def test_a_rank_that_abandons_a_step_is_left_out_at_once(group):
-    """Attention rank 0 leaves step 1 after its first layer (as after an error); the FFN rank
-    stops waiting for it when it announces step 2, long before the timeout, and serves on."""
-    g = group(_spec(attention=1, ffn=1, timeout_s=30.0))
+@pytest.mark.parametrize("waits", ["host", "device"])
+def test_a_rank_that_abandons_a_step_is_left_out_at_once(group, waits):
+    """Attention rank 0 leaves step 1 after its first layer (as after an error); an FFN rank
+    serving whole steps stops waiting for it when it announces step 2 (a flag past the awaited
+    value), long before the timeout, and serves on."""
+    g = group(_spec(attention=1, ffn=1, timeout_s=30.0, config={"waits": waits}))
     endpoint = g.attention[0]
     endpoint.begin_step(StepSchedule(1, (4,), LAYERS))
     x, ids, weights = routing(4, endpoint.spec, 1)
@@ -201,7 +227,7 @@ def test_a_rank_that_abandons_a_step_is_left_out_at_once(group):
 
 
 def test_a_rank_that_announces_no_step_is_left_out_after_half_the_timeout(group):
-    g = group(_spec(timeout_s=2.0, ffn=1))
+    g = group(_spec(timeout_s=2.0, ffn=1, config={"waits": "device"}))
     results = _step(g.attention[0], 1, (3,), 5)  # attention rank 1 never announces
     for got, want in results.values():
         assert torch.equal(got, want)
@@ -240,7 +266,7 @@ def test_a_closed_ffn_rank_fails_the_wait_within_the_watch_interval():
         handle = endpoint.dispatch(LAYERS[0], *routing(2, spec, 3))
         ffn.close()
         start = time.perf_counter()
-        with pytest.raises(FFNRankLost, match="FFN rank 0 .* closed its slots endpoint"):
+        with pytest.raises(FFNRankLost, match="FFN rank 0 .* closed its endpoint"):
             endpoint.combine(handle)
         assert time.perf_counter() - start < 5
     finally:
@@ -279,7 +305,8 @@ def test_what_the_backend_takes_and_refuses():
     assert slots.device_problem("cpu", "cpu") is None
     assert slots.device_problem("cuda", "cuda") is None
     assert "attention ranks on cuda and FFN ranks on cpu" in slots.device_problem("cuda", "cpu")
-    assert not (slots.shares_group or slots.supports_failover or slots.scales_live)
+    assert slots.features({"waits": "device"}) == frozenset()
+    assert Feature.FAILOVER in slots.features({"waits": "host"})
 
 
 def test_a_schedule_read_while_it_is_written_is_not_taken():

@@ -15,22 +15,26 @@ from typing import TypeVar
 
 import torch
 
+from vllm_afd.host import SHM_DIR
 from vllm_afd.testing.ffn import StopFlag, ffn_worker_main
 from vllm_afd.transport import (
-    FFNTransport,
+    AttentionTransport,
     TransportSpec,
     create_attention_transport,
     create_ffn_transport,
 )
+from vllm_afd.transport.base import ServesRequests
+from vllm_afd.transport.control import StepSchedule
+from vllm_afd.transport.control_block import reap_stale_control_blocks
 from vllm_afd.transport.reference import (
     FFNForward,
     LocalMoE,
     ScaleExperts,
     reference_moe_combine,
 )
-from vllm_afd.transport.shm import SHM_DIR, reap_stale_segments
 
-#: Segment-name prefix of this test run (the shm FFN side takes it from spec.addresses).
+#: Segment-name prefix of this test run (the slot plane's FFN side takes it from
+#: spec.addresses).
 SHM_PREFIX = f"afdtest{os.getpid()}_"
 JOIN_TIMEOUT_S = 5.0
 
@@ -39,9 +43,16 @@ def leftover_segments() -> list[str]:
     return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(SHM_PREFIX))
 
 
+#: The MoE layers of a test spec: a step announced by ``announce`` visits them all.
+LAYERS = tuple(range(16))
+
+
 def make_spec(backend: str, num_attention: int, num_ffn: int, **overrides) -> TransportSpec:
-    """A small spec; the FFN side's ``addresses`` request a test prefix / loopback port."""
-    request = SHM_PREFIX if backend == "shm" else "127.0.0.1:0"
+    """A small spec; the FFN side's ``addresses`` request a test prefix / loopback port.
+    ``backend`` may be ``slots-device``: slots with the device's wait semantics."""
+    request = "127.0.0.1:0" if backend == "tcp" else SHM_PREFIX
+    if backend == "slots-device":
+        backend, overrides = "slots", {"config": {"waits": "device"}, **overrides}
     fields = dict(
         backend=backend,
         num_attention_ranks=num_attention,
@@ -52,6 +63,7 @@ def make_spec(backend: str, num_attention: int, num_ffn: int, **overrides) -> Tr
         max_tokens=64,
         timeout_s=10.0,
         addresses=(request,) * num_ffn,
+        moe_layers=LAYERS,
     )
     fields.update(overrides)
     return TransportSpec(**fields)
@@ -93,8 +105,10 @@ class FFNCluster:
         return address, self.current[rank].pid
 
     def connect(self, rank: int, **overrides):
+        """A new attention endpoint for ``rank``, its first step announced."""
         endpoint = create_attention_transport(dataclasses.replace(self.spec, **overrides), rank)
         self.attention.append(endpoint)
+        announce(endpoint)
         return endpoint
 
     def kill(self, rank: int) -> None:
@@ -110,7 +124,16 @@ class FFNCluster:
             if proc.is_alive():
                 proc.kill()
                 proc.join(JOIN_TIMEOUT_S)
-        reap_stale_segments(SHM_PREFIX)  # segments of killed FFN ranks
+        reap_stale_control_blocks(SHM_PREFIX)  # segments of killed FFN ranks
+
+
+def announce(endpoint: AttentionTransport, layers: tuple[int, ...] | None = None) -> None:
+    """Begin the endpoint's next step: ``layers`` (default: every MoE layer of its spec), each
+    microbatch (one per slot) up to ``max_tokens`` tokens. The slot plane serves only what a
+    step announced, and each layer of a microbatch once per step."""
+    spec = endpoint.spec
+    tokens = (spec.max_tokens,) * spec.num_slots
+    endpoint.begin_step(StepSchedule(endpoint.step + 1, tokens, layers or spec.moe_layers))
 
 
 def routing(
@@ -137,7 +160,7 @@ EXPERTS = ScaleExperts(torch.arange(1.0, 9.0) / 4)
 T = TypeVar("T")
 
 
-def while_serving(ffn: Sequence[FFNTransport], connect: Callable[[], T]) -> T:
+def while_serving(ffn: Sequence[ServesRequests], connect: Callable[[], T]) -> T:
     """``connect()`` while a thread keeps the FFN endpoints' ``recv`` going: a tcp attention
     endpoint authenticates at connect (CHALLENGE, HELLO, WELCOME), which the FFN side answers
     from ``recv``. No request may arrive meanwhile."""
@@ -170,9 +193,16 @@ class Loopback:
 
     def connect(self, rank: int, spec: TransportSpec | None = None):
         """A new attention endpoint (closed by the test) for ``rank``, of ``spec`` (default:
-        the loopback's)."""
+        the loopback's), its first step announced."""
         spec = spec or self.spec
-        return while_serving(self.ffn, lambda: create_attention_transport(spec, rank))
+        endpoint = while_serving(self.ffn, lambda: create_attention_transport(spec, rank))
+        announce(endpoint)
+        return endpoint
+
+    def step(self) -> None:
+        """Every attention endpoint begins its next step (``announce``)."""
+        for endpoint in self.attention:
+            announce(endpoint)
 
     def serve(self, expect: int | None = None) -> list:
         """Answer what every FFN rank has pending; return the requests seen."""
@@ -190,7 +220,7 @@ class Loopback:
             endpoint.close()
 
 
-def recv_all(endpoint: FFNTransport, count: int, timeout_s: float = 5.0) -> list:
+def recv_all(endpoint: ServesRequests, count: int, timeout_s: float = 5.0) -> list:
     """``recv`` until ``count`` requests arrived (tcp may deliver them over several calls)."""
     requests = []
     while len(requests) < count:

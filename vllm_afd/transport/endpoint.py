@@ -1,18 +1,21 @@
-"""The point-to-point transports' attention side, written once: ``PointToPointAttentionTransport``.
+"""The attention endpoint, written once: ``AttentionEndpoint`` drives every backend.
 
-shm and tcp run the same protocol around different wires. ``dispatch`` checks its arguments,
-splits the batch by FFN rank, takes a free slot, and sends each FFN rank its rows; ``combine``
-takes the handle's slot back, waits for every FFN rank's answer until one deadline, sums the
-answers into the original order and frees the slot. A backend supplies only the wire:
+The slot plane on any memory (``slots.py``) and the tcp wire run the same attention side.
+``dispatch`` checks its arguments, splits the batch by FFN rank, takes the microbatch's slot,
+and sends each FFN rank its rows; ``combine`` waits for every FFN rank's answer until one
+deadline, sums the answers into the original order and frees the slot (``combine_hook`` splits
+the two for vLLM's DBO). A backend supplies only the wire:
 
 * ``_announce_to(ffn_rank, schedule)`` puts a step's schedule on the wire (``control.py``);
 * ``_send(ffn_rank, slot, tag, x, topk_ids, topk_weights, rows, deadline) -> seq`` puts one
-  request on the wire and returns its sequence number;
+  request on the wire and returns what identifies it (a sequence number, the plane's value);
 * ``_wait(ffn_rank, slot, seq, tag, deadline, awaited) -> [N, H]`` returns the answer to
   ``seq``, after checking that it carries ``tag`` (``control.check_answer``);
-* optionally ``_begin_dispatch()``, run once per dispatch before the first send;
-* ``_reconnect(ffn_rank, address)`` replaces the link to a lost FFN rank by one to its
-  replacement (failover).
+* optionally ``_begin_dispatch()``, run once per dispatch before the first send, and
+  ``_take_slot(microbatch)``, which slot a dispatch holds until its combine (any free one by
+  default; the slot plane's slot ``s`` carries microbatch ``s``);
+* ``reconnect(ffn_rank, address)`` replaces the link to a lost FFN rank by one to its
+  replacement (failover: ``base.Reconnects``).
 
 Failover. A backend raises ``FFNRankLost`` when an FFN rank is gone (its process died, it closed
 its endpoint, its connection broke). With failover on (``spec.directory``), the attention side
@@ -22,154 +25,49 @@ request the lost rank had not answered: a handle keeps its inputs until ``combin
 must leave ``x``, ``topk_ids`` and ``topk_weights`` unchanged until then; the attention hook's
 custom op does), and a request sent before the rank's last replacement is sent again before it
 is waited for. The answers are the ones the lost rank would have given (same experts, same
-inputs), so a failover changes no token. ``redispatched`` counts the requests sent again.
+inputs), so a failover changes no token. ``redispatched`` counts the requests sent again. A
+request the FFN rank failed (``FFNServeError``) goes once more, to the rank's replacement
+(``_serve_error_as_loss``).
 
 Two pure functions define the protocol's arithmetic:
 
 * ``split_by_ffn_rank`` decides, per FFN rank, which rows of the batch must travel there (a token
-  goes to every FFN rank that owns at least one of its top-k experts; contiguous placement).
+  goes to every FFN rank that owns at least one of its top-k experts; contiguous placement). A
+  wire with fixed shapes (the slot plane on device memory) sends every row to every FFN rank
+  (``filters_rows``).
 * ``combine_partials`` adds the per-FFN-rank partial answers back into a ``[T, H]`` tensor in the
   original order, FFN ranks in ascending order, starting from zero. That summation order is the
   one ``reference.reference_moe_combine`` uses, so that results can be compared exactly.
-
-``WaitPolicy``/``Backoff`` stage every wait: short spin, then yield, then sleep. The first two
-stages together are the poll window (``VLLM_AFD_POLL_MS``, 20 ms by default, read through
-``vllm_afd.envs``): a waiting endpoint keeps its CPU that long, so that the gaps of a decode step
-(an FFN rank waiting for the next layer, an attention rank waiting for its experts) never put it
-to sleep, because waking up from a sleep there measurably slows the remote call of a decode step
-on the development machine's vCPUs (measured numbers: docs/benchmarks.md). Yielding hands the
-CPU to anything else runnable on it, so a shared core still serves its other users; past the
-window, an idle endpoint sleeps and costs almost nothing.
-
-Decode-sized messages are dominated by per-call PyTorch overhead (a tensor slice costs as much as
-copying a few KiB; measured numbers: docs/benchmarks.md), so ``ViewCache`` (and ``RowViews``, its
-one-buffer case) caches the ``[:n]`` views of preallocated buffers that the hot paths reuse on
-every call.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
-import os
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from dataclasses import dataclass
 
 import torch
 
-from vllm_afd import envs
 from vllm_afd.transport import directory
 from vllm_afd.transport.base import (
     AttentionTransport,
-    Backend,
     DispatchHandle,
     FFNRankLost,
     FFNServeError,
     ProtocolError,
+    Reconnects,
     TransportError,
     TransportSpec,
 )
 from vllm_afd.transport.control import StepSchedule, Tag
+from vllm_afd.transport.wait import RowViews, WaitPolicy
 
-#: Cached row counts per ``ViewCache`` before the cache is dropped and rebuilt (bounds memory).
-_MAX_CACHED_VIEWS = 1024
 #: Failover: FFN ranks that fail one request before it fails on the attention side (the rank
 #: it was sent to, then its replacement).
 SERVE_ERROR_ATTEMPTS = 2
 logger = logging.getLogger("vllm.afd")
-
-V = TypeVar("V")
-
-
-class ViewCache(Generic[V]):
-    """Views of preallocated buffers built once per row count ``n`` and reused: ``cache[n]``.
-
-    Args:
-        make: ``make(n)`` builds the views for ``n`` rows (views share the buffers' storage).
-    """
-
-    __slots__ = ("_make", "_cache")
-
-    def __init__(self, make: Callable[[int], V]) -> None:
-        self._make = make
-        self._cache: dict[int, V] = {}
-
-    def __getitem__(self, n: int) -> V:
-        views = self._cache.get(n)
-        if views is None:
-            if len(self._cache) >= _MAX_CACHED_VIEWS:
-                self._cache.clear()
-            views = self._cache[n] = self._make(n)
-        return views
-
-
-class RowViews(ViewCache[torch.Tensor]):
-    """Cached leading-row views ``buffer[:n]`` of one preallocated ``[max_rows, ...]`` buffer."""
-
-    __slots__ = ()
-
-    def __init__(self, buffer: torch.Tensor) -> None:
-        super().__init__(lambda n: buffer[:n])
-
-
-def _poll_window_s() -> float:
-    """``VLLM_AFD_POLL_MS`` in seconds (raises ``AFDConfigError`` naming it on a bad value)."""
-    return envs.VLLM_AFD_POLL_MS * 1e-3
-
-
-@dataclass(frozen=True)
-class WaitPolicy:
-    """Staged waiting (seconds): spin, then yield the CPU, then sleep.
-
-    shm uses all three stages and skips the spin when the peer last ran on the same CPU (there a
-    spin only keeps the peer from running and makes the round trip several times slower;
-    measured numbers: docs/benchmarks.md). tcp polls its sockets without blocking through the
-    spin and yield stages, then blocks in ``epoll``. ``yield_s`` is where the poll window ends
-    (see the module docstring); by default it is read from ``VLLM_AFD_POLL_MS`` when the policy
-    is made.
-    """
-
-    spin_s: float = 50e-6
-    yield_s: float = field(default_factory=_poll_window_s)
-    sleep_min_s: float = 50e-6
-    sleep_max_s: float = 200e-6
-
-
-class Backoff:
-    """One wait under a ``WaitPolicy``; call ``pause()`` after every unsuccessful poll."""
-
-    __slots__ = ("policy", "start", "sleep_s", "spin_s")
-
-    def __init__(self, policy: WaitPolicy, spin: bool = True) -> None:
-        self.policy = policy
-        self.spin_s = policy.spin_s if spin else 0.0
-        self.reset()
-
-    def reset(self) -> None:
-        self.start = time.perf_counter()
-        self.sleep_s = self.policy.sleep_min_s
-
-    def set_spin(self, spin: bool) -> None:
-        self.spin_s = self.policy.spin_s if spin else 0.0
-
-    def poll_pause(self) -> bool:
-        """Pause as the spin or yield stage says; ``False`` once both are over."""
-        elapsed = time.perf_counter() - self.start
-        if elapsed < self.spin_s:
-            return True
-        if elapsed < self.policy.yield_s:
-            os.sched_yield()
-            return True
-        return False
-
-    def pause(self) -> float:
-        """Pause as the stage reached says (then sleeping); return ``time.perf_counter()``."""
-        if not self.poll_pause():
-            time.sleep(self.sleep_s)
-            self.sleep_s = min(2 * self.sleep_s, self.policy.sleep_max_s)
-        return time.perf_counter()
 
 
 def split_by_ffn_rank(
@@ -228,20 +126,24 @@ def combine_partials(handle: DispatchHandle, partials: dict[int, torch.Tensor]) 
             out = part.clone()  # 0 + part == part exactly: skip the zero fill
             continue
         if out is None:
-            out = torch.zeros(num_tokens, handle.hidden_size, dtype=handle.dtype)
-        out.index_add_(0, rows, part)
+            out = part.new_zeros(num_tokens, handle.hidden_size)
+        if sent == num_tokens:
+            out += part  # every row (``rows`` is ``arange``): no index, none on a device
+        else:
+            out.index_add_(0, rows, part)
     if out is None:
         out = torch.zeros(num_tokens, handle.hidden_size, dtype=handle.dtype)
     return out
 
 
 @dataclass(slots=True)
-class P2PState:
-    """``DispatchHandle.state`` of the point-to-point backends.
+class SendState:
+    """``DispatchHandle.state`` of ``AttentionEndpoint``.
 
     Attributes:
         slot: the slot the dispatch holds on every FFN rank it sent to, until ``combine``.
-        seqs: ``{ffn_rank: sequence number}`` of the requests sent, in ascending rank order.
+        seqs: ``{ffn_rank: what identifies the request sent}`` (``_send``), in ascending rank
+            order.
         tag: the requests' tag, which the answers must carry.
         inputs: ``(x, topk_ids, topk_weights)`` as ``dispatch`` got them, to send again to a
             lost FFN rank's replacement.
@@ -273,9 +175,9 @@ def check_dispatch_args(spec: TransportSpec, x: torch.Tensor, topk_ids: torch.Te
     return num_tokens
 
 
-class PointToPointAttentionTransport(AttentionTransport):
-    """Attention endpoint of a point-to-point backend: ``dispatch``/``combine`` over ``_send``
-    and ``_wait`` (see the module docstring).
+class AttentionEndpoint(AttentionTransport, Reconnects):
+    """The attention endpoint of every backend: ``dispatch``/``combine`` over its wire's
+    ``_send`` and ``_wait`` (see the module docstring).
 
     Args:
         spec: the FFN group's spec; ``spec.addresses`` holds one address per FFN rank.
@@ -284,7 +186,10 @@ class PointToPointAttentionTransport(AttentionTransport):
     """
 
     #: Backend name in error messages.
-    backend_name = "point-to-point"
+    backend_name = "attention endpoint"
+    #: It sends an FFN rank only the rows routed to it (``split_by_ffn_rank``); ``False``:
+    #: every row to every FFN rank (fixed shapes).
+    filters_rows = True
 
     def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
         super().__init__(spec, rank)
@@ -332,20 +237,19 @@ class PointToPointAttentionTransport(AttentionTransport):
         unchanged until ``combine``). A failed send frees the slot and raises."""
         spec = self.spec
         num_tokens = check_dispatch_args(spec, x, topk_ids)
-        split = split_by_ffn_rank(spec, topk_ids, self._rows[num_tokens])
+        all_rows = self._rows[num_tokens]
+        if self.filters_rows:
+            split = split_by_ffn_rank(spec, topk_ids, all_rows)
+        else:
+            split = dict.fromkeys(range(spec.num_ffn_ranks), all_rows)
         step = self.step
         if not split:
             return DispatchHandle(
                 layer, num_tokens, spec.hidden_size, spec.dtype, split, None, step, microbatch
             )
-        free = self._free
-        if not free:
-            raise RuntimeError(
-                f"more than num_slots={spec.num_slots} dispatches outstanding: "
-                "combine one before dispatching again"
-            )
-        slot = free.pop()
         tag = Tag(step, layer, microbatch)
+        slot = self._take_slot(tag, num_tokens)
+        free = self._free
         seqs: dict[int, int] = {}
         sent: dict[int, int] = {}
         try:
@@ -365,7 +269,7 @@ class PointToPointAttentionTransport(AttentionTransport):
         except BaseException:
             free.append(slot)
             raise
-        state = P2PState(slot, seqs, tag, (x, topk_ids, topk_weights), sent)
+        state = SendState(slot, seqs, tag, (x, topk_ids, topk_weights), sent)
         return DispatchHandle(
             layer, num_tokens, spec.hidden_size, spec.dtype, split, state, step, microbatch
         )
@@ -380,30 +284,65 @@ class PointToPointAttentionTransport(AttentionTransport):
         """
         if not handle.token_index:
             return combine_partials(handle, {})
-        state: P2PState | None = handle.state
-        if state is None:
-            raise ValueError(f"handle of layer {handle.layer} was already combined")
-        handle.state = None
-        deadline = time.perf_counter() + self.spec.timeout_s
-        replaced_at, sent, seqs = self._replaced_at, state.sent, state.seqs
-        partials = {}
+        state = self._take_state(handle)
         try:
-            for ffn_rank, rows in handle.token_index.items():
-                if sent[ffn_rank] < replaced_at[ffn_rank]:  # failover (``_answer``)
-                    partials[ffn_rank] = self._answer(ffn_rank, state, rows, deadline)
-                    continue
-                try:  # the common case, inlined (a call costs 0.1 us of a ~10 us round trip)
-                    partials[ffn_rank] = self._wait(
-                        ffn_rank, state.slot, seqs[ffn_rank], state.tag, deadline, seqs
-                    )
-                except (FFNRankLost, FFNServeError) as failure:
-                    partials[ffn_rank] = self._answer(ffn_rank, state, rows, deadline, failure)
-            return combine_partials(handle, partials)
+            return combine_partials(handle, self._answers(handle, state))
         finally:
             self._free.append(state.slot)
 
+    def combine_hook(
+        self, handle: DispatchHandle
+    ) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
+        """See ``AttentionTransport.combine_hook``: ``hook()`` waits for every FFN rank's answer
+        (on devices with streams, queues the waits), ``receive()`` sums them. The slot is
+        freed by ``receive``, or by a ``hook`` that raises."""
+        if not handle.token_index:
+            return (lambda: None), (lambda: combine_partials(handle, {}))
+        state = self._take_state(handle)
+        partials: dict[int, torch.Tensor] = {}
+
+        def hook() -> None:
+            try:
+                partials.update(self._answers(handle, state))
+            except BaseException:
+                self._free.append(state.slot)
+                raise
+
+        def receive() -> torch.Tensor:
+            try:
+                return combine_partials(handle, partials)
+            finally:
+                self._free.append(state.slot)
+
+        return hook, receive
+
+    @staticmethod
+    def _take_state(handle: DispatchHandle) -> SendState:
+        state: SendState | None = handle.state
+        if state is None:
+            raise ValueError(f"handle of layer {handle.layer} was already combined")
+        handle.state = None
+        return state
+
+    def _answers(self, handle: DispatchHandle, state: SendState) -> dict[int, torch.Tensor]:
+        """Every FFN rank's answer to ``state``'s requests, awaited until one deadline."""
+        deadline = time.perf_counter() + self.spec.timeout_s
+        replaced_at, sent, seqs = self._replaced_at, state.sent, state.seqs
+        partials = {}
+        for ffn_rank, rows in handle.token_index.items():
+            if sent[ffn_rank] < replaced_at[ffn_rank]:  # failover (``_answer``)
+                partials[ffn_rank] = self._answer(ffn_rank, state, rows, deadline)
+                continue
+            try:  # the common case, inlined (a call costs 0.1 us of a ~10 us round trip)
+                partials[ffn_rank] = self._wait(
+                    ffn_rank, state.slot, seqs[ffn_rank], state.tag, deadline, seqs
+                )
+            except (FFNRankLost, FFNServeError) as failure:
+                partials[ffn_rank] = self._answer(ffn_rank, state, rows, deadline, failure)
+        return partials
+
     def _send_request(
-        self, ffn_rank: int, state: P2PState, rows: torch.Tensor, deadline: float
+        self, ffn_rank: int, state: SendState, rows: torch.Tensor, deadline: float
     ) -> None:
         """Send FFN rank ``ffn_rank`` its ``rows`` of ``state``'s dispatch."""
         x, topk_ids, topk_weights = state.inputs
@@ -414,7 +353,7 @@ class PointToPointAttentionTransport(AttentionTransport):
     def _answer(
         self,
         ffn_rank: int,
-        state: P2PState,
+        state: SendState,
         rows: torch.Tensor,
         deadline: float,
         failure: FFNRankLost | FFNServeError | None = None,
@@ -499,7 +438,7 @@ class PointToPointAttentionTransport(AttentionTransport):
             )
         except directory.ReplacementTimeout as exc:
             raise TransportError(f"{lost}; {exc}") from None
-        self._reconnect(ffn_rank, entry.address)
+        self.reconnect(ffn_rank, entry.address)
         self.addresses[ffn_rank], self._incarnation[ffn_rank] = entry.address, entry.incarnation
         self.replacements += 1
         self._replaced_at[ffn_rank] = self.replacements
@@ -517,10 +456,19 @@ class PointToPointAttentionTransport(AttentionTransport):
     def _begin_dispatch(self) -> None:  # noqa: B027 - optional hook
         """Runs once per dispatch that sends anything, before the first ``_send``."""
 
-    @abc.abstractmethod
-    def _reconnect(self, ffn_rank: int, address: str) -> None:
-        """Drop the link to FFN rank ``ffn_rank`` (lost) and link to its replacement at
-        ``address``. Views of the old link's buffers that a caller still holds stay valid."""
+    def _take_slot(self, tag: Tag, num_tokens: int) -> int:
+        """The slot a dispatch of ``num_tokens`` tokens tagged ``tag`` holds until its combine
+        (``combine`` puts it back on ``self._free``): any free one here.
+
+        Raises:
+            RuntimeError: when every slot is held.
+        """
+        if not self._free:
+            raise RuntimeError(
+                f"more than num_slots={self.spec.num_slots} dispatches outstanding: "
+                "combine one before dispatching again"
+            )
+        return self._free.pop()
 
     @abc.abstractmethod
     def _announce_to(self, ffn_rank: int, schedule: StepSchedule) -> None:
@@ -573,18 +521,3 @@ class PointToPointAttentionTransport(AttentionTransport):
             ``[N, H]`` ``spec.dtype``, possibly a view of a transport buffer (read before the
             slot is freed, never kept).
         """
-
-
-class PointToPointBackend(Backend):
-    """What the point-to-point backends share: hidden states through host memory, so CPU
-    attention ranks only (their FFN ranks may compute on a GPU)."""
-
-    @classmethod
-    def device_problem(cls, attention_device: str, ffn_device: str) -> str | None:
-        if attention_device == "cpu":
-            return None
-        return (
-            f"{cls.name}: the point-to-point transports carry hidden states through host "
-            f"memory and cannot serve a {attention_device.upper()} model; use --afd-transport "
-            "slots on GPUs"
-        )

@@ -1,0 +1,171 @@
+"""The slot plane's control block: per FFN rank, in host shared memory whatever the data plane's
+memory (the FFN rank's host reads it, with no device sync): who the FFN process is, the handle
+of its data buffer, and each attention rank's last announced ``StepSchedule``
+(``control.py``). The FFN side of the plane reads a request's layer from its sender's schedule
+(requests served as they come) or serves the uses the schedules name (whole steps); an
+attention endpoint watches the FFN process through it and fails fast once it closed."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import weakref
+from collections.abc import Sequence
+
+from vllm_afd.host import (
+    map_segment,
+    pid_namespace,
+    process_start_time,
+    reap_segments,
+    unlink_if_creator,
+)
+from vllm_afd.transport.control import StepSchedule, schedule_words
+from vllm_afd.transport.slot_plane import PLANE_PREFIX, PlaneLayout, create_fresh
+
+_MAGIC = 0x3130_5354_4F4C_5341  # b"ASLOTS01" little-endian
+_VERSION = 1
+_OPEN, _CLOSED = 1, 2
+# header words: magic, version, pid, pid namespace, state, handle bytes, schedule words, then
+# the layout's params from word 8
+_W_MAGIC, _W_VERSION, _W_PID, _W_PIDNS, _W_STATE, _W_HANDLE, _W_SCHEDULE = range(7)
+_W_PARAMS = 8
+_HEADER_WORDS = 16
+#: Room for the data buffer's handle (a segment name; a CUDA IPC handle as JSON).
+HANDLE_BYTES = 2048
+
+
+class ControlBlock:
+    """An FFN rank's control block (``/dev/shm``, mode 0600): who the FFN process is, the
+    handle of its data buffer, and per attention rank the last ``StepSchedule`` it announced
+    (``control.StepSchedule.words``).
+
+    A schedule is written as a seqlock over x86-64 store order: its step word is zeroed, the
+    other words written, then the step word; a reader takes the step word, the rest, and the
+    step word again, and keeps only a read where both agree."""
+
+    def __init__(self, name: str, mm: mmap.mmap, layout: PlaneLayout, words_per: int) -> None:
+        self.name, self.mm, self.layout, self.words_per = name, mm, layout, words_per
+        self.words = memoryview(mm).cast("q")
+
+    @staticmethod
+    def size(layout: PlaneLayout, words_per: int) -> int:
+        return 8 * (_HEADER_WORDS + layout.num_attention_ranks * words_per) + HANDLE_BYTES
+
+    @classmethod
+    def create(
+        cls,
+        layout: PlaneLayout,
+        moe_layers: Sequence[int],
+        handle: str,
+        prefix: str = PLANE_PREFIX,
+        rank: int = 0,
+    ) -> ControlBlock:
+        words_per = schedule_words(moe_layers)
+        data = handle.encode()
+        if len(data) > HANDLE_BYTES:
+            raise ValueError(f"data buffer handle of {len(data)} bytes, room for {HANDLE_BYTES}")
+        size = cls.size(layout, words_per)
+        name, mm = create_fresh(f"{prefix}{os.getpid()}_f{rank}_", size)
+        block = cls(name, mm, layout, words_per)
+        block._finalizer = weakref.finalize(block, unlink_if_creator, name, os.getpid())
+        words = block.words
+        for i, value in enumerate(layout.params):
+            words[_W_PARAMS + i] = value
+        block.mm[size - HANDLE_BYTES : size - HANDLE_BYTES + len(data)] = data
+        words[_W_HANDLE], words[_W_SCHEDULE] = len(data), words_per
+        words[_W_VERSION], words[_W_PID], words[_W_PIDNS] = _VERSION, os.getpid(), pid_namespace()
+        words[_W_STATE] = _OPEN
+        words[_W_MAGIC] = _MAGIC
+        return block
+
+    @classmethod
+    def attach(cls, name: str, layout: PlaneLayout, moe_layers: Sequence[int]) -> ControlBlock:
+        """Map an FFN rank's block (``host.map_segment``: ours, mode 0600, of the spec's size).
+
+        Raises:
+            ValueError: if its layout is not ``layout``'s (the two sides disagree on the spec).
+        """
+        words_per = schedule_words(moe_layers)
+        mm = map_segment(name, cls.size(layout, words_per))
+        block = cls(name, mm, layout, words_per)
+        words = block.words
+        found = tuple(words[_W_PARAMS : _W_PARAMS + len(layout.params)])
+        if words[_W_MAGIC] != _MAGIC or words[_W_VERSION] != _VERSION or found != layout.params:
+            block.close()
+            raise ValueError(
+                f"control block {name!r} has layout {found}, expected {layout.params} "
+                "(attention ranks, slots, max_tokens, hidden, top_k, itemsize): attention and "
+                "FFN ranks disagree on the TransportSpec"
+            )
+        return block
+
+    @property
+    def handle(self) -> str:
+        start = len(self.mm) - HANDLE_BYTES
+        return bytes(self.mm[start : start + self.words[_W_HANDLE]]).decode()
+
+    @property
+    def pid(self) -> int:
+        return self.words[_W_PID]
+
+    @property
+    def pid_namespace(self) -> int:
+        return self.words[_W_PIDNS]
+
+    @property
+    def closed(self) -> bool:
+        return self.words[_W_STATE] == _CLOSED
+
+    def _base(self, attention_rank: int) -> int:
+        return _HEADER_WORDS + attention_rank * self.words_per
+
+    def announce(self, attention_rank: int, schedule: StepSchedule) -> None:
+        """Write ``attention_rank``'s schedule (the seqlock of the class docstring)."""
+        words, base = self.words, self._base(attention_rank)
+        encoded = schedule.words(self.words_per)
+        words[base] = 0
+        for i in range(len(encoded) - 1, 0, -1):
+            words[base + i] = encoded[i]
+        words[base] = encoded[0]
+
+    def announced_step(self, attention_rank: int) -> int:
+        """The step ``attention_rank`` announced last (0: none, or one being written)."""
+        return self.words[self._base(attention_rank)]
+
+    def schedule(self, attention_rank: int) -> StepSchedule | None:
+        """``attention_rank``'s last schedule, or ``None`` if none or being written."""
+        words, base = self.words, self._base(attention_rank)
+        step = words[base]
+        if not step:
+            return None
+        encoded = words[base : base + self.words_per].tolist()
+        if words[base] != step:
+            return None
+        return StepSchedule.from_words(encoded)
+
+    def close(self, creator: bool = False) -> None:
+        """Unmap; the creator marks the block closed (waiting attention ranks fail fast) and
+        unlinks it."""
+        if creator:
+            self.words[_W_STATE] = _CLOSED
+            self._finalizer()
+        self.words.release()
+        self.mm.close()
+
+
+def reap_stale_control_blocks(prefix: str = PLANE_PREFIX) -> list[str]:
+    """Unlink control blocks named ``<prefix>...`` and data segments named ``<prefix>data_...``
+    whose creator, in this pid namespace, is dead. Returns the names unlinked."""
+    own_ns = pid_namespace()
+    data = prefix + "data_"
+
+    def is_stale(name: str, header: Sequence[int]) -> bool:
+        if name.startswith(data) or header[_W_MAGIC] != _MAGIC or header[_W_PIDNS] != own_ns:
+            return False
+        return process_start_time(header[_W_PID]) is None
+
+    def creator_dead(name: str, header: Sequence[int]) -> bool:
+        pid = name[len(data) :].split("_", 1)[0]
+        return pid.isdigit() and process_start_time(int(pid)) is None
+
+    return reap_segments(prefix, _HEADER_WORDS, is_stale) + reap_segments(data, 0, creator_dead)

@@ -1,0 +1,138 @@
+"""How an endpoint waits, and the cached views its hot path reuses: shared by every backend.
+
+``WaitPolicy``/``Backoff`` stage every wait: short spin, then yield, then sleep. The first two
+stages together are the poll window (``VLLM_AFD_POLL_MS``, 20 ms by default, read through
+``vllm_afd.envs``): a waiting endpoint keeps its CPU that long, so that the gaps of a decode step
+(an FFN rank waiting for the next layer, an attention rank waiting for its experts) never put it
+to sleep, because waking up from a sleep there measurably slows the remote call of a decode step
+on the development machine's vCPUs (measured numbers: docs/benchmarks.md). Yielding hands the
+CPU to anything else runnable on it, so a shared core still serves its other users; past the
+window, an idle endpoint sleeps and costs almost nothing. The spin stage is skipped when the
+peer last ran on this very CPU (``current_cpu``): there a spin only keeps the peer from running
+and makes the round trip several times slower.
+
+Decode-sized messages are dominated by per-call PyTorch overhead (a tensor slice costs as much as
+copying a few KiB; measured numbers: docs/benchmarks.md), so ``ViewCache`` (and ``RowViews``, its
+one-buffer case) caches the ``[:n]`` views of preallocated buffers that the hot paths reuse on
+every call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import torch
+
+from vllm_afd import envs
+
+#: Cached row counts per ``ViewCache`` before the cache is dropped and rebuilt (bounds memory).
+_MAX_CACHED_VIEWS = 1024
+
+V = TypeVar("V")
+
+
+class ViewCache(Generic[V]):
+    """Views of preallocated buffers built once per row count ``n`` and reused: ``cache[n]``.
+
+    Args:
+        make: ``make(n)`` builds the views for ``n`` rows (views share the buffers' storage).
+    """
+
+    __slots__ = ("_make", "_cache")
+
+    def __init__(self, make: Callable[[int], V]) -> None:
+        self._make = make
+        self._cache: dict[int, V] = {}
+
+    def __getitem__(self, n: int) -> V:
+        views = self._cache.get(n)
+        if views is None:
+            if len(self._cache) >= _MAX_CACHED_VIEWS:
+                self._cache.clear()
+            views = self._cache[n] = self._make(n)
+        return views
+
+
+class RowViews(ViewCache[torch.Tensor]):
+    """Cached leading-row views ``buffer[:n]`` of one preallocated ``[max_rows, ...]`` buffer."""
+
+    __slots__ = ()
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        super().__init__(lambda n: buffer[:n])
+
+
+def _poll_window_s() -> float:
+    """``VLLM_AFD_POLL_MS`` in seconds (raises ``AFDConfigError`` naming it on a bad value)."""
+    return envs.VLLM_AFD_POLL_MS * 1e-3
+
+
+@dataclass(frozen=True)
+class WaitPolicy:
+    """Staged waiting (seconds): spin, then yield the CPU, then sleep.
+
+    The slot plane's host waits use all three stages (and skip the spin where the peer last ran
+    on the same CPU); tcp polls its sockets without blocking through the spin and yield stages,
+    then blocks in ``epoll``. ``yield_s`` is where the poll window ends (module docstring); by
+    default it is read from ``VLLM_AFD_POLL_MS`` when the policy is made.
+    """
+
+    spin_s: float = 50e-6
+    yield_s: float = field(default_factory=_poll_window_s)
+    sleep_min_s: float = 50e-6
+    sleep_max_s: float = 200e-6
+
+
+class Backoff:
+    """One wait under a ``WaitPolicy``; call ``pause()`` after every unsuccessful poll."""
+
+    __slots__ = ("policy", "start", "sleep_s", "spin_s")
+
+    def __init__(self, policy: WaitPolicy, spin: bool = True) -> None:
+        self.policy = policy
+        self.spin_s = policy.spin_s if spin else 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = time.perf_counter()
+        self.sleep_s = self.policy.sleep_min_s
+
+    def set_spin(self, spin: bool) -> None:
+        self.spin_s = self.policy.spin_s if spin else 0.0
+
+    def poll_pause(self) -> bool:
+        """Pause as the spin or yield stage says; ``False`` once both are over."""
+        elapsed = time.perf_counter() - self.start
+        if elapsed < self.spin_s:
+            return True
+        if elapsed < self.policy.yield_s:
+            os.sched_yield()
+            return True
+        return False
+
+    def pause(self) -> float:
+        """Pause as the stage reached says (then sleeping); return ``time.perf_counter()``."""
+        if not self.poll_pause():
+            time.sleep(self.sleep_s)
+            self.sleep_s = min(2 * self.sleep_s, self.policy.sleep_max_s)
+        return time.perf_counter()
+
+
+def _cpu_getter() -> Callable[[], int]:
+    """``sched_getcpu()`` through libc (cheap enough for every dispatch), or a stub returning
+    -1."""
+    try:
+        getcpu = ctypes.CDLL(None).sched_getcpu
+    except (OSError, AttributeError):
+        return lambda: -1
+    getcpu.restype, getcpu.argtypes = ctypes.c_int, []
+    return getcpu
+
+
+#: The CPU the calling thread runs on now (-1 where unknown).
+current_cpu = _cpu_getter()
