@@ -10,10 +10,10 @@ the two for vLLM's DBO). A backend supplies only the wire:
 * ``_send(ffn_rank, slot, tag, x, topk_ids, topk_weights, rows, deadline) -> seq`` puts one
   request on the wire and returns what identifies it (a sequence number, the plane's value);
 * ``_wait(ffn_rank, slot, seq, tag, deadline, awaited) -> [N, H]`` returns the answer to
-  ``seq``, after checking that it carries ``tag`` (``control.check_answer``);
+  ``seq``, after checking that it carries ``tag`` (``control.answer_mismatch``);
 * optionally ``_begin_dispatch()``, run once per dispatch before the first send, and
-  ``_take_slot(microbatch)``, which slot a dispatch holds until its combine (any free one by
-  default; the slot plane's slot ``s`` carries microbatch ``s``);
+  ``_take_slot(tag, num_tokens)``, which slot a dispatch holds until its combine (any free one
+  by default; the slot plane's slot ``s`` carries microbatch ``s``);
 * ``reconnect(ffn_rank, address)`` replaces the link to a lost FFN rank by one to its
   replacement (failover: ``base.Reconnects``).
 
@@ -249,7 +249,6 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
             )
         tag = Tag(step, layer, microbatch)
         slot = self._take_slot(tag, num_tokens)
-        free = self._free
         seqs: dict[int, int] = {}
         sent: dict[int, int] = {}
         try:
@@ -267,7 +266,7 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
                         self._recover(lost)
                         deadline = time.perf_counter() + spec.timeout_s
         except BaseException:
-            free.append(slot)
+            self._release_slot(slot)
             raise
         state = SendState(slot, seqs, tag, (x, topk_ids, topk_weights), sent)
         return DispatchHandle(
@@ -288,7 +287,7 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         try:
             return combine_partials(handle, self._answers(handle, state))
         finally:
-            self._free.append(state.slot)
+            self._release_slot(state.slot)
 
     def combine_hook(
         self, handle: DispatchHandle
@@ -305,14 +304,14 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
             try:
                 partials.update(self._answers(handle, state))
             except BaseException:
-                self._free.append(state.slot)
+                self._release_slot(state.slot)
                 raise
 
         def receive() -> torch.Tensor:
             try:
                 return combine_partials(handle, partials)
             finally:
-                self._free.append(state.slot)
+                self._release_slot(state.slot)
 
         return hook, receive
 
@@ -452,6 +451,13 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
             entry.pid,
             entry.address,
         )
+
+    def _release_slot(self, slot: int) -> None:
+        """``slot`` is free again; one already free stays listed once (the slot plane frees
+        every slot when a step begins, and a handle of the step before may be combined
+        after that)."""
+        if slot not in self._free:
+            self._free.append(slot)
 
     def _begin_dispatch(self) -> None:  # noqa: B027 - optional hook
         """Runs once per dispatch that sends anything, before the first ``_send``."""
