@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import shutil
 from collections.abc import Iterator, Sequence
 
 import pytest
-from transport_testlib import FFNCluster, Loopback, leftover_segments
+from transport_testlib import COUNTS_DIR, FFNCluster, Loopback, leftover_segments
 
 from vllm_afd.transport import TransportSpec
 from vllm_afd.transport.reference import FFNForward
@@ -38,6 +39,7 @@ def start_ffn(mp_ctx) -> Iterator:
 @pytest.fixture(scope="session", autouse=True)
 def no_leaks() -> Iterator[None]:
     yield
+    shutil.rmtree(COUNTS_DIR, ignore_errors=True)
     assert not mp.active_children(), f"child processes left: {mp.active_children()}"
     assert not leftover_segments(), f"shared-memory segments left: {leftover_segments()}"
 

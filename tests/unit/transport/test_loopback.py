@@ -22,9 +22,10 @@ from vllm_afd.transport import (
 from vllm_afd.transport.reference import LocalMoE
 
 pytestmark = pytest.mark.timeout(60)
-BACKENDS = ["shm", "slots", "tcp"]
+#: ... and an out-of-tree one: shm's endpoints, counting their rounds (``COUNTING``).
+BACKENDS = ["shm", "slots", "tcp", "counting"]
 #: The slot plane's backends (on host memory here).
-PLANE = ["shm", "slots"]
+PLANE = ["shm", "slots", "counting"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

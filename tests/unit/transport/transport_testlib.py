@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -47,12 +48,23 @@ def leftover_segments() -> list[str]:
 LAYERS = tuple(range(16))
 
 
+#: The out-of-tree backend of tests/e2e/counting_backend.py (shm, counting its rounds), and where
+#: it counts (removed at the session's end: conftest).
+COUNTING = "tests.e2e.counting_backend:CountingShm"
+COUNTS_DIR = os.path.join(tempfile.gettempdir(), f"{SHM_PREFIX}counts")
+
+
 def make_spec(backend: str, num_attention: int, num_ffn: int, **overrides) -> TransportSpec:
     """A small spec; the FFN side's ``addresses`` request a test prefix / loopback port.
-    ``backend`` may be ``slots-device``: slots with the device's wait semantics."""
+    ``backend`` may be ``slots-device`` (slots with the device's wait semantics) or
+    ``counting`` (``COUNTING``, its counts in a directory of this test run)."""
     request = "127.0.0.1:0" if backend == "tcp" else SHM_PREFIX
     if backend == "slots-device":
         backend, overrides = "slots", {"config": {"waits": "device"}, **overrides}
+    if backend == "counting":
+        os.makedirs(COUNTS_DIR, exist_ok=True)
+        counts = COUNTS_DIR
+        backend, overrides = COUNTING, {"config": {"counts_dir": counts}, **overrides}
     fields = dict(
         backend=backend,
         num_attention_ranks=num_attention,
