@@ -203,10 +203,16 @@ def check_all(num_ffn_ranks: int, timeout_s: float | None = None, local: bool = 
     poll_ms = _poll_ms()
     _bench_cpus()
     if timeout_s is not None and poll_ms > 1e3 * timeout_s:
+        if os.environ.get(POLL_MS, "").strip():
+            raise AFDConfigError(
+                f"{POLL_MS}={os.environ[POLL_MS]!r}: the poll window may not be longer than "
+                f"--afd-timeout ({timeout_s:g} s = {1e3 * timeout_s:g} ms); use a number in "
+                f"0..{1e3 * timeout_s:g}"
+            )
         raise AFDConfigError(
-            f"{POLL_MS}={os.environ[POLL_MS]!r}: the poll window may not be longer than "
-            f"--afd-timeout ({timeout_s:g} s = {1e3 * timeout_s:g} ms); use a number in "
-            f"0..{1e3 * timeout_s:g}"
+            f"--afd-timeout {timeout_s:g}: shorter than the poll window ({POLL_MS}, default "
+            f"{DEFAULT_POLL_MS:g} ms); use at least {DEFAULT_POLL_MS / 1e3:g} s, or set "
+            f"{POLL_MS} to a number in 0..{1e3 * timeout_s:g}"
         )
     if not local:
         return

@@ -101,6 +101,9 @@ def test_poll_window_may_not_exceed_the_timeout(monkeypatch):
     envs.check_all(num_ffn_ranks=1, timeout_s=5.0)
     with pytest.raises(AFDConfigError, match=r"VLLM_AFD_POLL_MS='5000'.*--afd-timeout \(2 s"):
         envs.check_all(num_ffn_ranks=1, timeout_s=2.0)
+    monkeypatch.delenv(envs.POLL_MS)  # the default window: the timeout is what to change
+    with pytest.raises(AFDConfigError, match=r"^--afd-timeout 0.01: shorter than the poll window"):
+        envs.check_all(num_ffn_ranks=1, timeout_s=0.01)
 
 
 def test_ffn_cpus_must_be_available_here(monkeypatch):
