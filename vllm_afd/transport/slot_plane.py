@@ -39,8 +39,8 @@ the FFN rank's host reads it): the FFN process's identity, the data buffer's han
 attention rank's last announced ``StepSchedule`` (``control.py``).
 
 Protocol. Slot ``s`` carries microbatch ``s``. Every use of a slot is tagged by its flag value,
-``step << POSITION_BITS | position + 1`` (the use's value, ``use_value``): the sender's step
-and the layer's position in that step's schedule. Both sides hold the step as a word on the
+``step << POSITION_BITS | position + 1`` (the use's value; ``value_use`` reads it): the sender's
+step and the layer's position in that step's schedule. Both sides hold the step as a word on the
 memory's device (``begin``), so the value is computed on the device and a CUDA graph replay,
 whose host code does not run, uses the step announced before it::
 
@@ -160,13 +160,9 @@ def create_fresh(stem: str, size: int) -> tuple[str, mmap.mmap]:
     )
 
 
-def use_value(step: int, position: int) -> int:
-    """The flag value of the use of a slot at ``position`` of step ``step`` (module doc)."""
-    return step << POSITION_BITS | position + 1
-
-
 def value_use(value: int) -> tuple[int, int]:
-    """Inverse of ``use_value``: ``(step, position)``."""
+    """``(step, position)`` of a use's value ``step << POSITION_BITS | position + 1`` (module
+    docstring)."""
     return value >> POSITION_BITS, (value & ((1 << POSITION_BITS) - 1)) - 1
 
 
@@ -454,9 +450,6 @@ class AttentionPlane:
         words[ROWS_WORD], words[CPU_WORD] = rows, cpu
         words[0] = self._host_step[0] + position + 1  # after the payload (x86-64 TSO)
 
-    def what(self, ffn_rank: int, slot: int) -> str:
-        return f"response of FFN rank {ffn_rank} to attention rank {self.rank}, slot {slot}"
-
     def await_answer(
         self, ffn_rank: int, slot: int, position: int, watch: Watch | None = None
     ) -> None:
@@ -464,7 +457,7 @@ class AttentionPlane:
         (on devices with streams, queue the wait). On the host raises ``PlaneError`` for an
         error answer (its text) or an answer to another use."""
         view = self.slots[ffn_rank][slot]
-        what = self.what(ffn_rank, slot)
+        what = f"response of FFN rank {ffn_rank} to attention rank {self.rank}, slot {slot}"
         found = self.memory.wait(view.response, self.step, position, what, watch)
         if found is None:
             return

@@ -74,16 +74,16 @@ logger = logging.getLogger("vllm.afd")
 WAITS = ("host", "device")
 
 
-def device_waits(spec: TransportSpec) -> bool:
+def device_waits(settings: Mapping[str, Any]) -> bool:
     """The plane's waits are the device's (``waits: device``; set on GPUs)."""
-    return spec.config.get("waits", "host") == "device"
+    return settings.get("waits", "host") == "device"
 
 
 def plane_memory(spec: TransportSpec, prefix: str = PLANE_PREFIX + "data_") -> PlaneMemory:
     """The plane's memory in this process: with the device's waits the current GPU's where
     CUDA is; else the host's (data segments named ``<prefix>...``), also for CPU attention
     ranks whose FFN ranks compute on a GPU."""
-    waits = device_waits(spec)
+    waits = device_waits(spec.config)
     if waits and torch.cuda.is_available():
         from vllm_afd.transport.slot_plane_cuda import CudaPlaneMemory
 
@@ -95,7 +95,7 @@ class PlaneAttentionTransport(AttentionEndpoint):
     """The attention endpoint's wire on the slot plane: maps every FFN rank's control block
     (``spec.addresses``) and data buffer; dispatches only inside announced steps
     (``begin_step``), microbatch ``s`` in slot ``s``; a request's identity is its use's value
-    (``slot_plane.use_value``)."""
+    (``step << POSITION_BITS | position + 1``: ``slot_plane``)."""
 
     backend_name = "slot plane"
 
@@ -113,17 +113,9 @@ class PlaneAttentionTransport(AttentionEndpoint):
         self._tokens: tuple[int, ...] = ()
         #: Per slot, the position of its last use in this step (a use's value is sent once).
         self._used = [-1] * spec.num_slots
-        #: Per FFN rank and slot: the rows last sent, and (host memory) the response line.
+        #: Per FFN rank and slot: the rows last sent.
         self._sent = [[0] * spec.num_slots for _ in self.controls]
-        self._lines = [self._response_lines(f) for f in range(spec.num_ffn_ranks)]
         self._cpu = -1
-
-    def _response_lines(self, ffn_rank: int) -> list[memoryview] | None:
-        """FFN rank ``ffn_rank``'s response lines per slot where this side waits on the host;
-        ``None`` where waits are the device's."""
-        if self.memory.records_waits:
-            return None
-        return [v.response_words for v in self.plane.slots[ffn_rank]]  # type: ignore[misc]
 
     def _announce(self, schedule: StepSchedule) -> None:
         """Raise what the last step's device waits recorded, then start ``schedule``'s step
@@ -211,7 +203,7 @@ class PlaneAttentionTransport(AttentionEndpoint):
         index = None if n == x.shape[0] else rows
         self.plane.send(ffn_rank, slot, position, x, topk_ids, topk_weights, index, self._cpu)
         self._sent[ffn_rank][slot] = n
-        return tag.step << POSITION_BITS | position + 1  # ``use_value``, inlined (hot path)
+        return tag.step << POSITION_BITS | position + 1  # the use's value
 
     def _wait(
         self,
@@ -227,11 +219,11 @@ class PlaneAttentionTransport(AttentionEndpoint):
         ``seq`` (the answer) or ``-seq`` (an error answer: ``FFNServeError``), checking every
         ``awaited`` FFN rank's liveness meanwhile; on the device's waits, queues the wait
         (``memory.check`` raises what it records)."""
-        lines = self._lines[ffn_rank]
-        if lines is None:
+        if self.memory.records_waits:
             self.plane.await_answer(ffn_rank, slot, value_use(seq)[1])
             return self.plane.answer(ffn_rank, slot, self._sent[ffn_rank][slot])
-        line = lines[slot]
+        line = self.plane.slots[ffn_rank][slot].response_words
+        assert line is not None  # host memory: waits are the host's
         found = line[0]
         if found != seq:
             backoff = Backoff(self.wait, spin=line[CPU_WORD] != self._cpu)
@@ -266,13 +258,12 @@ class PlaneAttentionTransport(AttentionEndpoint):
         self.controls[ffn_rank], old = control, self.controls[ffn_rank]
         old.close()
         self.plane.attach(ffn_rank, control.handle)
-        self._lines[ffn_rank] = self._response_lines(ffn_rank)
 
     def close(self) -> None:
         """Unmap everything (never unlinks: the FFN side owns its segments)."""
         for control in self.controls:
             control.close()
-        self.controls, self._lines = [], []
+        self.controls = []
         self.memory.close()
 
 
@@ -543,7 +534,7 @@ class SlotsBackend(Backend):
     def endpoints(
         cls, settings: Mapping[str, Any]
     ) -> tuple[type[AttentionTransport], type[FFNTransport]]:
-        if settings.get("waits", "host") == "device":
+        if device_waits(settings):
             return cls.attention, SteppedPlaneFFN
         return cls.attention, cls.ffn
 
