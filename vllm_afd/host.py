@@ -25,6 +25,7 @@ import ipaddress
 import mmap
 import os
 import platform
+import re
 import shutil
 import socket
 import stat
@@ -87,12 +88,13 @@ def private_dir(prefix: str = PRIVATE_PREFIX) -> str:
     return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}_")
 
 
-def reap_private_dirs(prefix: str = PRIVATE_PREFIX) -> list[str]:
+def reap_private_dirs(prefix: str = PRIVATE_PREFIX) -> tuple[list[str], list[str]]:
     """Remove this user's private directories (``private_dir``) whose creator died without
     removing it (a SIGKILLed front-end leaves its Ray token, tcp secret, FFN directory and
-    leases); returns their paths. A directory of a live pid (or another user's, or one whose
-    name carries no pid) is left alone."""
-    root, removed = tempfile.gettempdir(), []
+    leases), and the multiprocessing segments their ledgers name (``reclaim_ledger``); returns
+    the directories' paths and the segments' names. A directory of a live pid (or another
+    user's, or one whose name carries no pid) is left alone."""
+    root, removed, segments = tempfile.gettempdir(), [], []
     for name in os.listdir(root):
         pid = name[len(prefix) :].split("_", 1)[0] if name.startswith(prefix) else ""
         path = os.path.join(root, name)
@@ -103,9 +105,79 @@ def reap_private_dirs(prefix: str = PRIVATE_PREFIX) -> list[str]:
         except FileNotFoundError:
             continue
         if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+            segments += reclaim_ledger(path)
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
-    return removed
+    return removed, segments
+
+
+#: Python's multiprocessing names its ``/dev/shm`` files so: ``SharedMemory`` segments (vLLM's
+#: message queues between API server, engine cores and workers) and named semaphores (its
+#: locks). Its resource tracker unlinks them when their processes die, unless it is killed
+#: with them (a SIGKILL of the whole process group or control group): then a deployment's
+#: ledger of them (``LEDGER``) lets the next start reclaim them (``reap_private_dirs``).
+MP_SEGMENT_PREFIXES = ("psm_", "sem.mp-")
+#: The file of a private directory that lists the multiprocessing segments of its deployment,
+#: one name a line (``placement.health.SegmentLedger`` writes it).
+LEDGER = "segments"
+_MP_NAME = re.compile(r"(?:psm_|sem\.mp-)[A-Za-z0-9_-]{1,64}")
+
+
+def mapped_segments(pids: Iterable[int], prefixes: Sequence[str]) -> set[str]:
+    """The names of the ``/dev/shm`` files starting with one of ``prefixes`` that the processes
+    ``pids`` map (``/proc/PID/maps``; a process that ended meanwhile is skipped). A file is
+    matched by its inode, not the name the map shows: glibc's ``sem_open`` maps a temporary
+    file that it then links under the semaphore's name and unlinks."""
+    inodes: set[int] = set()
+    root = SHM_DIR + "/"
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and fields[5].startswith(root):
+                        inodes.add(int(fields[4]))
+        except (OSError, ValueError):
+            continue
+    found = set()
+    with os.scandir(SHM_DIR) as entries:
+        for entry in entries:
+            if entry.name.startswith(tuple(prefixes)):
+                try:
+                    if entry.inode() in inodes:
+                        found.add(entry.name)
+                except OSError:
+                    continue
+    return found
+
+
+def live_pids() -> list[int]:
+    """Every process of this host's pid namespace that ``/proc`` lists."""
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def reclaim_ledger(directory: str) -> list[str]:
+    """Unlink the multiprocessing segments that ``directory``'s ledger (``LEDGER``) names and
+    that no live process maps and that are this user's own; returns their names. Only names of
+    the multiprocessing form are taken (a ledger line is never a path)."""
+    try:
+        text = read_private_file(os.path.join(directory, LEDGER), max_bytes=1 << 20)
+    except OSError:
+        return []
+    listed = {n for n in text.decode(errors="replace").split() if _MP_NAME.fullmatch(n)}
+    listed = {n for n in listed if _own_file(os.path.join(SHM_DIR, n))}
+    if not listed:
+        return []
+    listed -= mapped_segments(live_pids(), MP_SEGMENT_PREFIXES)
+    return sorted(n for n in listed if unlink_segment(n))
+
+
+def _own_file(path: str) -> bool:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
 
 
 def remove_private_dir(path: str | None) -> None:

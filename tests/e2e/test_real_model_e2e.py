@@ -10,6 +10,7 @@ that the capital of France is Paris.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -18,6 +19,7 @@ from failoverlib import colocated_job, streams_around
 from serverlib import Server, http_request
 
 from vllm_afd.bench.real_model import EXPECTED, PROMPT
+from vllm_afd.host import SHM_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -68,6 +70,7 @@ def test_the_pool_scaled_live_1_2_1_under_streams_gives_colocated_text(
     stream ends with colocated's exact text and tokens. ``/afd/status`` and ``/metrics`` show
     the live pool and both scales; a count the experts cannot split into is refused (400)."""
     streamed = run_once(colocated_job(smollm2_moe))
+    shm_before = set(os.listdir(SHM_DIR))
     server = Server(
         smollm2_moe,
         tmp_path / "server.log",
@@ -110,6 +113,10 @@ def test_the_pool_scaled_live_1_2_1_under_streams_gives_colocated_text(
         assert re.search(r"^vllm_afd_ffn_ranks\{[^}]*\} 1\.0$", metrics, re.M), metrics[-2000:]
         assert re.search(r"^vllm_afd_ffn_pool_scale_seconds_count\{[^}]*\} 2\.0$", metrics, re.M)
         assert server.log.read_text().count("AFD: FFN pool scaled from") == 2
+        server.terminate()
+        server.assert_nothing_left(30)
+        left = set(os.listdir(SHM_DIR)) - shm_before  # the first pool's stats blocks too
+        assert not left, sorted(left)
     finally:
         try:
             server.terminate()

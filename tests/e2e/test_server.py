@@ -15,7 +15,9 @@ tests run in file order on it, each leaving it serving:
    until the replacement serves, liveness (``/health``) stays 200 throughout (``test-all``
    kills it twice more);
 6. last, SIGTERM with streams in flight: every stream completes, then nothing is left
-   (processes, Ray's daemons, /dev/shm segments, metrics blocks).
+   (processes, Ray's daemons, no new file in /dev/shm, metrics blocks).
+
+A SIGTERM or SIGINT to the whole process group, and a SIGKILL of it: test_stop_e2e.py.
 
 With failover off, a lost FFN rank fails requests fast: test_ffn_failure.py.
 """
@@ -53,7 +55,7 @@ def _metrics_blocks() -> set[str]:
 def server(tiny_qwen3, run_once, tmp_path_factory):
     """The server, and as ``server.colocated`` colocated greedy runs of every prompt, computed
     while the server starts (shorter requests compare with a prefix)."""
-    before = _metrics_blocks()
+    before, shm_before = _metrics_blocks(), set(os.listdir(SHM_DIR))
     with pytest.MonkeyPatch.context() as env:  # default settings: nothing of ours or Ray's
         for name in list(os.environ):
             if name.startswith(("RAY_AUTH", "VLLM_AFD_")) or name == "PROMETHEUS_MULTIPROC_DIR":
@@ -64,7 +66,7 @@ def server(tiny_qwen3, run_once, tmp_path_factory):
             extra=("--afd-ratio", "2:1", "--shutdown-timeout", "120"),
             env={"VLLM_PLUGINS": "afd"},  # vLLM's allowlist: our general and endpoint plugin
         )
-    srv.metrics_blocks_before = before
+    srv.metrics_blocks_before, srv.shm_before = before, shm_before
     try:
         srv.colocated = run_once(colocated_job(tiny_qwen3))
         srv.wait_healthy()
@@ -278,5 +280,6 @@ def test_sigterm_under_load_drains_every_request_then_nothing_is_left(server, co
     assert "mode=drain" in log
     server.assert_nothing_left(30)
     assert not [s for s in segments if Path("/dev/shm", s).exists()]
+    assert not set(os.listdir(SHM_DIR)) - server.shm_before  # vLLM's queues and locks too
     stale = [n for n in _metrics_blocks() - server.metrics_blocks_before if _dead_writer(n)]
     assert not stale, f"metrics blocks left behind by the server: {stale}"

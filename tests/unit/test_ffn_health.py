@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -245,6 +247,48 @@ def test_the_supervisor_gives_up_after_failures_in_a_row(tmp_path, monkeypatch):
         assert group.fail_starts == 3 and not group.procs  # two starts tried, 0 s then 1 s
     finally:
         supervisor.stop()
+
+
+class _SlowGroup(_Group):
+    """A replacement that takes ``start_s`` to start (a raylet gone with the front-end's
+    process group: its start cannot finish)."""
+
+    def __init__(self, spec: TransportSpec, start_s: float) -> None:
+        super().__init__(spec)
+        self.start_s, self.starting = start_s, threading.Event()
+
+    def start_rank(self, rank: int) -> None:
+        self.starting.set()
+        time.sleep(self.start_s)
+        super().start_rank(rank)
+
+
+def test_a_supervisor_stopped_mid_replacement_returns_at_once_and_kills_it_later(tmp_path):
+    """A stop (the front-end exiting) waits at most ``STOP_WAIT_S`` for a replacement being
+    started, and the replacement, once started, is killed and never published."""
+    first = _sleeper()
+    group = _SlowGroup(_spec(tmp_path), start_s=placement.failover.STOP_WAIT_S + 2.0)
+    _publish(tmp_path, first.pid, address="first")
+    supervisor = Supervisor(group)
+    try:
+        first.kill()
+        first.wait()
+        assert group.starting.wait(10)
+        began = time.monotonic()
+        supervisor.stop()
+        assert time.monotonic() - began < placement.failover.STOP_WAIT_S + 0.5
+        deadline = time.monotonic() + 10
+        while not group.procs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert group.procs, "the replacement did not start"
+        assert group.procs[0].wait(timeout=10) == -signal.SIGKILL
+        entry = ffn_directory.lookup(str(tmp_path), 0)
+        assert entry.state == RECOVERING and entry.incarnation == 1, entry
+    finally:
+        supervisor.stop()
+        for proc in group.procs:
+            proc.kill()
+            proc.wait()
 
 
 class _Engine:

@@ -130,5 +130,5 @@ def test_private_directories_of_dead_front_ends_are_reaped(tmp_path, monkeypatch
     unrelated = tmp_path / f"{PRIVATE_PREFIX}notapid"
     unrelated.mkdir()
     assert os.path.basename(mine).startswith(f"{PRIVATE_PREFIX}{os.getpid()}_")
-    assert reap_private_dirs() == [str(gone)]
+    assert reap_private_dirs() == ([str(gone)], [])
     assert not gone.exists() and os.path.isdir(mine) and unrelated.exists()

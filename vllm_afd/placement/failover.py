@@ -19,7 +19,7 @@ from vllm_afd.ffn.rank import HEARTBEAT_INTERVAL_S
 from vllm_afd.host import (
     pid_alive,
 )
-from vllm_afd.placement.cluster import START_TIMEOUT_S, FFNGroup, log_rank_up
+from vllm_afd.placement.cluster import FFNGroup, log_rank_up
 from vllm_afd.placement.health import FROZEN_TIMEOUT_S, rank_problem, reap_dead_segments
 from vllm_afd.transport import directory
 from vllm_afd.transport.directory import RankEntry
@@ -31,6 +31,8 @@ logger = logging.getLogger("vllm.afd")
 FAILOVER_STABLE_S = 30.0
 FAILOVER_MAX_STREAK = 5
 FAILOVER_MAX_DELAY_S = 30.0
+#: How long stopping the supervisor waits for its thread (``Supervisor.stop``).
+STOP_WAIT_S = 2.0
 
 
 def restart_delay(streak: int) -> float:
@@ -137,10 +139,13 @@ class Supervisor:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop supervising (a replacement being started is given up)."""
+        """Stop supervising, within ``STOP_WAIT_S``: a replacement being started is given up
+        (the thread kills it when its start returns: ``_fail_over``), so that a server stopped
+        while its FFN ranks die with it (a signal to its whole process group) exits at once
+        instead of waiting out a start that cannot finish."""
         self._stop.set()
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=START_TIMEOUT_S)
+            self._thread.join(timeout=STOP_WAIT_S)
 
     def _run(self) -> None:
         spec = self.group.spec
@@ -186,11 +191,15 @@ class Supervisor:
                 return
             try:
                 self.group.start_rank(rank)
-                break
             except Exception as exc:  # noqa: BLE001 - counted as the next failure
                 problem = f"FFN rank {rank}: its replacement did not start ({_one_line(exc)})"
                 logger.warning("AFD: %s", problem)
                 streak += 1
+                continue
+            if self._stop.is_set():  # the group stopped while it started: nobody stops it
+                self._kill(rank, dataclasses.replace(entry, pid=self.group.infos[rank]["pid"]))
+                return
+            break
         info = self.group.infos[rank]
         took = time.monotonic() - detected
         self._streak[rank], self._started[rank] = streak, time.monotonic()

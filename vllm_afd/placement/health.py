@@ -12,13 +12,20 @@ pod only when a restart is what it takes.
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_afd import envs
 from vllm_afd.host import (
+    LEDGER,
+    MP_SEGMENT_PREFIXES,
+    SHM_DIR,
+    mapped_segments,
     pid_alive,
     process_stopped,
     reap_private_dirs,
@@ -35,28 +42,99 @@ logger = logging.getLogger("vllm.afd")
 #: costs a failover, or a server that had not finished starting.
 HEARTBEAT_TIMEOUT_S = 1.0
 FROZEN_TIMEOUT_S = 10.0
+#: How often the front-end's ``SegmentLedger`` looks at ``/dev/shm``.
+LEDGER_INTERVAL_S = 2.0
 
 
-def reap_dead_segments() -> list[str]:
+def reap_dead_segments(log: bool = True) -> list[str]:
     """Unlink this user's ``/dev/shm`` segments (transport and metrics) whose creator died
-    (SIGKILLed FFN or attention ranks of earlier runs); returns their names."""
+    (SIGKILLed FFN or attention ranks of earlier runs); returns their names (logged if
+    ``log``)."""
     from vllm_afd.metrics.blocks import reap_stale_blocks
     from vllm_afd.transport import available_transports, backend
 
     reaped = [name for t in available_transports() for name in backend(t).reap_stale()]
     reaped += reap_stale_blocks()
-    if reaped:
+    if reaped and log:
         logger.info("AFD: removed %d segment(s) of dead processes from /dev/shm", len(reaped))
     return reaped
 
 
 def reap_dead_deployments() -> list[str]:
-    """``reap_dead_segments``, and the private directories of front-ends that died without
-    cleaning up (``host.reap_private_dirs``): run before a new FFN group starts."""
-    dirs = reap_private_dirs()
-    if dirs:
-        logger.info("AFD: removed %d private directory(ies) of dead front-ends", len(dirs))
-    return reap_dead_segments() + dirs
+    """Reclaim what earlier deployments on this host left when they were killed (SIGKILL, a
+    killed process group): this user's segments of dead processes (``reap_dead_segments``),
+    the private directories of front-ends that died and the multiprocessing segments their
+    ledgers name (``host.reap_private_dirs``, ``SegmentLedger``), in one log line; run before
+    a new FFN group starts. Returns what it removed."""
+    dirs, mp_segments = reap_private_dirs()
+    segments = reap_dead_segments(log=False) + mp_segments
+    if dirs or segments:
+        logger.info(
+            "AFD: reclaimed what killed deployments left: %d file(s) in /dev/shm, %d private "
+            "directory(ies) in %s",
+            len(segments),
+            len(dirs),
+            tempfile.gettempdir(),
+        )
+    return segments + dirs
+
+
+class SegmentLedger:
+    """The front-end's record of the multiprocessing segments in ``/dev/shm`` that its
+    deployment's processes map (vLLM's message queues and locks: ``host.MP_SEGMENT_PREFIXES``),
+    kept in its private directory (``host.LEDGER``) so that, if the deployment is killed with
+    Python's resource tracker, the next start reclaims them (``reap_dead_deployments``).
+
+    A thread looks every ``LEDGER_INTERVAL_S``; it reads the processes' maps only when the
+    names of that kind in ``/dev/shm`` changed since its last look, so a serving deployment
+    costs it one directory listing per interval. The deployment is this process and all it
+    started (engine cores, workers, Ray's daemons and the FFN ranks).
+    """
+
+    def __init__(self, directory: str, interval_s: float = LEDGER_INTERVAL_S) -> None:
+        self.path = os.path.join(directory, LEDGER)
+        self._recorded: set[str] = set()
+        self._listing: frozenset[str] = frozenset()
+        self._stop = threading.Event()
+        self._interval_s = interval_s
+        self._thread = threading.Thread(target=self._run, name="afd-segment-ledger", daemon=True)
+        self._thread.start()
+
+    def record(self) -> set[str]:
+        """Look once; returns the names recorded so far."""
+        try:
+            listing = frozenset(n for n in os.listdir(SHM_DIR) if n.startswith(MP_SEGMENT_PREFIXES))
+        except OSError:
+            return self._recorded
+        if listing == self._listing:
+            return self._recorded
+        self._listing = listing
+        import psutil
+
+        me = psutil.Process()
+        pids = [me.pid, *(child.pid for child in me.children(recursive=True))]
+        new = mapped_segments(pids, MP_SEGMENT_PREFIXES) - self._recorded
+        if new:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(self.path, flags, 0o600)
+            try:
+                os.write(fd, "".join(f"{name}\n" for name in sorted(new)).encode())
+            finally:
+                os.close(fd)
+            self._recorded |= new
+        return self._recorded
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._interval_s + 1.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.record()
+            except Exception:  # noqa: BLE001 - a ledger must never take the front-end down
+                logger.debug("AFD: segment ledger", exc_info=True)
 
 
 def rank_problem(entry: RankEntry, timeout_s: float) -> tuple[str | None, float]:

@@ -37,7 +37,7 @@ from vllm_afd.placement.credentials import (
     release_credentials,
 )
 from vllm_afd.placement.failover import Supervisor
-from vllm_afd.placement.health import reap_dead_deployments
+from vllm_afd.placement.health import SegmentLedger, reap_dead_deployments
 from vllm_afd.transport import Feature, TransportSpec, backend, directory
 from vllm_afd.transport.directory import RankEntry
 
@@ -49,9 +49,13 @@ logger = logging.getLogger("vllm.afd")
 _LOCK = threading.RLock()
 _GROUP: FFNGroup | None = None
 _GROUP_KEY: str | None = None
+#: The deployment's record of vLLM's multiprocessing segments (``health.SegmentLedger``).
+_LEDGER: SegmentLedger | None = None
 #: Pools a live scale replaced (``scaling.py``), from their replacement's adoption until the
 #: scale stops them (``stop_replaced``); a stop meanwhile stops them with the group.
 DRAINING: list[FFNGroup] = []
+#: How long a stop waits for the FFN ranks to stop on their own (``stop_ranks``).
+STOP_WAIT_S = 5.0
 
 
 def start_ffn_group(request: GroupRequest) -> FFNGroup:
@@ -59,7 +63,7 @@ def start_ffn_group(request: GroupRequest) -> FFNGroup:
     afd, model, model_dir, device = request.afd, request.model, request.model_dir, request.device
     num_attention_ranks, max_tokens = request.num_attention_ranks, request.max_tokens
     dtype = request.dtype
-    global _GROUP, _GROUP_KEY
+    global _GROUP, _GROUP_KEY, _LEDGER
     num_ffn = afd.num_ffn_ranks(num_attention_ranks)
     model.check_ffn_ranks(num_ffn)
     spec = TransportSpec(
@@ -97,6 +101,7 @@ def start_ffn_group(request: GroupRequest) -> FFNGroup:
         _GROUP.request = request
         _GROUP_KEY = key
         supervise(_GROUP)
+        _LEDGER = SegmentLedger(private_directory())
         # The hand-off to every process started from here on (engine cores, workers).
         os.environ[envs.RUNTIME] = _GROUP.spec.to_json()
         return _GROUP
@@ -198,11 +203,14 @@ def stop_replaced(pool: FFNGroup) -> None:
 
 def stop_ffn_group() -> None:
     """Stop this process's FFN group (and the local Ray it started). Idempotent."""
-    global _GROUP, _GROUP_KEY
+    global _GROUP, _GROUP_KEY, _LEDGER
     with _LOCK:  # a live scale adopts its new pool before this, or not at all
         group, _GROUP, _GROUP_KEY = _GROUP, None, None
         replaced, DRAINING[:] = list(DRAINING), []
+        ledger, _LEDGER = _LEDGER, None
         os.environ.pop(envs.RUNTIME, None)
+    if ledger is not None:
+        ledger.stop()
     shared.leave_group()  # a front-end that joined a group leaves it running
     if group is None:
         release_credentials()
@@ -219,28 +227,41 @@ def stop_ffn_group() -> None:
 
 def stop_ranks(group: FFNGroup) -> None:
     """Stop ``group``'s supervisor, FFN ranks and placement group, and unlink its ranks' stats
-    blocks (the front-end's Ray and credentials stay). With Ray shut down already (a stop of
-    the group overtook a live scale) the actors and placement group went with it: only the
-    blocks are left to unlink (an actor call would start a new Ray)."""
+    blocks (the front-end's Ray and credentials stay), within about ``STOP_WAIT_S`` plus the
+    supervisor's: a stop runs at the front-end's exit, where a rank, Ray's raylet or both may
+    have died already (a signal to the whole process group), and a Ray call without a bound
+    would keep the front-end, and through it Ray's daemons, alive. A group that owns its Ray
+    leaves its placement group to ``ray.shutdown`` (removing it waits on the raylet). With Ray
+    shut down already (a stop of the group overtook a live scale) the actors and placement
+    group went with it: only the blocks are left to unlink (an actor call would start a new
+    Ray)."""
     if group.supervisor is not None:
         group.supervisor.stop()  # before the ranks: no replacement may start meanwhile
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    for actor in group.actors if ray.is_initialized() else ():
+    if ray.is_initialized():
+        stops = []
+        for actor in group.actors:
+            try:
+                stops.append(actor.stop.remote())
+            except Exception:  # noqa: BLE001 - best effort: the actor may be dead already
+                pass
         try:
-            ray.get(actor.stop.remote(), timeout=5)
-        except Exception:  # noqa: BLE001 - best effort: the actor may be dead already
-            pass
-        try:
-            ray.kill(actor)
+            if stops:
+                ray.wait(stops, num_returns=len(stops), timeout=STOP_WAIT_S)
         except Exception:  # noqa: BLE001 - best effort: Ray may be shutting down
             pass
-    try:
-        if ray.is_initialized():
-            remove_placement_group(group.placement_group)
-    except Exception:  # noqa: BLE001
-        pass
+        for actor in group.actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - best effort: Ray may be shutting down
+                pass
+        if not group.owns_ray:
+            try:
+                remove_placement_group(group.placement_group)
+            except Exception:  # noqa: BLE001
+                pass
     from vllm_afd.metrics.blocks import unlink_deployment_blocks
 
     unlink_deployment_blocks(group.spec)

@@ -1,0 +1,111 @@
+"""Every way a server stops leaves nothing behind (issue 44): an AFD server at 2:1, stopped as
+a process manager stops it.
+
+- SIGTERM to its whole process group (systemd's control-group stop, ``kill -- -PGID``): every
+  process of the deployment ends within 30 s, Ray's daemons and the FFN rank included, and no
+  new file is left in /dev/shm (ours, and vLLM's multiprocessing queues and locks);
+- SIGKILL to the whole group (a grace period run out): what it leaves, the next start on the
+  host reclaims and says so in one log line; that server, stopped by SIGINT to its group,
+  leaves /dev/shm as it was before the first started.
+
+A SIGTERM to the server process alone, with streams in flight: test_server.py.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import tempfile
+import time
+
+import pytest
+from serverlib import Server, session_processes
+
+from vllm_afd.host import LEDGER, MP_SEGMENT_PREFIXES, PRIVATE_PREFIX, SHM_DIR
+
+pytestmark = pytest.mark.slow
+
+RATIO = ("--afd-ratio", "2:1")
+
+
+def _shm() -> set[str]:
+    return set(os.listdir(SHM_DIR))
+
+
+def _serving(model: str, log) -> Server:
+    """A 2:1 server that answered one completion."""
+    server = Server(model, log, extra=RATIO)
+    server.wait_healthy()
+    status, body = server.complete("The capital of France is", 4)
+    assert status == 200, body
+    return server
+
+
+def _stop_group(server: Server, signum: int) -> None:
+    """``signum`` to the server's whole process group; every process ends within 30 s."""
+    pids = [p.pid for p in session_processes(server.proc.pid)]
+    assert len(pids) > 8, "the deployment's processes (Ray's, engine cores, the FFN rank)"
+    started = time.monotonic()
+    os.killpg(server.proc.pid, signum)
+    left = server.wait_session_empty(30)
+    assert not left, [(p.pid, " ".join(p.cmdline())) for p in session_processes(server.proc.pid)]
+    server.proc.wait(5)
+    print(
+        f"{signal.Signals(signum).name} to the group: {len(pids)} processes ended in "
+        f"{time.monotonic() - started:.1f}s"
+    )
+
+
+def test_sigterm_to_the_process_group_leaves_nothing(tiny_qwen3, tmp_path):
+    before = _shm()
+    server = _serving(tiny_qwen3, tmp_path / "server.log")
+    try:
+        assert _shm() - before, "the server made no file in /dev/shm"
+        _stop_group(server, signal.SIGTERM)
+        assert not _shm() - before, server.tail()
+    finally:
+        server.kill_leftovers()
+
+
+def _ledger_of(server: Server) -> str:
+    found = glob.glob(os.path.join(tempfile.gettempdir(), f"{PRIVATE_PREFIX}{server.proc.pid}_*"))
+    assert len(found) == 1, found
+    return os.path.join(found[0], LEDGER)
+
+
+@pytest.mark.full
+def test_what_a_group_sigkill_leaves_the_next_start_reclaims(tiny_qwen3, tmp_path):
+    before = _shm()
+    first = _serving(tiny_qwen3, tmp_path / "first.log")
+    try:
+        made = _shm() - before
+        theirs = {n for n in made if n.startswith(MP_SEGMENT_PREFIXES)}
+        assert theirs, f"vLLM made no multiprocessing segment: {sorted(made)}"
+        ledger, deadline = _ledger_of(first), time.monotonic() + 30
+        while time.monotonic() < deadline:  # the front-end's ledger names them all
+            if os.path.exists(ledger) and theirs <= set(open(ledger).read().split()):
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"the ledger does not name {sorted(theirs)}")
+        os.killpg(first.proc.pid, signal.SIGKILL)
+        first.proc.wait(10)
+        assert not first.wait_session_empty(10)
+    finally:
+        first.kill_leftovers()
+    left = _shm() - before
+    assert theirs <= left, "a SIGKILL leaves vLLM's segments: else this test shows nothing"
+
+    second = _serving(tiny_qwen3, tmp_path / "second.log")
+    try:
+        lines = re.findall(r"AFD: reclaimed what killed deployments left: .*", second.tail(10**9))
+        assert len(lines) == 1, lines
+        reclaimed = int(re.search(r"(\d+) file\(s\) in /dev/shm", lines[0]).group(1))
+        assert reclaimed >= len(left), (lines, sorted(left))  # with earlier runs' leftovers
+        assert not left & _shm(), sorted(left & _shm())
+        _stop_group(second, signal.SIGINT)
+        assert not _shm() - before, sorted(_shm() - before)
+    finally:
+        second.kill_leftovers()
