@@ -614,6 +614,13 @@ def moe_layer_indices(get: Callable[[str], Any], num_layers: int) -> tuple[int, 
     )
 
 
+EPLB_REFUSED = (
+    "--enable-eplb: not with --afd-ratio: vLLM's expert load balancer moves experts between "
+    "expert-parallel ranks, and AFD's FFN ranks hold fixed slices of them; drop --enable-eplb "
+    "(a live POST /afd/scale changes the FFN pool instead)"
+)
+
+
 def check_supported(vllm_config: Any) -> None:
     """Raise ``AFDConfigError`` if AFD, as configured, cannot run with this vLLM config.
 
@@ -640,7 +647,7 @@ def check_supported(vllm_config: Any) -> None:
             "with AFD; use data or tensor parallelism for the attention ranks"
         )
     if parallel.enable_eplb:
-        raise AFDConfigError("--afd-ratio: --enable-eplb is not supported with AFD")
+        raise AFDConfigError(EPLB_REFUSED)
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():

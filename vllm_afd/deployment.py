@@ -20,6 +20,7 @@ from typing import Any
 from vllm_afd import envs
 from vllm_afd.config import (
     AUTO_TRANSPORT,
+    EPLB_REFUSED,
     AFDConfig,
     AFDConfigError,
     check_gpu_microbatches,
@@ -63,6 +64,8 @@ def prepare_engine_args(engine_args, usage_context) -> None:
     afd = AFDConfig.of(engine_args)
     if afd is None:
         return
+    if getattr(engine_args, "enable_eplb", False):  # before vLLM's own checks of it
+        raise AFDConfigError(EPLB_REFUSED)
     if afd.join is None:  # a joining one takes its group's
         afd = _resolve_transport(afd)
         engine_args.additional_config = {**engine_args.additional_config, "afd": afd.to_dict()}
@@ -147,6 +150,7 @@ def setup_afd(vllm_config) -> None:
 
         plan_hardware(_attention_device() == "cpu", "--afd-autoscale")
     check_devices(afd, ranks, _attention_device())
+    check_admin_token_file()
     log_kv_transfer_requirements(vllm_config)
     from vllm_afd.placement import start_ffn_group
 
@@ -194,6 +198,7 @@ def _join(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config) -> None
     from vllm_afd.placement import join_ffn_group
 
     check_this_host(afd)
+    check_admin_token_file()
     log_kv_transfer_requirements(vllm_config)
     spec = join_ffn_group(_group_request(afd, info, ranks, model_dir, vllm_config))
     _export_front_end(vllm_config, info, ranks, model_dir, spec.attention_rank_offset)
@@ -205,12 +210,27 @@ def _join(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config) -> None
     )
 
 
+def check_admin_token_file() -> None:
+    """The operator's ``VLLM_AFD_ADMIN_TOKEN_FILE``, if set, is usable (before anything starts;
+    ``AFDConfigError`` naming it)."""
+    from vllm_afd.placement.credentials import read_admin_token
+
+    if envs.VLLM_AFD_ADMIN_TOKEN_FILE:
+        read_admin_token(envs.VLLM_AFD_ADMIN_TOKEN_FILE)
+
+
 def _export_front_end(
     vllm_config, info, ranks: int, model_dir: str, first_attention_rank: int
 ) -> None:
-    """``VLLM_AFD_FRONT_END`` for this front-end's API server processes (they inherit it)."""
-    from vllm_afd.placement.credentials import set_env
+    """``VLLM_AFD_FRONT_END`` and the admin token (``credentials.prepare_admin_token``) for
+    this front-end's API server processes (they inherit both)."""
+    from vllm_afd.placement.credentials import prepare_admin_token, set_env
 
+    logger.info(
+        "AFD: admin calls (POST /afd/scale, the full /afd/status) take the bearer token in %s "
+        "(readable by this user only) or the server's --api-key",
+        prepare_admin_token(),
+    )
     set_env(
         envs.FRONT_END,
         json.dumps(front_end_facts(vllm_config, info, ranks, model_dir, first_attention_rank)),

@@ -25,6 +25,11 @@ Variables a user sets:
     0600, at least 16 bytes. Unset: the front-end creates one per deployment in a private
     directory and sets this variable for the processes it starts. Set it (to the same file on
     every host) when FFN ranks run on other hosts.
+``VLLM_AFD_ADMIN_TOKEN_FILE``
+    Path of the deployment's admin token (``POST /afd/scale`` and the full ``/afd/status``
+    take it as a bearer token, as they take ``--api-key``): this user's file, mode 0600 or
+    0400, at least 16 characters. Unset: the front-end writes a fresh one into its private
+    directory, logs the path and sets this variable for the processes it starts.
 ``VLLM_AFD_PLAN_HARDWARE`` / ``VLLM_AFD_PLAN_PROFILE``
     Planner inputs of ``--afd-ratio auto``: a hardware preset or file, and a profile file
     written by ``vllm-afd profile`` (see docs/planner.md).
@@ -67,6 +72,7 @@ PLAN_PROFILE = "VLLM_AFD_PLAN_PROFILE"
 BENCH_CPUS = "VLLM_AFD_BENCH_CPUS"
 FAULT_FILE = "VLLM_AFD_FAULT_FILE"
 AUTH_FILE = "VLLM_AFD_AUTH_FILE"
+ADMIN_TOKEN_FILE = "VLLM_AFD_ADMIN_TOKEN_FILE"
 FRONT_END = "VLLM_AFD_FRONT_END"
 DEFAULT_POLL_MS = 20.0
 MAX_FFN_THREADS = 4096
@@ -154,6 +160,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     BENCH_CPUS: _bench_cpus,
     FAULT_FILE: lambda: _text(FAULT_FILE),
     AUTH_FILE: lambda: _text(AUTH_FILE),
+    ADMIN_TOKEN_FILE: lambda: _text(ADMIN_TOKEN_FILE),
     FRONT_END: lambda: _text(FRONT_END),
 }
 

@@ -51,7 +51,7 @@ LONG_TOKENS = 150
 
 
 def _status(server: Server) -> dict:
-    status, body = http_request(server.url + "/afd/status")
+    status, body = http_request(server.url + "/afd/status", headers=server.admin_headers())
     assert status == 200, body
     return body
 

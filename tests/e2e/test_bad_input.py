@@ -99,6 +99,16 @@ def _cases(qwen3: str, dense: str) -> list[Case]:
             "--afd-ratio (or --afd-join) is required",
         ),
         (
+            "timeout shorter than the poll window",
+            (qwen3, "--afd-ratio", "1:1", "--afd-timeout", "0.01"),
+            "--afd-timeout 0.01: shorter than the poll window",
+        ),
+        (
+            "expert load balancer",
+            (qwen3, "--afd-ratio", "1:1", "--enable-eplb"),
+            "--enable-eplb: not with --afd-ratio",
+        ),
+        (
             "infinite timeout",
             (qwen3, "--afd-ratio", "1:1", "--afd-timeout", "inf"),
             "--afd-timeout (additional_config.afd.timeout): must be a finite number",
@@ -153,6 +163,12 @@ def _cases(qwen3: str, dense: str) -> list[Case]:
             tcp,
             "VLLM_AFD_AUTH_FILE='/nonexistent/afd_secret': cannot use it",
             {"VLLM_AFD_AUTH_FILE": "/nonexistent/afd_secret"},
+        ),
+        (
+            "admin token file",
+            (qwen3, "--afd-ratio", "1:1"),
+            "VLLM_AFD_ADMIN_TOKEN_FILE='/nonexistent/admin_token': [Errno 2]",
+            {"VLLM_AFD_ADMIN_TOKEN_FILE": "/nonexistent/admin_token"},
         ),
     ]
 

@@ -129,7 +129,9 @@ def test_two_front_ends_share_one_ffn_group(tiny_qwen3, tmp_path):
         assert reply["num_ffn_ranks"] == 2 and reply["scale"]["epoch"] == 2, reply
         status, body = servers[1].complete(PROMPTS[0], 24)
         assert status == 200 and body["choices"][0]["token_ids"] == colocated["token_ids"][0]
-        status, live = http_request(servers[1].url + "/afd/status")
+        status, live = http_request(
+            servers[1].url + "/afd/status", headers=servers[1].admin_headers()
+        )
         assert (live["num_ffn_ranks"], live["pool"]) == (2, 2), live
         assert "serves on FFN pool 2 (2 FFN rank(s))" in servers[1].log.read_text()
     finally:

@@ -83,7 +83,8 @@ def test_the_pool_scaled_live_1_2_1_under_streams_gives_colocated_text(
             status, body = server.complete(prompt, MAX_TOKENS)
             assert status == 200, body
             assert body["choices"][0]["token_ids"] == expected, body
-        status, body = http_request(server.url + "/afd/scale", {"num_ffn_ranks": 3})
+        admin = server.admin_headers()
+        status, body = http_request(server.url + "/afd/scale", {"num_ffn_ranks": 3}, headers=admin)
         assert status == 400 and "num_ffn_ranks 3" in body and "[1, 2, 4, 8]" in body, body
 
         def scale_up_and_down() -> list[tuple[int, dict | str, float, float]]:
@@ -91,7 +92,7 @@ def test_the_pool_scaled_live_1_2_1_under_streams_gives_colocated_text(
             for count in (2, 1):
                 began = time.monotonic()
                 status, body = http_request(
-                    server.url + "/afd/scale", {"num_ffn_ranks": count}, timeout=300
+                    server.url + "/afd/scale", {"num_ffn_ranks": count}, 300, admin
                 )
                 answers.append((status, body, began, time.monotonic()))
             return answers
@@ -106,7 +107,7 @@ def test_the_pool_scaled_live_1_2_1_under_streams_gives_colocated_text(
             assert result.status == 200, (i, result.text[-300:])
             assert result.token_ids == streamed["token_ids"][i], i
             assert result.text == streamed["texts"][i], i
-        status, body = http_request(server.url + "/afd/status")
+        status, body = http_request(server.url + "/afd/status", headers=admin)
         assert status == 200 and body["num_ffn_ranks"] == 1 and body["pool"] == 3, body
         assert [(e["from_ranks"], e["to_ranks"]) for e in body["scale_events"]] == [(1, 2), (2, 1)]
         metrics = http_request(server.url + "/metrics")[1]

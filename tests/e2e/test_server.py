@@ -6,7 +6,8 @@ settings (no ``VLLM_AFD_*`` or ``RAY_AUTH_*`` variable), vLLM's drain mode
 (``--shutdown-timeout``) and the AFD readiness route allowlisted (``VLLM_PLUGINS=afd``). The
 tests run in file order on it, each leaving it serving:
 
-1. the one flag gives two data-parallel attention ranks;
+1. the one flag gives two data-parallel attention ranks; admin calls take the admin token the
+   server logged, not a loopback address;
 2. concurrent requests of different lengths return colocated's greedy tokens;
 3. ``/metrics`` carries the AFD series, attention and FFN side agreeing;
 4. every listening socket is on loopback and Ray's are token-authenticated even there;
@@ -89,11 +90,29 @@ def test_one_flag_gives_two_data_parallel_attention_ranks(server):
     assert "AFD on: 2 attention rank(s) : 1 FFN rank(s)" in log
     assert "--afd-transport auto -> shm" in log  # the default, for a CPU host
     # /afd/status (VLLM_PLUGINS=afd): the live group, and why the planner has no ratio here
-    status, body = http_request(server.url + "/afd/status")
+    status, body = http_request(server.url + "/afd/status", headers=server.admin_headers())
     assert status == 200, body
     assert (body["ratio"], body["num_ffn_ranks"], body["transport"]) == ("2:1", 1, "shm")
     assert body["ffn_ranks"][0]["state"] == "up" and body["problems"] == []
     assert "VLLM_AFD_PLAN_HARDWARE" in body["recommendation"]["error"]  # CPU: none given
+
+
+def test_admin_calls_take_the_admin_token_and_nothing_else(server):
+    """No ``--api-key``: from loopback, with no credential, ``POST /afd/scale`` is refused and
+    ``/afd/status`` says only what a readiness probe learns; with the token the server logged,
+    a scale is taken (a bad body is refused naming what is wrong, before anything starts)."""
+    status, body = http_request(server.url + "/afd/scale", {"num_ffn_ranks": 2})
+    assert status == 401 and "admin token" in body, body
+    wrong = {"Authorization": "Bearer " + "0" * 64}
+    assert http_request(server.url + "/afd/scale", {"num_ffn_ranks": 2}, headers=wrong)[0] == 401
+    status, body = http_request(server.url + "/afd/status")
+    assert status == 200 and (body["afd"], body["ready"]) == (True, True), body
+    assert not {"ffn_ranks", "scale_events", "problems"} & set(body), body
+    admin = server.admin_headers()
+    status, body = http_request(server.url + "/afd/scale", {"num_ffn_rank": 2}, headers=admin)
+    assert status == 400 and "unknown field(s) ['num_ffn_rank']" in body, body
+    status, body = http_request(server.url + "/afd/scale", {"num_ffn_ranks": 1}, headers=admin)
+    assert status == 200 and body["scale"] is None, body  # the size it has: nothing to do
 
 
 def test_concurrent_requests_match_colocated(server, colocated):

@@ -351,14 +351,21 @@ def test_the_status_route_shows_the_live_group_and_the_planners_ratio(monkeypatc
 
     app = FastAPI()
     AFDEndpoints().attach_router(app)
+    app.state.afd_admin_tokens = ["admin-token-of-this-deployment"]
     client = TestClient(app)
+    admin = {"Authorization": "Bearer admin-token-of-this-deployment"}
     monkeypatch.delenv("VLLM_AFD_RUNTIME", raising=False)
     assert client.get("/afd/status").json() == {"afd": False}
     spec = dataclasses.replace(_spec(tmp_path, failover_s=60.0), num_attention_ranks=2)
     monkeypatch.setenv("VLLM_AFD_RUNTIME", spec.to_json())
     monkeypatch.setenv(envs.FRONT_END, json.dumps({"recommendation": {"ratio": "2:1"}}))
     _publish(tmp_path, 999999999, state=RECOVERING, reason="FFN rank 0 (pid 9) died", failovers=2)
-    status = client.get("/afd/status").json()
+    for headers in ({}, {"Authorization": "Bearer wrong"}):  # what a readiness probe learns
+        anonymous = client.get("/afd/status", headers=headers).json()
+        assert anonymous.pop("detail").startswith("the full status takes")
+        assert anonymous == {"afd": True, "ready": False}
+    status = client.get("/afd/status", headers=admin).json()
+    assert status["ready"] is False
     assert (status["num_attention_ranks"], status["num_ffn_ranks"], status["ratio"]) == (
         2,
         1,

@@ -132,3 +132,43 @@ def test_private_directories_of_dead_front_ends_are_reaped(tmp_path, monkeypatch
     assert os.path.basename(mine).startswith(f"{PRIVATE_PREFIX}{os.getpid()}_")
     assert reap_private_dirs() == ([str(gone)], [])
     assert not gone.exists() and os.path.isdir(mine) and unrelated.exists()
+
+
+def test_the_admin_token_is_fresh_private_and_exported_or_the_operators_checked(
+    tmp_path, monkeypatch
+):
+    """Without ``VLLM_AFD_ADMIN_TOKEN_FILE`` the front-end writes a fresh token only this user
+    can read and exports its path for its API servers (restored at stop); a file the operator
+    names is checked before anything starts, the variable named."""
+    from vllm_afd.config import AFDConfigError
+    from vllm_afd.placement.credentials import prepare_admin_token, read_admin_token
+
+    monkeypatch.delenv(envs.ADMIN_TOKEN_FILE, raising=False)
+    try:
+        path = prepare_admin_token()
+        assert os.environ[envs.ADMIN_TOKEN_FILE] == path
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert len(read_admin_token(path)) == 64
+    finally:
+        placement.release_credentials()
+    assert envs.ADMIN_TOKEN_FILE not in os.environ and not os.path.exists(path)
+
+    given = tmp_path / "token"
+    for content, mode, problem in (
+        ("x" * 32, 0o644, "no group/other access"),
+        ("short", 0o600, "at least 16 characters, not 5"),
+    ):
+        given.write_text(content)
+        given.chmod(mode)
+        monkeypatch.setenv(envs.ADMIN_TOKEN_FILE, str(given))
+        with pytest.raises(AFDConfigError, match=envs.ADMIN_TOKEN_FILE) as refused:
+            prepare_admin_token()
+        assert problem in str(refused.value), refused.value
+    monkeypatch.setenv(envs.ADMIN_TOKEN_FILE, str(tmp_path / "absent"))
+    with pytest.raises(AFDConfigError, match="No such file"):
+        prepare_admin_token()
+    given.write_text("an operator's token of 32 chars!")
+    given.chmod(0o400)
+    monkeypatch.setenv(envs.ADMIN_TOKEN_FILE, str(given))
+    assert prepare_admin_token() == str(given)
+    assert read_admin_token(str(given)) == "an operator's token of 32 chars!"

@@ -133,6 +133,8 @@ def test_an_idle_rank_switches_to_a_new_pool_and_gets_the_same_answers(pools):
     directory.publish_pool(specs[0].directory, directory.Pool(2, specs[1].to_json()))
     # no step runs: the watcher switches by itself, and says so
     assert _wait(lambda: session.epoch == 2), "the idle rank did not switch"
+    # the switch is written just after the epoch changes (``_Session.switch_pending``)
+    assert _wait(lambda: directory.switches(specs[0].directory, range(1))[0] is not None)
     (switch,) = directory.switches(specs[0].directory, range(1))
     assert switch is not None and switch.epoch == 2 and switch.stall_s > 0
     assert session.endpoint.spec.num_ffn_ranks == 2

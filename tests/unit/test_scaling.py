@@ -138,31 +138,66 @@ def test_stopping_a_pool_after_ray_went_calls_no_actor(group, monkeypatch):
 def _client(keys: list[str], host: str) -> TestClient:
     app = FastAPI()
     app.include_router(routes.router)
-    app.state.afd_api_keys = keys
+    app.state.afd_admin_tokens = keys
     return TestClient(app, client=(host, 50000))
 
 
-def test_scaling_takes_the_servers_api_key(group):
-    client = _client(["s3cret"], "127.0.0.1")
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+def test_scaling_takes_a_bearer_token_the_server_takes(group):
+    """The admin token or the API key, as vLLM's ``/v1`` takes its keys; nothing else."""
+    client = _client(["s3cret-api-key", "admin-token"], "127.0.0.1")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic admin-token"}):
         answer = client.post("/afd/scale", json={"num_ffn_ranks": 3}, headers=headers)
-        assert answer.status_code == 401 and "--api-key" in answer.json()["error"]
-    answer = client.post(
-        "/afd/scale", json={"num_ffn_ranks": 3}, headers={"Authorization": "Bearer s3cret"}
+        assert answer.status_code == 401, answer.text
+        assert "admin token" in answer.json()["error"] and "--api-key" in answer.json()["error"]
+    for token in ("s3cret-api-key", "admin-token"):
+        headers = {"Authorization": f"Bearer {token}"}
+        answer = client.post("/afd/scale", json={"num_ffn_ranks": 3}, headers=headers)
+        assert answer.status_code == 400 and "num_ffn_ranks 3" in answer.json()["error"]
+
+
+def test_loopback_alone_may_not_scale(group):
+    """A client's address proves nothing (a proxy, a sidecar, a port-forward is local)."""
+    for host in ("127.0.0.1", "10.1.2.3"):
+        answer = _client(["admin-token"], host).post("/afd/scale", json={"num_ffn_ranks": 1})
+        assert answer.status_code == 401, answer.text
+    answer = _client([], "127.0.0.1").post("/afd/scale", json={"num_ffn_ranks": 1})
+    assert answer.status_code == 401, answer.text
+    headers = {"Authorization": "Bearer admin-token"}
+    answer = _client(["admin-token"], "10.1.2.3").post(
+        "/afd/scale", json={"num_ffn_ranks": 1}, headers=headers
     )
-    assert answer.status_code == 400 and "num_ffn_ranks 3" in answer.json()["error"]
+    assert answer.status_code == 200 and answer.json()["scale"] is None, answer.text
 
 
-def test_without_an_api_key_only_loopback_may_scale(group):
-    answer = _client([], "10.1.2.3").post("/afd/scale", json={"num_ffn_ranks": 2})
-    assert answer.status_code == 401 and "10.1.2.3" in answer.json()["error"]
-    local = _client([], "127.0.0.1")
-    answer = local.post("/afd/scale", json={"num_ffn_ranks": 1})
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["scale"] is None
-    for body in ({"num_ffn_ranks": 2, "extra": 1}, [2], None):
-        answer = local.post("/afd/scale", json=body)
-        assert answer.status_code == 400 and "num_ffn_ranks" in answer.json()["error"]
+#: Bodies an operator might send by mistake (or an attacker on purpose), and what the answer
+#: must name. Each is refused with 400 before anything starts.
+BAD_BODIES = [
+    (b'{"num_ffn_ranks": 2, "extra": 1}', "unknown field(s) ['extra']"),
+    (b'{"num_ffn_rank": 2}', "unknown field(s) ['num_ffn_rank']"),
+    (b"{}", "num_ffn_ranks is missing"),
+    (b"[2]", "the body is a JSON list"),
+    (b"2", "the body is a JSON int"),
+    (b"null", "the body is a JSON NoneType"),
+    (b"", "the body is not JSON"),
+    (b"num_ffn_ranks=2", "the body is not JSON"),
+    (b'{"num_ffn_ranks": ' + b"9" * 4000 + b"}", "an integer of 4000 digits; one of [1, 2, 4, 8]"),
+    (b'{"num_ffn_ranks": -' + b"9" * 40 + b"}", "an integer of 40 digits"),
+    (b'{"num_ffn_ranks": 2.5}', "must be an integer, one of [1, 2, 4, 8], not 2.5"),
+    (b'{"num_ffn_ranks": "2"}', "must be an integer"),
+    (b'{"num_ffn_ranks": 1e400}', "must be an integer"),
+    (b'{"num_ffn_ranks": 3}', "num_ffn_ranks 3: "),
+    (b"[" * 2000 + b"]" * 2000, "the body nests too deep"),
+    (b'{"a": ' * 3000 + b"1" + b"}" * 3000, "the body has 21001 bytes, at most 4096"),
+    (b'{"num_ffn_ranks": ' + b" " * 5000 + b"2}", "at most 4096"),
+]
+
+
+@pytest.mark.parametrize(("body", "named"), BAD_BODIES, ids=range(len(BAD_BODIES)))
+def test_a_bad_scale_body_is_answered_400_naming_what_is_wrong(group, body, named):
+    headers = {"Authorization": "Bearer admin-token", "Content-Type": "application/json"}
+    answer = _client(["admin-token"], "127.0.0.1").post("/afd/scale", content=body, headers=headers)
+    assert answer.status_code == 400, answer.text
+    assert named in answer.json()["error"], answer.json()["error"]
 
 
 def _group_file(tmp_path, **fields) -> str:
@@ -274,3 +309,30 @@ def test_a_shared_groups_scale_waits_for_the_ranks_front_ends_hold(tmp_path, mon
     directory.publish_switch(spec.directory, directory.Switch(3, 2, 0.001))
     switched = scaling._wait_for_switches(spec, 2, 0.2)
     assert switched is not None and [s.rank for s in switched] == [1, 3]
+
+
+def test_a_scale_under_way_shows_in_the_status_until_it_ends(group, monkeypatch):
+    """A scale whose client gave up runs on: ``/afd/status`` shows it while it runs."""
+    import threading
+
+    from vllm_afd.placement import scaling
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow_scale(old, count, switch_timeout_s):
+        started.set()
+        release.wait(10)
+        raise scaling.ScaleError(503, "the new pool did not start")
+
+    monkeypatch.setattr(scaling, "_scale", slow_scale)
+    worker = threading.Thread(target=scaling.answer, args=(b'{"num_ffn_ranks": 2}',))
+    worker.start()
+    try:
+        assert started.wait(10)
+        under_way = scaling.in_progress()
+        assert under_way is not None
+        assert (under_way["from_ranks"], under_way["to_ranks"]) == (1, 2)
+    finally:
+        release.set()
+        worker.join(10)
+    assert scaling.in_progress() is None

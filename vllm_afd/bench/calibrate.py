@@ -47,6 +47,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import signal
 import sys
 import tempfile
@@ -473,8 +474,14 @@ class EngineSweep:
         self.group.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
+        """Stop the engine; its log directory goes unless the sweep failed (then its logs
+        say why, and the error names the directory)."""
         self.group.close()
+        if kind is None:
+            shutil.rmtree(self.group.log_dir, ignore_errors=True)
+        else:
+            print(f"vllm-afd profile: the engine's logs: {self.group.log_dir}", file=sys.stderr)
 
     def run_pass(self, between: Callable[[], None] = lambda: None) -> None:
         """Decode every point once, calling ``between`` after each decode."""

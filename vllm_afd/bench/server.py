@@ -38,12 +38,16 @@ class Streamed:
 
 
 def http_request(
-    url: str, body: dict | None = None, timeout: float = 60.0
+    url: str,
+    body: dict | None = None,
+    timeout: float = 60.0,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, dict | str]:
     """GET (``body`` None) or POST JSON: ``(status, JSON object or text)``, HTTP errors
     included; ``OSError`` when nothing answered."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    request = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             text = response.read().decode()
@@ -151,6 +155,14 @@ class ServeProcess:
         """The pid of FFN rank ``rank``'s latest process (a replacement's after a failover)."""
         found = re.findall(rf"AFD: FFN rank {rank} up: pid (\d+)", self.tail(10**9))
         return int(found[-1]) if found else None
+
+    def admin_headers(self) -> dict[str, str]:
+        """The bearer token of the server's admin routes (``POST /afd/scale``, the full
+        ``/afd/status``), read from the file its log names, as an operator reads it."""
+        found = re.findall(r"take the bearer token in (\S+) \(readable", self.tail(10**9))
+        if not found:
+            raise RuntimeError(f"the server logged no admin token file:\n{self.tail()}")
+        return {"Authorization": f"Bearer {Path(found[-1]).read_text().strip()}"}
 
     def _body(self, prompt: str, max_tokens: int, stream: bool) -> dict:
         return {

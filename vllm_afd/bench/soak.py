@@ -504,7 +504,10 @@ def _scale_under_load(
         scale = Scale(at=time.monotonic() - t0, to_ranks=count)
         try:
             status, body = http_request(
-                server.url + "/afd/scale", {"num_ffn_ranks": count}, timeout=600
+                server.url + "/afd/scale",
+                {"num_ffn_ranks": count},
+                timeout=600,
+                headers=server.admin_headers(),
             )
         except OSError as exc:
             status, body = 0, repr(exc)

@@ -20,10 +20,18 @@ Security. Ray runs code for whoever can talk to it, so its token authentication 
   looks like a credential, and the tcp transport's secret travels as a file path
   (``VLLM_AFD_AUTH_FILE``, ``transport/auth.py``), never as a value.
 
-The private directory (``host.private_dir``, mode 0700) holds the Ray token and the tcp secret
-of one deployment, its FFN directory and, for ``vllm-afd ffn-server``, the group file and the
-attention-rank leases; it is removed when the FFN group stops, and the next start removes the
-directories of front-ends that died without doing so (``reap_dead_deployments``).
+- The admin routes of the API server (``POST /afd/scale``, the full ``/afd/status``:
+  ``routes.py``) take a bearer token, also when the server has no ``--api-key``: the
+  deployment's admin token (``prepare_admin_token``), which only the user who runs the server
+  can read (a 0600 file whose path the front-end logs, or the operator's own file named by
+  ``VLLM_AFD_ADMIN_TOKEN_FILE``). A client's address proves nothing: a sidecar, a proxy or a
+  port-forward makes a remote caller local.
+
+The private directory (``host.private_dir``, mode 0700) holds the Ray token, the tcp secret
+and the admin token of one deployment, its FFN directory and, for ``vllm-afd ffn-server``, the
+group file and the attention-rank leases; it is removed when the FFN group stops, and the next
+start removes the directories of front-ends that died without doing so
+(``reap_dead_deployments``).
 """
 
 from __future__ import annotations
@@ -34,9 +42,10 @@ import sys
 from collections.abc import Mapping
 
 from vllm_afd import envs
-from vllm_afd.config import AFDConfig
+from vllm_afd.config import AFDConfig, AFDConfigError
 from vllm_afd.host import (
     private_dir,
+    read_private_file,
     remove_private_dir,
     write_private_file,
 )
@@ -148,6 +157,41 @@ def prepare_transport_secret(afd: AFDConfig) -> None:
 
     path = write_private_file(os.path.join(private_directory(), "tcp_secret"), new_secret())
     set_env(envs.AUTH_FILE, path)
+
+
+#: The shortest admin token taken from a file the operator gives (``VLLM_AFD_ADMIN_TOKEN_FILE``).
+MIN_ADMIN_TOKEN_CHARS = 16
+
+
+def prepare_admin_token() -> str:
+    """The deployment's admin token file (``VLLM_AFD_ADMIN_TOKEN_FILE``), for the admin routes
+    of its API servers (``routes.py``): the operator's, checked now (``AFDConfigError`` naming
+    the variable), or a fresh one in the private directory, its path exported to the processes
+    started from here on. Only this user can read either."""
+    given = envs.VLLM_AFD_ADMIN_TOKEN_FILE
+    if given:
+        read_admin_token(given)
+        return given
+    token = os.urandom(32).hex().encode()
+    path = write_private_file(os.path.join(private_directory(), "admin_token"), token)
+    set_env(envs.ADMIN_TOKEN_FILE, path)
+    return path
+
+
+def read_admin_token(path: str) -> str:
+    """The token in ``path``, or ``AFDConfigError`` naming ``VLLM_AFD_ADMIN_TOKEN_FILE``."""
+    where = f"{envs.ADMIN_TOKEN_FILE}={path!r}"
+    try:
+        token = read_private_file(path).decode().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AFDConfigError(
+            f"{where}: {exc}; give this user's own file, mode 0600 or 0400"
+        ) from None
+    if len(token) < MIN_ADMIN_TOKEN_CHARS:
+        raise AFDConfigError(
+            f"{where}: at least {MIN_ADMIN_TOKEN_CHARS} characters, not {len(token)}"
+        )
+    return token
 
 
 def _refresh_ray_auth() -> None:

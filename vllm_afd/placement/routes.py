@@ -8,7 +8,9 @@ failovers, what keeps it from serving, the planner's recommended ratio for this
 deployment's batch cap and context (or why there is none: on the CPU build the planner needs
 ``VLLM_AFD_PLAN_HARDWARE``), and as ``live`` the planner in the loop's latest advice
 (``autoscale.py``: the measured window, the prediction per FFN rank count, the decision and
-why; ``null`` before the first window).
+why; ``null`` before the first window). Without a credential (below) it answers only what a
+readiness probe learns: ``{"afd": true, "ready": ...}``; host names, pids and the scale
+history are for the operator.
 
 ``GET /afd/ready`` is readiness: 200 ``{"ready": true}`` while the engine is alive and every
 FFN rank serves; 503 ``{"ready": false, "problems": [...]}`` while one does not, a rank being
@@ -18,11 +20,14 @@ heals (``health.py``). Unauthenticated, as ``/health`` is: they read state and c
 
 ``POST /afd/scale`` with ``{"num_ffn_ranks": N}`` changes the FFN pool's size live
 (``scaling.py``) and answers 200 with the scale once every attention rank serves on the new
-pool; 400 for a count the model's experts cannot split into, 409 when this deployment cannot
-scale (another scale runs, a joined group, a collective backend), 503/504 when it did not
-complete. It changes state, so it is guarded more than vLLM guards its own admin routes: with
-``--api-key`` (or ``VLLM_API_KEY``) it takes that bearer token; without, only a client on
-loopback.
+pool; 400 for a body or count it refuses (the field named, and what is allowed), 409 when this
+deployment cannot scale (another scale runs, a joined group, a backend without live scaling),
+503/504 when it did not complete. Admin calls take a bearer token, with or without
+``--api-key``, as vLLM's ``/v1`` takes its keys: the deployment's admin token, which only the
+user who runs the server can read (``credentials.prepare_admin_token``), or the server's API
+key; never a client's address alone (a sidecar, a proxy or a port-forward makes a remote
+caller local). vLLM's own admin routes have no such guard without ``--api-key``; changing the
+FFN pool is worth one.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from fastapi.responses import JSONResponse
 
 from vllm_afd import envs
 from vllm_afd.placement.health import ffn_group_problems
+from vllm_afd.placement.scaling import answer, in_progress
 from vllm_afd.transport import TransportSpec, directory
 
 router = APIRouter()
@@ -64,6 +70,9 @@ async def status(request: Request) -> JSONResponse:
     runtime = envs.VLLM_AFD_RUNTIME
     if not runtime:
         return JSONResponse({"afd": False})
+    problems = [p.text for p in ffn_group_problems()]
+    if _admin_problem(request) is not None:  # what a readiness probe sees, no more
+        return JSONResponse({"afd": True, "ready": not problems, "detail": _FULL_STATUS})
     spec = TransportSpec.from_json(directory.live_runtime(runtime))
     pool = directory.read_pool(spec.directory) if spec.directory else None
     entries = (
@@ -74,17 +83,19 @@ async def status(request: Request) -> JSONResponse:
     return JSONResponse(
         {
             "afd": True,
+            "ready": not problems,
             "transport": spec.backend,
             "num_attention_ranks": spec.num_attention_ranks,
             "num_ffn_ranks": spec.num_ffn_ranks,
             "ratio": spec.ratio,
             "pool": pool.epoch if pool else 1,
             "scale_events": list(pool.events) if pool else [],
+            "scaling": in_progress(),
             "ffn_ranks": [
                 {"rank": r, "state": "unknown"} if e is None else _rank(e)
                 for r, e in enumerate(entries)
             ],
-            "problems": [p.text for p in ffn_group_problems()],
+            "problems": problems,
             "recommendation": json.loads(envs.VLLM_AFD_FRONT_END or "{}").get("recommendation"),
             "live": directory.read_advice(spec.directory),
         }
@@ -96,29 +107,29 @@ async def scale(request: Request) -> JSONResponse:
     refused = _admin_problem(request)
     if refused is not None:
         return JSONResponse({"error": refused}, status_code=401)
-    try:
-        body = await request.json()
-    except ValueError:
-        body = None
-    from vllm_afd.placement.scaling import answer
-
+    body = await request.body()
     status, content = await asyncio.to_thread(answer, body)
     return JSONResponse(content, status_code=status)
 
 
-def _admin_problem(request: Request) -> str | None:
-    """Why ``request`` may not change the deployment (``None``: it may)."""
-    tokens = getattr(request.app.state, "afd_api_keys", [])
-    if tokens:
-        # vLLM's own check of its bearer tokens (the middleware that guards /v1)
-        from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+_CREDENTIAL = (
+    "the deployment's admin token (the file the server logs at start, "
+    "VLLM_AFD_ADMIN_TOKEN_FILE) or the server's --api-key, as a bearer token"
+)
+_FULL_STATUS = f"the full status takes {_CREDENTIAL}"
 
-        ok = AuthenticationMiddleware(None, tokens).verify_token(request.headers)
-        return None if ok else "Unauthorized: give the server's --api-key as a bearer token"
-    client = request.client.host if request.client else ""
-    if client in ("127.0.0.1", "::1", "localhost"):
+
+def _admin_problem(request: Request) -> str | None:
+    """Why ``request`` may not change or inspect the deployment (``None``: it may): it must
+    carry a bearer token the server takes (vLLM's own check, the one that guards ``/v1``).
+    Where it comes from proves nothing (a proxy or a port-forward makes a remote caller
+    local)."""
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    tokens = getattr(request.app.state, "afd_admin_tokens", [])
+    if tokens and AuthenticationMiddleware(None, tokens).verify_token(request.headers):
         return None
-    return f"Unauthorized: without --api-key only loopback may scale the FFN pool, not {client}"
+    return f"Unauthorized: give {_CREDENTIAL}"
 
 
 def _rank(entry: directory.RankEntry) -> dict[str, Any]:
@@ -136,10 +147,16 @@ class AFDEndpoints:
         app.include_router(router)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
-        """The server's API keys (``POST /afd/scale`` takes them, as vLLM's ``/v1`` does:
-        ``--api-key`` before ``VLLM_API_KEY``); the rest is read from the FFN directory and
-        the front-end's facts."""
+        """The bearer tokens the admin routes take: the deployment's admin token
+        (``credentials.prepare_admin_token``) and the server's API keys (as vLLM's ``/v1``
+        takes them: ``--api-key`` before ``VLLM_API_KEY``); the rest is read from the FFN
+        directory and the front-end's facts."""
         from vllm import envs as vllm_envs
 
+        from vllm_afd.placement.credentials import read_admin_token
+
         keys = getattr(args, "api_key", None) or [vllm_envs.VLLM_API_KEY]
-        state.afd_api_keys = [k for k in keys if k]
+        admin = envs.VLLM_AFD_ADMIN_TOKEN_FILE
+        state.afd_admin_tokens = [k for k in keys if k] + (
+            [read_admin_token(admin)] if admin else []
+        )

@@ -83,6 +83,14 @@ class ScaleEvent:
 
 
 _SCALING = threading.Lock()
+#: The scale under way (``in_progress``), held with ``_SCALING``.
+_UNDER_WAY: dict[str, Any] | None = None
+
+
+def in_progress() -> dict[str, Any] | None:
+    """The scale under way (``from_ranks``, ``to_ranks``, ``since``: its request's unix time),
+    or ``None``: ``/afd/status`` shows it, so a scale whose client gave up is still seen."""
+    return _UNDER_WAY
 
 
 def check_count(group: FFNGroup, num_ffn_ranks: object) -> int:
@@ -90,8 +98,14 @@ def check_count(group: FFNGroup, num_ffn_ranks: object) -> int:
     (400) naming the field and what is allowed."""
     experts = group.spec.num_experts
     allowed = [n for n in range(1, experts + 1) if experts % n == 0]
+    if isinstance(num_ffn_ranks, _LongInteger):
+        raise ScaleError(
+            400, f"num_ffn_ranks: an integer of {num_ffn_ranks.digits} digits; one of {allowed}"
+        )
     if isinstance(num_ffn_ranks, bool) or not isinstance(num_ffn_ranks, int):
-        raise ScaleError(400, f"num_ffn_ranks must be an integer, one of {allowed}")
+        raise ScaleError(
+            400, f"num_ffn_ranks must be an integer, one of {allowed}, not {num_ffn_ranks!r:.40}"
+        )
     try:
         if num_ffn_ranks < 1:
             raise AFDConfigError(f"{num_ffn_ranks} FFN ranks")
@@ -117,6 +131,7 @@ def scale_ffn_group(
         ScaleError: refused (400, 409) or not completed (503, 504: the message says what
             still runs).
     """
+    global _UNDER_WAY
     if not _SCALING.acquire(blocking=False):
         raise ScaleError(409, "another scale of the FFN pool is in progress")
     try:
@@ -138,8 +153,10 @@ def scale_ffn_group(
         count = check_count(old, num_ffn_ranks)
         if count == old.spec.num_ffn_ranks:
             return None
+        _UNDER_WAY = {"from_ranks": spec.num_ffn_ranks, "to_ranks": count, "since": time.time()}
         return _scale(old, count, switch_timeout_s)
     finally:
+        _UNDER_WAY = None
         _SCALING.release()
 
 
@@ -232,13 +249,54 @@ def _drain_later(old: FFNGroup, epoch: int) -> None:
             return
 
 
-def answer(body: object) -> tuple[int, dict[str, Any]]:
-    """Carry out one scale request ``body`` (JSON ``{"num_ffn_ranks": N}``, from ``POST
-    /afd/scale`` or ``vllm-afd scale``): (HTTP status, the JSON answer)."""
-    if not isinstance(body, dict) or set(body) != {"num_ffn_ranks"}:
-        return 400, {"error": 'the body must be JSON {"num_ffn_ranks": N}'}
+#: The most bytes a scale request may have (``{"num_ffn_ranks": N}`` is 20).
+REQUEST_MAX_BYTES = 4096
+#: The most digits of an integer in a scale request (Python refuses past 4,300).
+_MAX_DIGITS = 18
+_SHAPE = 'the body is the JSON object {"num_ffn_ranks": N}'
+
+
+@dataclass(frozen=True)
+class _LongInteger:
+    """An integer of ``digits`` digits, too long to be a count (``parse_body``)."""
+
+    digits: int
+
+
+def parse_body(raw: bytes) -> object:
+    """The FFN rank count a scale request ``raw`` asks for (checked by ``check_count``), or
+    ``ScaleError`` (400) saying what is wrong with the body: its size, its JSON, its shape, a
+    field that is not ``num_ffn_ranks`` (named), an integer too long to parse."""
+    if len(raw) > REQUEST_MAX_BYTES:
+        raise ScaleError(
+            400, f"the body has {len(raw)} bytes, at most {REQUEST_MAX_BYTES}; {_SHAPE}"
+        )
+
+    def integer(text: str) -> int | _LongInteger:
+        digits = len(text.lstrip("-"))
+        return int(text) if digits <= _MAX_DIGITS else _LongInteger(digits)
+
     try:
-        event = scale_ffn_group(body["num_ffn_ranks"])
+        body = json.loads(raw, parse_int=integer)
+    except RecursionError:
+        raise ScaleError(400, f"the body nests too deep; {_SHAPE}") from None
+    except ValueError as exc:
+        raise ScaleError(400, f"the body is not JSON ({exc}); {_SHAPE}") from None
+    if not isinstance(body, dict):
+        raise ScaleError(400, f"the body is a JSON {type(body).__name__}; {_SHAPE}")
+    unknown = sorted(set(body) - {"num_ffn_ranks"})
+    if unknown:
+        raise ScaleError(400, f"unknown field(s) {unknown}; {_SHAPE}")
+    if "num_ffn_ranks" not in body:
+        raise ScaleError(400, f"num_ffn_ranks is missing; {_SHAPE}")
+    return body["num_ffn_ranks"]
+
+
+def answer(raw: bytes) -> tuple[int, dict[str, Any]]:
+    """Carry out one scale request ``raw`` (JSON ``{"num_ffn_ranks": N}``, from ``POST
+    /afd/scale`` or ``vllm-afd scale``): (HTTP status, the JSON answer)."""
+    try:
+        event = scale_ffn_group(parse_body(raw))
     except ScaleError as exc:
         return exc.status, {"error": str(exc)}
     group = lifecycle.current_group()  # the process that scaled holds the group
@@ -253,7 +311,6 @@ def answer(body: object) -> tuple[int, dict[str, Any]]:
 #: How often ``vllm-afd ffn-server`` looks for a scale request (``answer_scale_requests``).
 REQUEST_POLL_S = 0.2
 _REQUEST, _ANSWER = ".request", ".answer"
-_REQUEST_MAX_BYTES = 4096
 
 
 def answer_scale_requests(requests_dir: str) -> int:
@@ -271,13 +328,13 @@ def answer_scale_requests(requests_dir: str) -> int:
                 pass
     for _, path in sorted(waiting):
         try:
-            body: object = json.loads(read_private_file(path, _REQUEST_MAX_BYTES))
-        except (OSError, ValueError):
-            body = None  # not a request of this user: refused as any bad body
+            raw = read_private_file(path, REQUEST_MAX_BYTES)
+        except OSError:
+            raw = b""  # not a request of this user: refused as any bad body
         finally:
             os.unlink(path)
         try:
-            status, content = answer(body)
+            status, content = answer(raw)
         except Exception as exc:  # noqa: BLE001 - the group serves on; the asker is told
             logger.exception("AFD: a scale request failed")
             status, content = 500, {"error": f"the scale failed: {exc}"}

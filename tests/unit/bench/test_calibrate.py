@@ -4,6 +4,7 @@ writes are read back by the planner (profile, CPU section, hardware)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import pytest
@@ -228,3 +229,32 @@ def test_parser_defaults_and_bad_lists():
     for bad in ("-1", "soon", "nan"):
         with pytest.raises(argparse.ArgumentTypeError, match="milliseconds >= 0"):
             profiler._milliseconds(bad)
+
+
+class _Group:
+    """What ``EngineSweep`` does with its ``ChildGroup`` when it ends."""
+
+    def __init__(self, log_dir) -> None:
+        self.log_dir, self.closed = log_dir, False
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_profile_leaves_its_engine_logs_only_when_it_failed(tmp_path, fails, capsys):
+    """``vllm-afd profile`` leaves nothing in the temporary directory; a failed sweep keeps
+    its engine's logs and names them."""
+    logs = tmp_path / "vllm_afd_profile_x"
+    logs.mkdir()
+    (logs / "profile-colocated.rank0.log").write_text("engine output")
+    sweep = object.__new__(profiler.EngineSweep)
+    sweep.group = _Group(logs)
+    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext(), sweep:
+        if fails:
+            raise RuntimeError("the engine died")
+    assert sweep.group.closed and logs.exists() == fails
+    assert (str(logs) in capsys.readouterr().err) == fails
