@@ -137,3 +137,20 @@ def test_the_start_says_what_it_reclaimed_in_one_line(tmpdir_env, caplog, monkey
     lines = [r.getMessage() for r in caplog.records if "reclaimed" in r.getMessage()]
     assert len(lines) == 1 and "2 file(s) in /dev/shm" in lines[0], lines
     assert "1 private directory" in lines[0]
+
+
+def test_one_ledger_per_front_end_whether_it_started_or_joined_its_group(tmp_path):
+    """``keep_ledger`` (a start and a join both call it) keeps one ledger; ``drop_ledger``
+    (the stop) ends it."""
+    from vllm_afd.placement import health
+
+    health.keep_ledger(str(tmp_path))
+    try:
+        first = health._LEDGER
+        health.keep_ledger(str(tmp_path / "other"))
+        assert health._LEDGER is first and first.path == str(tmp_path / LEDGER)
+        assert first._thread.is_alive()
+    finally:
+        health.drop_ledger()
+    assert health._LEDGER is None and not first._thread.is_alive()
+    health.drop_ledger()  # idempotent

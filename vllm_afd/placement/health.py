@@ -137,6 +137,30 @@ class SegmentLedger:
                 logger.debug("AFD: segment ledger", exc_info=True)
 
 
+#: This front-end's ledger (``keep_ledger``), one per process, whether it started its FFN group
+#: or joined one.
+_LEDGER: SegmentLedger | None = None
+_LEDGER_LOCK = threading.Lock()
+
+
+def keep_ledger(directory: str) -> None:
+    """Keep this front-end's ``SegmentLedger`` in its private ``directory`` (idempotent) until
+    ``drop_ledger``."""
+    global _LEDGER
+    with _LEDGER_LOCK:
+        if _LEDGER is None:
+            _LEDGER = SegmentLedger(directory)
+
+
+def drop_ledger() -> None:
+    """Stop this front-end's ledger (its file goes with the private directory)."""
+    global _LEDGER
+    with _LEDGER_LOCK:
+        ledger, _LEDGER = _LEDGER, None
+    if ledger is not None:
+        ledger.stop()
+
+
 def rank_problem(entry: RankEntry, timeout_s: float) -> tuple[str | None, float]:
     """Why the process of ``entry`` (an ``up`` FFN rank) cannot serve, or ``None``; and the
     count of requests that failed on it. Only ranks on this host are checked (pid, stats

@@ -37,7 +37,7 @@ from vllm_afd.placement.credentials import (
     release_credentials,
 )
 from vllm_afd.placement.failover import Supervisor
-from vllm_afd.placement.health import SegmentLedger, reap_dead_deployments
+from vllm_afd.placement.health import drop_ledger, keep_ledger, reap_dead_deployments
 from vllm_afd.transport import Feature, TransportSpec, backend, directory
 from vllm_afd.transport.directory import RankEntry
 
@@ -49,8 +49,6 @@ logger = logging.getLogger("vllm.afd")
 _LOCK = threading.RLock()
 _GROUP: FFNGroup | None = None
 _GROUP_KEY: str | None = None
-#: The deployment's record of vLLM's multiprocessing segments (``health.SegmentLedger``).
-_LEDGER: SegmentLedger | None = None
 #: Pools a live scale replaced (``scaling.py``), from their replacement's adoption until the
 #: scale stops them (``stop_replaced``); a stop meanwhile stops them with the group.
 DRAINING: list[FFNGroup] = []
@@ -63,7 +61,7 @@ def start_ffn_group(request: GroupRequest) -> FFNGroup:
     afd, model, model_dir, device = request.afd, request.model, request.model_dir, request.device
     num_attention_ranks, max_tokens = request.num_attention_ranks, request.max_tokens
     dtype = request.dtype
-    global _GROUP, _GROUP_KEY, _LEDGER
+    global _GROUP, _GROUP_KEY
     num_ffn = afd.num_ffn_ranks(num_attention_ranks)
     model.check_ffn_ranks(num_ffn)
     spec = TransportSpec(
@@ -101,7 +99,7 @@ def start_ffn_group(request: GroupRequest) -> FFNGroup:
         _GROUP.request = request
         _GROUP_KEY = key
         supervise(_GROUP)
-        _LEDGER = SegmentLedger(private_directory())
+        keep_ledger(private_directory())
         # The hand-off to every process started from here on (engine cores, workers).
         os.environ[envs.RUNTIME] = _GROUP.spec.to_json()
         return _GROUP
@@ -203,14 +201,12 @@ def stop_replaced(pool: FFNGroup) -> None:
 
 def stop_ffn_group() -> None:
     """Stop this process's FFN group (and the local Ray it started). Idempotent."""
-    global _GROUP, _GROUP_KEY, _LEDGER
+    global _GROUP, _GROUP_KEY
     with _LOCK:  # a live scale adopts its new pool before this, or not at all
         group, _GROUP, _GROUP_KEY = _GROUP, None, None
         replaced, DRAINING[:] = list(DRAINING), []
-        ledger, _LEDGER = _LEDGER, None
         os.environ.pop(envs.RUNTIME, None)
-    if ledger is not None:
-        ledger.stop()
+    drop_ledger()
     shared.leave_group()  # a front-end that joined a group leaves it running
     if group is None:
         release_credentials()

@@ -24,6 +24,7 @@ from vllm_afd.host import (
 )
 from vllm_afd.placement.cluster import FFNGroup, GroupRequest
 from vllm_afd.placement.credentials import private_directory, set_env
+from vllm_afd.placement.health import keep_ledger, reap_dead_deployments
 from vllm_afd.transport import TransportSpec, backend, directory
 
 logger = logging.getLogger("vllm.afd")
@@ -171,6 +172,7 @@ def join_ffn_group(request: GroupRequest) -> TransportSpec:
             f"{where}: --afd-microbatches {afd.microbatches} is more than the FFN group's "
             f"{spec.num_slots} slots per attention rank"
         )
+    reap_dead_deployments()  # as a start does: what killed front-ends left on this host
     leases = str(content["leases"])
     first = _claim_ranks(leases, num_attention_ranks, spec.num_attention_ranks, where)
     _LEASES = (leases, list(range(first, first + num_attention_ranks)))
@@ -179,6 +181,7 @@ def join_ffn_group(request: GroupRequest) -> TransportSpec:
         set_env(envs.AUTH_FILE, str(content["auth_file"]))
     spec = dataclasses.replace(spec, attention_rank_offset=first)
     os.environ[envs.RUNTIME] = spec.to_json()
+    keep_ledger(private_directory())  # vLLM's segments of this front-end, as a starter's
     logger.info(
         "AFD: joined the FFN group of %s as attention ranks %d..%d of %d (%d FFN rank(s), %s)",
         afd.join,
