@@ -150,7 +150,9 @@ def setup_afd(vllm_config) -> None:
 
         plan_hardware(_attention_device() == "cpu", "--afd-autoscale")
     check_devices(afd, ranks, _attention_device())
-    check_admin_token_file()
+    from vllm_afd.placement.credentials import check_admin_token_file
+
+    check_admin_token_file()  # the operator's, if given: before anything starts
     log_kv_transfer_requirements(vllm_config)
     from vllm_afd.placement import start_ffn_group
 
@@ -196,6 +198,7 @@ def _resolve_transport(afd: AFDConfig) -> AFDConfig:
 def _join(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config) -> None:
     """``--afd-join``: this front-end's attention ranks join a running FFN group."""
     from vllm_afd.placement import join_ffn_group
+    from vllm_afd.placement.credentials import check_admin_token_file
 
     check_this_host(afd)
     check_admin_token_file()
@@ -208,15 +211,6 @@ def _join(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config) -> None
         spec.num_ffn_ranks,
         spec.backend,
     )
-
-
-def check_admin_token_file() -> None:
-    """The operator's ``VLLM_AFD_ADMIN_TOKEN_FILE``, if set, is usable (before anything starts;
-    ``AFDConfigError`` naming it)."""
-    from vllm_afd.placement.credentials import read_admin_token
-
-    if envs.VLLM_AFD_ADMIN_TOKEN_FILE:
-        read_admin_token(envs.VLLM_AFD_ADMIN_TOKEN_FILE)
 
 
 def _export_front_end(

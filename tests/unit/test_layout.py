@@ -85,6 +85,30 @@ def test_no_import_circle():
     assert _cycles(graph) == []
 
 
+#: The attention side and the concrete backends: the FFN side reaches them only through the
+#: ``FFNTransport`` contract (``transport.base``) and the registry (``transport``).
+NOT_FOR_THE_FFN_SIDE = {
+    "vllm_afd.remote_experts",
+    "vllm_afd.transport.endpoint",
+    "vllm_afd.transport.reference",
+    "vllm_afd.transport.slot_plane",
+    "vllm_afd.transport.slot_plane_cuda",
+    "vllm_afd.transport.slots",
+    "vllm_afd.transport.tcp",
+}
+
+
+def test_the_ffn_side_imports_no_attention_side_and_no_concrete_backend():
+    modules = _modules()
+    assert NOT_FOR_THE_FFN_SIDE <= set(modules)  # each name is a module that exists
+    ties = {
+        name: sorted(_imports(name, path, modules) & NOT_FOR_THE_FFN_SIDE)
+        for name, path in modules.items()
+        if name == "vllm_afd.ffn" or name.startswith("vllm_afd.ffn.")
+    }
+    assert {name: found for name, found in ties.items() if found} == {}
+
+
 def test_the_cycle_finder_finds_cycles():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

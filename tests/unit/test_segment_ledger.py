@@ -125,7 +125,7 @@ def test_the_start_says_what_it_reclaimed_in_one_line(tmpdir_env, caplog, monkey
     from vllm_afd.placement import health
 
     # the host's own dead segments of ours (header-checked reapers) are not this test's
-    monkeypatch.setattr(health, "reap_dead_segments", lambda log: ["vllm_afd_plane_x"])
+    monkeypatch.setattr(health, "reap_dead_segments", lambda: ["vllm_afd_plane_x"])
     dead = tmpdir_env / f"{PRIVATE_PREFIX}{_dead_pid()}_abc"
     dead.mkdir(mode=0o700)
     name = _segment(f"psm_{os.urandom(4).hex()}")

@@ -187,14 +187,23 @@ def _check_layers(spec: TransportSpec, rank: int, layers: dict) -> None:
 
 
 def _check_split_on_attention_ranks(model_dir: str, layers: dict) -> None:
-    """ValueError unless the attention ranks will hand these layers to the FFN group: they get
-    ``AFDRoutedExperts`` only where the model builds vLLM's ``RoutedExperts`` itself (the
-    plugin's out-of-tree swap); a model class with its own subclass of it would start, give
-    colocated tokens and never send a token here (gpt-oss, dbrx)."""
-    from vllm_afd.remote_experts import AFDRoutedExperts
+    """ValueError unless the attention ranks will hand these layers to the FFN group: vLLM
+    builds the plugin's out-of-tree ``RoutedExperts`` (registered in its ``op_registry_oot``
+    by patch P5) only where the model builds vLLM's ``RoutedExperts`` itself; a model class
+    with its own subclass of it would start, give colocated tokens and never send a token here
+    (gpt-oss, dbrx). Asked of vLLM's registry, so that the FFN side imports nothing of the
+    attention side."""
+    from vllm.model_executor.custom_op import op_registry_oot
 
-    kept = sorted({type(layer).__name__ for layer in layers.values()} - {"AFDRoutedExperts"})
-    if not all(isinstance(layer, AFDRoutedExperts) for layer in layers.values()):
+    swapped = op_registry_oot.get("RoutedExperts")
+    kept = sorted(
+        {
+            type(layer).__name__
+            for layer in layers.values()
+            if swapped is None or not isinstance(layer, swapped)
+        }
+    )
+    if kept:
         raise ValueError(
             f"--afd-ratio: {model_dir}: this model's MoE layers are vLLM's {', '.join(kept)} (a "
             "subclass of RoutedExperts the plugin does not replace), so its attention ranks "

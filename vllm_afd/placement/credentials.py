@@ -168,14 +168,22 @@ def prepare_admin_token() -> str:
     of its API servers (``routes.py``): the operator's, checked now (``AFDConfigError`` naming
     the variable), or a fresh one in the private directory, its path exported to the processes
     started from here on. Only this user can read either."""
-    given = envs.VLLM_AFD_ADMIN_TOKEN_FILE
+    given = check_admin_token_file()
     if given:
-        read_admin_token(given)
         return given
     token = os.urandom(32).hex().encode()
     path = write_private_file(os.path.join(private_directory(), "admin_token"), token)
     set_env(envs.ADMIN_TOKEN_FILE, path)
     return path
+
+
+def check_admin_token_file() -> str | None:
+    """The operator's ``VLLM_AFD_ADMIN_TOKEN_FILE``, checked (``AFDConfigError`` naming it), or
+    ``None`` when unset: the front-end checks it before anything starts."""
+    given = envs.VLLM_AFD_ADMIN_TOKEN_FILE
+    if given:
+        read_admin_token(given)
+    return given
 
 
 def read_admin_token(path: str) -> str:

@@ -242,4 +242,6 @@ class Supervisor:
         deadline = time.monotonic() + 5.0
         while pid_alive(entry.pid) and time.monotonic() < deadline:
             time.sleep(0.02)
-        reap_dead_segments()
+        reaped = reap_dead_segments()
+        if reaped:
+            logger.info("AFD: removed %d segment(s) of dead processes from /dev/shm", len(reaped))

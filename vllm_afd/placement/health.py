@@ -46,18 +46,14 @@ FROZEN_TIMEOUT_S = 10.0
 LEDGER_INTERVAL_S = 2.0
 
 
-def reap_dead_segments(log: bool = True) -> list[str]:
+def reap_dead_segments() -> list[str]:
     """Unlink this user's ``/dev/shm`` segments (transport and metrics) whose creator died
-    (SIGKILLed FFN or attention ranks of earlier runs); returns their names (logged if
-    ``log``)."""
+    (SIGKILLed FFN or attention ranks of earlier runs); returns their names."""
     from vllm_afd.metrics.blocks import reap_stale_blocks
     from vllm_afd.transport import available_transports, backend
 
     reaped = [name for t in available_transports() for name in backend(t).reap_stale()]
-    reaped += reap_stale_blocks()
-    if reaped and log:
-        logger.info("AFD: removed %d segment(s) of dead processes from /dev/shm", len(reaped))
-    return reaped
+    return reaped + reap_stale_blocks()
 
 
 def reap_dead_deployments() -> list[str]:
@@ -67,7 +63,7 @@ def reap_dead_deployments() -> list[str]:
     ledgers name (``host.reap_private_dirs``, ``SegmentLedger``), in one log line; run before
     a new FFN group starts. Returns what it removed."""
     dirs, mp_segments = reap_private_dirs()
-    segments = reap_dead_segments(log=False) + mp_segments
+    segments = reap_dead_segments() + mp_segments
     if dirs or segments:
         logger.info(
             "AFD: reclaimed what killed deployments left: %d file(s) in /dev/shm, %d private "
