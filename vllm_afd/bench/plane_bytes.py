@@ -12,9 +12,10 @@ and each decode microbatch of T tokens per attention rank, both planes move bf16
   comes back once, weighted and summed (``SlotsBackend.round_trip_bytes`` per FFN rank). Fixed
   shapes, so no filtering by expert on the host: F ranks per token, where the shm backend's
   filtered sends touch ``F (1 - C(E - E/F, k) / C(E, k))`` with uniform routing (the
-  ``FFN ranks/token`` column; equal at F = 1). Memory: one FFN rank's buffer as
-  ``slot_plane.PlaneLayout`` lays it out (A attention ranks x 2 slots of T tokens), held by
-  the FFN GPU; the attention GPUs map it and hold none of their own.
+  ``FFN ranks/token`` column; equal at F = 1). Memory as ``slot_plane.PlaneLayout`` lays it
+  out: one FFN rank's request buffer (A attention ranks x 2 slots of T tokens), held by the
+  FFN GPU, and an attention rank's answer buffers (F FFN ranks x 2 slots of T rows), held by
+  the attention GPU.
 * **deepep-ll** (the retired ``deepep`` backend): one row per (token, expert) each way
   (``deepep_ll_round_trip_bytes``), in a group of A + F ranks with ``(A + F) E / F``
   virtual experts; every rank of the group allocates the NVSHMEM buffer of DeepEP's
@@ -82,7 +83,8 @@ class PlaneRow:
     ranks_touched: float  #: by the shm backend's filtered sends (the slot plane sends to all F)
     slots_sent_bytes: float  #: per layer per attention rank
     slots_received_bytes: float
-    slots_ffn_buffer_bytes: int  #: per FFN GPU (attention GPUs: none of their own)
+    slots_ffn_buffer_bytes: int  #: per FFN GPU: its request buffer
+    slots_attention_buffer_bytes: int  #: per attention GPU: its answer buffers
     deepep_sent_bytes: int
     deepep_received_bytes: int
     deepep_buffer_bytes: int  #: per GPU, attention and FFN alike
@@ -121,6 +123,7 @@ def plane_row(model: ModelSpec, attention: int, ffn: int, tokens: int) -> PlaneR
         slots_sent_bytes=sent * ffn,
         slots_received_bytes=received * ffn,
         slots_ffn_buffer_bytes=PlaneLayout.of(slots).total_bytes,
+        slots_attention_buffer_bytes=ffn * PlaneLayout.of(slots).answer_bytes,
         deepep_sent_bytes=deepep_sent,
         deepep_received_bytes=deepep_received,
         deepep_buffer_bytes=deepep_ll_buffer_bytes(tokens, model.hidden_size, virtual),
@@ -132,7 +135,8 @@ def table(rows: list[PlaneRow]) -> str:
     mb, gib = 1e6, 2**30
     lines = [
         "| model | A+F | T | FFN ranks/token | slots MB out/back | deepep-ll MB out/back "
-        "| traffic deepep/slots | slots buffer GiB (FFN GPU) | deepep-ll buffer GiB (every GPU) |",
+        "| traffic deepep/slots | slots buffer GiB (FFN GPU / attention GPU) "
+        "| deepep-ll buffer GiB (every GPU) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -143,7 +147,8 @@ def table(rows: list[PlaneRow]) -> str:
             f"| {r.model} | {r.attention}+{r.ffn} | {r.tokens} | {r.ranks_touched:.2f} "
             f"| {r.slots_sent_bytes / mb:.2f} / {r.slots_received_bytes / mb:.2f} "
             f"| {r.deepep_sent_bytes / mb:.2f} / {r.deepep_received_bytes / mb:.2f} "
-            f"| {ratio:.1f}x | {r.slots_ffn_buffer_bytes / gib:.3f} "
+            f"| {ratio:.1f}x | {r.slots_ffn_buffer_bytes / gib:.3f} / "
+            f"{r.slots_attention_buffer_bytes / gib:.3f} "
             f"| {r.deepep_buffer_bytes / gib:.2f} |"
         )
     return "\n".join(lines)

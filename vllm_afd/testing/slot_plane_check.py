@@ -161,7 +161,8 @@ def _memory(kind: str):
 
 
 def _ffn_main(kind, dtype, layout_args, plan, to_attention, from_attention) -> None:
-    """The FFN process: create the buffer, send its handle, serve ``plan`` steps."""
+    """The FFN process: create the request buffer, send its handle, map the attention ranks'
+    answer buffers, serve ``plan`` steps."""
     memory = _memory(kind)
     layout = PlaneLayout(*layout_args)
     plane = FFNPlane(layout, memory, 0)
@@ -172,6 +173,8 @@ def _ffn_main(kind, dtype, layout_args, plan, to_attention, from_attention) -> N
     else:
         forwards = [model.experts(layer) for layer in range(LAYERS)]
     to_attention.put(plane.handle)
+    for a, handle in enumerate(from_attention.get(timeout=60)):
+        plane.attach_answers(a, handle)
     microbatches = layout.num_slots
     if graphs:
         ffn_begin(plane, 1)
@@ -228,6 +231,7 @@ def run_pair(
         layout = PlaneLayout(*layout_args)
         handle = to_attention.get(timeout=60)
         planes = [AttentionPlane(layout, memory, a, [handle]) for a in range(attention_ranks)]
+        from_attention.put([plane.answer_handles[0] for plane in planes])
         model = ToyMoE(dtype, memory.device)
         g = torch.Generator().manual_seed(4)
         xs = [

@@ -197,17 +197,20 @@ class Step:
     schedules: dict[int, StepSchedule]
     #: Layer by layer, the microbatches of a layer in turn.
     uses: list[Use]
+    #: Answer buffers the FFN side mapped so far: a graph captured before an attention rank
+    #: offered a new one writes into the old.
+    buffers: int = 0
     next: int = 0
     dropped: set[int] = field(default_factory=set)
 
     @property
-    def shape(self) -> tuple[Use, ...]:
+    def shape(self) -> tuple:
         """What a CUDA graph of the whole step is keyed by (the step number is not in it: it
         is a device word the graph reads)."""
-        return tuple(self.uses)
+        return (self.buffers, *self.uses)
 
     @classmethod
-    def of(cls, schedules: dict[int, StepSchedule]) -> Step:
+    def of(cls, schedules: dict[int, StepSchedule], buffers: int = 0) -> Step:
         layers = sorted({layer for s in schedules.values() for layer in s.layers})
         slots = max((len(s.microbatch_tokens) for s in schedules.values()), default=0)
         uses: list[Use] = []
@@ -220,4 +223,4 @@ class Step:
                 )
                 if parts:
                     uses.append((layer, slot, parts))
-        return cls(schedules, uses)
+        return cls(schedules, uses, buffers)

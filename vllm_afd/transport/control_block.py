@@ -1,9 +1,10 @@
 """The slot plane's control block: per FFN rank, in host shared memory whatever the data plane's
 memory (the FFN rank's host reads it, with no device sync): who the FFN process is, the handle
-of its data buffer, and each attention rank's last announced ``StepSchedule``
-(``control.py``). The FFN side of the plane reads a request's layer from its sender's schedule
-(requests served as they come) or serves the uses the schedules name (whole steps); an
-attention endpoint watches the FFN process through it and fails fast once it closed."""
+of its request buffer, and per attention rank the handle of its answer buffer and its last
+announced ``StepSchedule`` (``control.py``). The FFN side of the plane reads a request's
+layer from its sender's schedule (requests served as they come) or serves the uses the
+schedules name (whole steps); an attention endpoint watches the FFN process through it and
+fails fast once it closed."""
 
 from __future__ import annotations
 
@@ -23,20 +24,24 @@ from vllm_afd.transport.control import StepSchedule, schedule_words
 from vllm_afd.transport.slot_plane import PLANE_PREFIX, PlaneLayout, create_fresh
 
 _MAGIC = 0x3130_5354_4F4C_5341  # b"ASLOTS01" little-endian
-_VERSION = 1
+_VERSION = 2
 _OPEN, _CLOSED = 1, 2
 # header words: magic, version, pid, pid namespace, state, handle bytes, schedule words, then
 # the layout's params from word 8
 _W_MAGIC, _W_VERSION, _W_PID, _W_PIDNS, _W_STATE, _W_HANDLE, _W_SCHEDULE = range(7)
 _W_PARAMS = 8
 _HEADER_WORDS = 16
-#: Room for the data buffer's handle (a segment name; a CUDA IPC handle as JSON).
-HANDLE_BYTES = 2048
+#: Room for a buffer's handle (a segment name; a CUDA IPC handle as JSON).
+HANDLE_BYTES = 1024
+#: Words per attention rank after its schedule: its answer handle's generation (odd while it
+#: is being written: a seqlock) and length.
+_ANSWER_WORDS = 2
 
 
 class ControlBlock:
     """An FFN rank's control block (``/dev/shm``, mode 0600): who the FFN process is, the
-    handle of its data buffer, and per attention rank the last ``StepSchedule`` it announced
+    handle of its request buffer, and per attention rank the handle of its answer buffer
+    (``offer_answers``) and the last ``StepSchedule`` it announced
     (``control.StepSchedule.words``).
 
     A schedule is written as a seqlock over x86-64 store order: its step word is zeroed, the
@@ -49,7 +54,10 @@ class ControlBlock:
 
     @staticmethod
     def size(layout: PlaneLayout, words_per: int) -> int:
-        return 8 * (_HEADER_WORDS + layout.num_attention_ranks * words_per) + HANDLE_BYTES
+        ranks = layout.num_attention_ranks
+        return (
+            8 * (_HEADER_WORDS + ranks * (words_per + _ANSWER_WORDS)) + (1 + ranks) * HANDLE_BYTES
+        )
 
     @classmethod
     def create(
@@ -63,7 +71,7 @@ class ControlBlock:
         words_per = schedule_words(moe_layers)
         data = handle.encode()
         if len(data) > HANDLE_BYTES:
-            raise ValueError(f"data buffer handle of {len(data)} bytes, room for {HANDLE_BYTES}")
+            raise ValueError(f"request buffer handle of {len(data)} bytes, room for {HANDLE_BYTES}")
         size = cls.size(layout, words_per)
         name, mm = create_fresh(f"{prefix}{os.getpid()}_f{rank}_", size)
         block = cls(name, mm, layout, words_per)
@@ -71,7 +79,8 @@ class ControlBlock:
         words = block.words
         for i, value in enumerate(layout.params):
             words[_W_PARAMS + i] = value
-        block.mm[size - HANDLE_BYTES : size - HANDLE_BYTES + len(data)] = data
+        start = block._handle_at(-1)
+        block.mm[start : start + len(data)] = data
         words[_W_HANDLE], words[_W_SCHEDULE] = len(data), words_per
         words[_W_VERSION], words[_W_PID], words[_W_PIDNS] = _VERSION, os.getpid(), pid_namespace()
         words[_W_STATE] = _OPEN
@@ -99,10 +108,47 @@ class ControlBlock:
             )
         return block
 
+    def _handle_at(self, attention_rank: int) -> int:
+        """Byte offset of ``attention_rank``'s answer handle (-1: the request buffer's)."""
+        return len(self.mm) - (self.layout.num_attention_ranks - attention_rank) * HANDLE_BYTES
+
     @property
     def handle(self) -> str:
-        start = len(self.mm) - HANDLE_BYTES
+        """The request buffer's handle."""
+        start = self._handle_at(-1)
         return bytes(self.mm[start : start + self.words[_W_HANDLE]]).decode()
+
+    def offer_answers(self, attention_rank: int, handle: str) -> None:
+        """Publish ``attention_rank``'s answer buffer (``AttentionPlane.answer_handles``) before
+        it announces a step: its generation word is odd while the handle is written."""
+        data = handle.encode()
+        if len(data) > HANDLE_BYTES:
+            raise ValueError(f"answer buffer handle of {len(data)} bytes, room for {HANDLE_BYTES}")
+        words, at = self.words, self._answer_word(attention_rank)
+        start = self._handle_at(attention_rank)
+        writing = words[at] | 1
+        words[at] = writing
+        self.mm[start : start + len(data)] = data
+        words[at + 1] = len(data)
+        words[at] = writing + 1
+
+    def answers(self, attention_rank: int) -> tuple[int, str] | None:
+        """``(generation, handle)`` of ``attention_rank``'s answer buffer, or ``None`` if none
+        was offered or one is being written."""
+        words, at = self.words, self._answer_word(attention_rank)
+        start = self._handle_at(attention_rank)
+        generation = words[at]
+        handle = bytes(self.mm[start : start + min(words[at + 1], HANDLE_BYTES)])
+        if not generation or generation % 2 or words[at] != generation:
+            return None
+        return generation, handle.decode(errors="replace")
+
+    def answers_generation(self, attention_rank: int) -> int:
+        """Grows each time ``attention_rank`` offers an answer buffer (0: none yet)."""
+        return self.words[self._answer_word(attention_rank)]
+
+    def _answer_word(self, attention_rank: int) -> int:
+        return self._base(attention_rank) + self.words_per
 
     @property
     def pid(self) -> int:
@@ -117,7 +163,7 @@ class ControlBlock:
         return self.words[_W_STATE] == _CLOSED
 
     def _base(self, attention_rank: int) -> int:
-        return _HEADER_WORDS + attention_rank * self.words_per
+        return _HEADER_WORDS + attention_rank * (self.words_per + _ANSWER_WORDS)
 
     def announce(self, attention_rank: int, schedule: StepSchedule) -> None:
         """Write ``attention_rank``'s schedule (the seqlock of the class docstring)."""

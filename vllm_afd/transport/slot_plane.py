@@ -26,17 +26,22 @@ custom all-reduce has the pattern (IPC buffers, device flags) but only as an all
 symmetric memory's ``put_signal``/``wait_signal`` need every rank to allocate the same buffer
 through a rendezvous of one process group. The CUDA layer here uses PyTorch and Triton only.
 
-Layout. One data buffer per FFN rank, owned by it, mapped by every attention rank::
+Layout. Each side polls only memory it owns, and writes into its peer's (as vLLM's custom
+all-reduce polls only its own signal slots): a dead peer never leaves a side reading memory that
+went with it, and a replacement FFN rank answers into the buffers the attention rank already
+has. One request buffer per FFN rank, owned by it, written by every attention rank::
 
-    flags          one 128-byte line each for the request and the response of every
-                   (attention rank a, slot s); int64 words: the flag, then, on host memory,
-                   the request's row count and the CPU its writer last ran on
-    slot (s, a)    x [T, H] spec.dtype | topk_ids [T, K] int32 | topk_weights [T, K] float32 |
-                   out [T, H] spec.dtype       (T = max_tokens, each part 128-byte aligned)
+    flags          one 128-byte line per (attention rank a, slot s): int64 words, the request
+                   flag, then, on host memory, the row count and the CPU its writer last ran on
+    slot (s, a)    x [T, H] spec.dtype | topk_ids [T, K] int32 | topk_weights [T, K] float32
+                   (T = max_tokens, each part 128-byte aligned)
 
-and one control block per FFN rank in host shared memory (``ControlBlock``, on every device:
-the FFN rank's host reads it): the FFN process's identity, the data buffer's handle, and each
-attention rank's last announced ``StepSchedule`` (``control.py``).
+and one answer buffer per (attention rank, FFN rank), owned by the attention rank, written by
+the FFN rank: per slot a flag line (the response flag, then the CPU of its writer), then per
+slot ``out [T, H]``. One control block per FFN rank in host shared memory (``ControlBlock``, on
+every device: the FFN rank's host reads it) holds the FFN process's identity, the request
+buffer's handle, and per attention rank its answer buffer's handle and last announced
+``StepSchedule`` (``control.py``).
 
 Protocol. Slot ``s`` carries microbatch ``s``. Every use of a slot is tagged by its flag value,
 ``step << POSITION_BITS | position + 1`` (the use's value; ``value_use`` reads it): the sender's
@@ -48,11 +53,11 @@ whose host code does not run, uses the step announced before it::
     attention a, send(f, s, p): copy x, ids, weights (and, on the host, the row count) into
                                 slot (s, a) of FFN rank f; signal(request flag, value(step, p))
     FFN f, take(s, a, p):       wait(request flag (a, s), value(step_a, p))
-    FFN f, answer(s, a, p):     signal(response flag (a, s), value(step_a, p)), after writing
-                                the weighted sum of f's experts into out; ``fail``: the
-                                negated value, the error text in out
-    attention a, await(f, s):   wait(response flag (a, s) of f, value(step, p)); sum the
-                                FFN ranks' answers
+    FFN f, answer(s, a, p):     write the weighted sum of f's experts into out (s) of a's
+                                answer buffer for f; signal its response flag, value(step_a,
+                                p); ``fail``: the negated value, the error text in out
+    attention a, await(f, s):   wait(response flag (s) of its answer buffer for f, value(step,
+                                p)); sum the FFN ranks' answers
 
 A signal is a store ordered after the payload (release); a wait returns once the flag reaches
 the awaited value (acquire), so the reader never sees a half-written payload. The FFN side
@@ -88,11 +93,12 @@ on the host (at step boundaries, where the host looks anyway) and raises.
 from __future__ import annotations
 
 import mmap
+import multiprocessing.util
 import os
 import secrets
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from typing import Protocol
 
 import torch
@@ -101,7 +107,7 @@ from vllm_afd.host import (
     SHM_DIR,
     map_segment,
     shm_platform_problem,
-    unlink_if_creator,
+    unlink_segment,
 )
 from vllm_afd.transport.base import FFNTimeout, TransportError, TransportSpec
 from vllm_afd.transport.control import Part
@@ -109,7 +115,6 @@ from vllm_afd.transport.wait import Backoff, ViewCache, WaitPolicy
 
 #: Alignment of flags and payload parts: a GPU's L2 line (128 bytes), two x86 cache lines.
 LINE = 128
-_FLAG_WORDS = LINE // 8
 #: Words of a flag line after the flag (host memory only): the request's row count, and the
 #: CPU the line's writer last ran on (a peer there skips its spin: ``wait.current_cpu``).
 ROWS_WORD, CPU_WORD = 1, 2
@@ -131,8 +136,8 @@ def _words(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.numpy()).cast("B").cast("q")
 
 
-#: ``(x, ids, weights, out)`` views of a slot's first rows (``SlotViews.rows``).
-SlotRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+#: ``(x, ids, weights)`` views of a request slot's first rows (``SlotViews.rows``).
+SlotRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _align(n: int, to: int = LINE) -> int:
@@ -168,7 +173,8 @@ def value_use(value: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class PlaneLayout:
-    """Byte layout of one FFN rank's data buffer (module docstring)."""
+    """Byte layout of an FFN rank's request buffer and an attention rank's answer buffers
+    (module docstring)."""
 
     num_attention_ranks: int
     num_slots: int
@@ -217,20 +223,21 @@ class PlaneLayout:
 
     @property
     def slot_bytes(self) -> int:
-        return 2 * self.x_bytes + 2 * self.routing_bytes
+        return self.x_bytes + 2 * self.routing_bytes
 
     @property
     def flags_bytes(self) -> int:
-        return 2 * self.num_attention_ranks * self.num_slots * LINE
+        return self.num_attention_ranks * self.num_slots * LINE
 
     @property
     def total_bytes(self) -> int:
+        """An FFN rank's request buffer."""
         return self.flags_bytes + self.num_attention_ranks * self.num_slots * self.slot_bytes
 
-    def flag_word(self, attention_rank: int, slot: int, response: bool) -> int:
-        """Index of a flag among the buffer's int64 words."""
-        channel = attention_rank * self.num_slots + slot
-        return (2 * channel + int(response)) * _FLAG_WORDS
+    @property
+    def answer_bytes(self) -> int:
+        """An attention rank's answer buffer for one FFN rank."""
+        return self.num_slots * (LINE + self.x_bytes)
 
     def slot_offset(self, attention_rank: int, slot: int) -> int:
         """Byte offset of slot (``slot``, ``attention_rank``): a slot's attention ranks are
@@ -240,53 +247,53 @@ class PlaneLayout:
         )
 
 
+def _flag_line(buffer: torch.Tensor, line: int) -> tuple[torch.Tensor, memoryview | None]:
+    """Flag line ``line`` of ``buffer`` (``[16]`` int64, the flag first), and on host memory
+    the same words as a memoryview (a word read or written through one costs a fraction of a
+    tensor's ``int()`` or ``fill_``)."""
+    view = buffer[line * LINE : (line + 1) * LINE].view(torch.int64)
+    return view, _words(view) if buffer.device.type == "cpu" else None
+
+
+def _part(buffer: torch.Tensor, at: int, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+    return buffer[at : at + rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
+
+
 class SlotViews:
-    """One slot's flag lines (``[16]`` int64 views, the flag first; on host memory also as
-    memoryviews, ``request_words`` and ``response_words``: a word read or written through one
-    costs a fraction of a tensor's ``int()`` or ``fill_``) and payload (``[T, ...]`` views);
-    ``rows(n)``: ``(x, ids, weights, out)`` of the first ``n`` rows, built once per ``n``
+    """One request slot in an FFN rank's buffer: its flag line (``request_line``, on host
+    memory also ``request_words``; ``request``: the flag) and payload (``[T, ...]`` views);
+    ``rows(n)``: ``(x, ids, weights)`` of the first ``n`` rows, built once per ``n``
     (``wait.ViewCache``: a slice costs about as much as copying a decode-sized row, so the hot
     path reuses them)."""
 
-    __slots__ = (
-        "request_line",
-        "response_line",
-        "request_words",
-        "response_words",
-        "request",
-        "response",
-        "x",
-        "ids",
-        "weights",
-        "out",
-        "rows",
-    )
+    __slots__ = ("request_line", "request_words", "request", "x", "ids", "weights", "rows")
 
     def __init__(self, buffer: torch.Tensor, layout: PlaneLayout, attention_rank: int, slot: int):
-        words = buffer[: layout.flags_bytes].view(torch.int64)
-        req = layout.flag_word(attention_rank, slot, response=False)
-        resp = layout.flag_word(attention_rank, slot, response=True)
-        self.request_line = words[req : req + _FLAG_WORDS]
-        self.response_line = words[resp : resp + _FLAG_WORDS]
-        self.request, self.response = self.request_line[:1], self.response_line[:1]
-        host = buffer.device.type == "cpu"
-        self.request_words = _words(self.request_line) if host else None
-        self.response_words = _words(self.response_line) if host else None
-        at = layout.slot_offset(attention_rank, slot)
-        rows = layout.max_tokens
-
-        def part(dtype: torch.dtype, cols: int, nbytes: int) -> torch.Tensor:
-            nonlocal at
-            view = buffer[at : at + rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
-            at += nbytes
-            return view
-
-        self.x = x = part(layout.dtype, layout.hidden, layout.x_bytes)
-        self.ids = ids = part(torch.int32, layout.top_k, layout.routing_bytes)
-        self.weights = weights = part(torch.float32, layout.top_k, layout.routing_bytes)
-        self.out = out = part(layout.dtype, layout.hidden, layout.x_bytes)
-        cache: ViewCache[SlotRows] = ViewCache(lambda n: (x[:n], ids[:n], weights[:n], out[:n]))
+        line = attention_rank * layout.num_slots + slot
+        self.request_line, self.request_words = _flag_line(buffer, line)
+        self.request = self.request_line[:1]
+        at, rows, k = layout.slot_offset(attention_rank, slot), layout.max_tokens, layout.top_k
+        self.x = x = _part(buffer, at, layout.dtype, rows, layout.hidden)
+        self.ids = ids = _part(buffer, at + layout.x_bytes, torch.int32, rows, k)
+        at += layout.x_bytes + layout.routing_bytes
+        self.weights = weights = _part(buffer, at, torch.float32, rows, k)
+        cache: ViewCache[SlotRows] = ViewCache(lambda n: (x[:n], ids[:n], weights[:n]))
         self.rows = cache.__getitem__  # a bound method: one call less on the hot path
+
+
+class AnswerViews:
+    """One slot of an attention rank's answer buffer for one FFN rank: its flag line
+    (``response_line``, on host memory also ``response_words``; ``response``: the flag) and
+    ``out`` ``[T, H]``; ``rows(n)``: ``out[:n]``, cached as ``SlotViews.rows``."""
+
+    __slots__ = ("response_line", "response_words", "response", "out", "rows")
+
+    def __init__(self, buffer: torch.Tensor, layout: PlaneLayout, slot: int):
+        self.response_line, self.response_words = _flag_line(buffer, slot)
+        self.response = self.response_line[:1]
+        at = layout.num_slots * LINE + slot * layout.x_bytes
+        self.out = out = _part(buffer, at, layout.dtype, layout.max_tokens, layout.hidden)
+        self.rows = ViewCache(lambda n: out[:n]).__getitem__
 
     def write_error(self, message: str) -> None:
         """An error answer's text into ``out`` (its length first, as one int64)."""
@@ -379,18 +386,24 @@ class PlaneError(Exception):
 
 
 class AttentionPlane:
-    """Attention rank ``rank``'s end: maps every FFN rank's buffer (``handles``, in FFN rank
-    order), sends into its own slots there and awaits the answers, one FFN rank at a time
-    (``send``, ``await_answer``, ``answer``: what the attention endpoint's wire is made of), or
-    every FFN rank at once (``dispatch``, ``combine_hook``: the device check)."""
+    """Attention rank ``rank``'s end: maps every FFN rank's request buffer (``handles``, in
+    FFN rank order) and owns an answer buffer for each (``answer_handles``: the FFN ranks map
+    them, ``FFNPlane.attach_answers``); sends into its own slots of a request buffer and awaits
+    the answers in its own memory, one FFN rank at a time (``send``, ``await_answer``,
+    ``answer``: what the attention endpoint's wire is made of), or every FFN rank at once
+    (``dispatch``, ``combine_hook``: the device check)."""
 
     def __init__(
         self, layout: PlaneLayout, memory: PlaneMemory, rank: int, handles: Sequence[str]
     ) -> None:
         self.layout, self.memory, self.rank = layout, memory, rank
-        self.slots: list[list[SlotViews]] = []
-        for handle in handles:
-            self.slots.append(self._map(handle))
+        self.slots = [self._map(handle) for handle in handles]
+        self.answers: list[list[AnswerViews]] = []
+        self.answer_handles: list[str] = []
+        for _ in handles:
+            buffer, handle = memory.create(layout.answer_bytes)
+            self.answers.append([AnswerViews(buffer, layout, s) for s in range(layout.num_slots)])
+            self.answer_handles.append(handle)
         self.step = step_word(memory.device)
         #: On host memory the step word as a memoryview: ``send`` stores flags through the
         #: request line's words (the hot path), as ``HostPlaneMemory.signal`` would.
@@ -401,7 +414,8 @@ class AttentionPlane:
         return [SlotViews(buffer, self.layout, self.rank, s) for s in range(self.layout.num_slots)]
 
     def attach(self, ffn_rank: int, handle: str) -> None:
-        """Map FFN rank ``ffn_rank``'s new buffer (its replacement's), in place of its old one."""
+        """Map FFN rank ``ffn_rank``'s new request buffer (its replacement's), in place of its
+        old one; its answers keep coming into the same answer buffer."""
         self.slots[ffn_rank] = self._map(handle)
 
     def last_step(self) -> int:
@@ -436,7 +450,7 @@ class AttentionPlane:
         rows = x.shape[0] if index is None else index.shape[0]
         view = self.slots[ffn_rank][slot]
         if rows:
-            dst_x, dst_ids, dst_weights, _ = view.rows(rows)
+            dst_x, dst_ids, dst_weights = view.rows(rows)
             if index is None:  # one call for the three (it converts the ids to int32)
                 torch._foreach_copy_((dst_x, dst_ids, dst_weights), (x, topk_ids, topk_weights))
             else:
@@ -447,6 +461,8 @@ class AttentionPlane:
         if words is None or self._host_step is None:
             self.memory.signal(view.request, self.step, position)
             return
+        # a use sent again (to a replacement) must not find its last answer: cleared first
+        self.answers[ffn_rank][slot].response_words[0] = 0  # type: ignore[index]
         words[ROWS_WORD], words[CPU_WORD] = rows, cpu
         words[0] = self._host_step[0] + position + 1  # after the payload (x86-64 TSO)
 
@@ -456,7 +472,7 @@ class AttentionPlane:
         """Wait for FFN rank ``ffn_rank``'s answer to the use of ``slot`` at ``position``
         (on devices with streams, queue the wait). On the host raises ``PlaneError`` for an
         error answer (its text) or an answer to another use."""
-        view = self.slots[ffn_rank][slot]
+        view = self.answers[ffn_rank][slot]
         what = f"response of FFN rank {ffn_rank} to attention rank {self.rank}, slot {slot}"
         found = self.memory.wait(view.response, self.step, position, what, watch)
         if found is None:
@@ -468,9 +484,9 @@ class AttentionPlane:
             raise PlaneError(f"{what} carries {found:#x}, awaited {want:#x}", found)
 
     def answer(self, ffn_rank: int, slot: int, rows: int) -> torch.Tensor:
-        """FFN rank ``ffn_rank``'s answer in ``slot``: ``[rows, H]``, a view of its buffer
-        (read it before the slot's next use)."""
-        return self.slots[ffn_rank][slot].rows(rows)[3]
+        """FFN rank ``ffn_rank``'s answer in ``slot``: ``[rows, H]``, a view of this rank's
+        answer buffer (read it before the slot's next use)."""
+        return self.answers[ffn_rank][slot].rows(rows)
 
     def dispatch(
         self,
@@ -518,7 +534,8 @@ class AttentionPlane:
 
 
 class FFNPlane:
-    """FFN rank ``rank``'s end: owns the buffer every attention rank writes into."""
+    """FFN rank ``rank``'s end: owns the request buffer every attention rank writes into, and
+    answers into each attention rank's answer buffer (``attach_answers``)."""
 
     def __init__(self, layout: PlaneLayout, memory: PlaneMemory, rank: int) -> None:
         self.layout, self.memory, self.rank = layout, memory, rank
@@ -528,6 +545,8 @@ class FFNPlane:
             [SlotViews(self.buffer, layout, a, s) for a in attention]
             for s in range(layout.num_slots)
         ]
+        #: Per attention rank, the slots of its answer buffer for this FFN rank (once mapped).
+        self.answers: list[list[AnswerViews]] = [[] for _ in attention]
         self.steps = [step_word(memory.device) for _ in attention]
         rows = layout.num_attention_ranks * layout.max_tokens
         #: Every attention rank's rows gathered for one forward (``serve``).
@@ -537,6 +556,13 @@ class FFNPlane:
             torch.empty(rows, layout.top_k, dtype=torch.float32, device=memory.device),
             torch.empty(rows, layout.hidden, dtype=layout.dtype, device=memory.device),
         )
+
+    def attach_answers(self, attention_rank: int, handle: str) -> None:
+        """Map ``attention_rank``'s answer buffer for this FFN rank (``handle``: its
+        ``AttentionPlane.answer_handles`` entry), in place of any before."""
+        buffer = self.memory.attach(handle, self.layout.answer_bytes)
+        slots = range(self.layout.num_slots)
+        self.answers[attention_rank] = [AnswerViews(buffer, self.layout, s) for s in slots]
 
     def begin(self, attention_rank: int, step: int) -> None:
         """Serve ``step`` of ``attention_rank`` (its announced schedule) from now on."""
@@ -557,14 +583,14 @@ class FFNPlane:
         return view
 
     def answer(self, slot: int, part: Part) -> None:
-        """Publish ``part``'s answer, already in its slot's ``out``."""
+        """Publish ``part``'s answer, already in its attention rank's ``out`` of ``slot``."""
         a = part.attention_rank
-        self.memory.signal(self.slots[slot][a].response, self.steps[a], part.position)
+        self.memory.signal(self.answers[a][slot].response, self.steps[a], part.position)
 
     def fail(self, slot: int, part: Part, message: str) -> None:
         """Answer ``part`` with an error: its attention rank's combine raises ``message``."""
         a = part.attention_rank
-        view = self.slots[slot][a]
+        view = self.answers[a][slot]
         view.write_error(message)
         self.memory.signal(view.response, self.steps[a], part.position, failed=True)
 
@@ -574,25 +600,30 @@ class FFNPlane:
         publish each answer."""
         views = [self.take(slot, part) for part in parts]
         rows = [part.rows for part in parts]
+        outs = [self.answers[part.attention_rank][slot].rows(part.rows) for part in parts]
         if len(views) == 1:
-            forward(*views[0].rows(rows[0]))
+            forward(*views[0].rows(rows[0]), outs[0])
         else:
-            self._serve_gathered(views, rows, forward)
+            self._serve_gathered(views, rows, outs, forward)
         for part in parts:
             self.answer(slot, part)
 
     def _serve_gathered(
-        self, views: list[SlotViews], rows: Sequence[int], forward: Forward
+        self,
+        views: list[SlotViews],
+        rows: Sequence[int],
+        outs: list[torch.Tensor],
+        forward: Forward,
     ) -> None:
         """One forward over the attention ranks' rows: gathered by one ``cat`` per part, the
-        answers scattered back by one ``_foreach_copy_``."""
+        answers scattered into ``outs`` by one ``_foreach_copy_``."""
         total = sum(rows)
         x, ids, weights, out = (t[:total] for t in self._gathered)
         parts = [v.rows(n) for v, n in zip(views, rows, strict=True)]
         for i, gathered in enumerate((x, ids, weights)):
             torch.cat([p[i] for p in parts], out=gathered)
         forward(x, ids, weights, out)
-        torch._foreach_copy_([p[3] for p in parts], list(out.split(list(rows))))
+        torch._foreach_copy_(outs, list(out.split(list(rows))))
 
 
 class RecordedWaits:
@@ -645,6 +676,13 @@ def await_word(
             next_watch = now + WATCH_INTERVAL_S
 
 
+def _unlink(name: str, creator_pid: int) -> None:
+    """A segment's creator unlinks it, and tells the resource tracker (not a forked child)."""
+    if os.getpid() == creator_pid:
+        unlink_segment(name)
+        resource_tracker.unregister(f"/{name}", "shared_memory")
+
+
 class HostPlaneMemory(RecordedWaits):
     """Host memory: a ``/dev/shm`` segment (mode 0600, ``host.create_segment``), plain stores
     and a staged host wait (``wait.Backoff``). x86-64 only: a store is published after the
@@ -672,7 +710,7 @@ class HostPlaneMemory(RecordedWaits):
         self.errors = torch.zeros(1, dtype=torch.int64)
         self.bound = f"{timeout_s} s"
         self._maps: list[mmap.mmap] = []
-        self._created: list[weakref.finalize] = []
+        self._created: list[multiprocessing.util.Finalize] = []
         #: int64 memoryviews of flag lines and step words, by address: a word read or written
         #: through one costs a fraction of a tensor's ``int()`` or ``fill_``, on the hot path.
         self._words: dict[tuple[int, int], memoryview] = {}
@@ -680,7 +718,13 @@ class HostPlaneMemory(RecordedWaits):
     def create(self, nbytes: int) -> tuple[torch.Tensor, str]:
         name, mm = create_fresh(f"{self.prefix}{os.getpid()}_", nbytes)
         buffer = self._map(mm, nbytes)
-        self._created.append(weakref.finalize(self, unlink_if_creator, name, os.getpid()))
+        # multiprocessing's finalizer, not weakref's: it also runs when a multiprocessing child
+        # (vLLM's engine core, an attention rank owning answer buffers) ends, where atexit does
+        # not; and Python's resource tracker unlinks the segment once every process of this
+        # family exited, should this one be killed (vLLM force-kills its workers as it stops)
+        resource_tracker.register(f"/{name}", "shared_memory")
+        unlink = multiprocessing.util.Finalize(self, _unlink, (name, os.getpid()), exitpriority=0)
+        self._created.append(unlink)
         return buffer, name
 
     def attach(self, handle: str, nbytes: int) -> torch.Tensor:
@@ -745,6 +789,7 @@ class HostPlaneMemory(RecordedWaits):
 
 
 __all__ = [
+    "AnswerViews",
     "AttentionPlane",
     "FFNPlane",
     "HostPlaneMemory",

@@ -93,9 +93,9 @@ def plane_memory(spec: TransportSpec, prefix: str = PLANE_PREFIX + "data_") -> P
 
 class PlaneAttentionTransport(AttentionEndpoint):
     """The attention endpoint's wire on the slot plane: maps every FFN rank's control block
-    (``spec.addresses``) and data buffer; dispatches only inside announced steps
-    (``begin_step``), microbatch ``s`` in slot ``s``; a request's identity is its use's value
-    (``step << POSITION_BITS | position + 1``: ``slot_plane``)."""
+    (``spec.addresses``) and request buffer, and owns an answer buffer for each; dispatches
+    only inside announced steps (``begin_step``), microbatch ``s`` in slot ``s``; a request's
+    identity is its use's value (``step << POSITION_BITS | position + 1``: ``slot_plane``)."""
 
     backend_name = "slot plane"
 
@@ -107,6 +107,8 @@ class PlaneAttentionTransport(AttentionEndpoint):
         self.memory = plane_memory(spec)
         self.filters_rows = not self.memory.records_waits  # fixed shapes where waits record
         self.plane = AttentionPlane(layout, self.memory, rank, [c.handle for c in self.controls])
+        for control, handle in zip(self.controls, self.plane.answer_handles, strict=True):
+            control.offer_answers(rank, handle)
         self.step = self.plane.last_step()
         #: The announced step's layer positions, and its microbatches' tokens (one per slot).
         self._positions: dict[int, int] = {}
@@ -215,14 +217,15 @@ class PlaneAttentionTransport(AttentionEndpoint):
         awaited: Sequence[int],
     ) -> torch.Tensor:
         """FFN rank ``ffn_rank``'s answer to the use ``seq`` of ``slot``: ``[N, H]``, a view of
-        its buffer (read before the slot's next use). On host memory waits for exactly
-        ``seq`` (the answer) or ``-seq`` (an error answer: ``FFNServeError``), checking every
-        ``awaited`` FFN rank's liveness meanwhile; on the device's waits, queues the wait
+        this rank's answer buffer (read before the slot's next use). On host memory waits for
+        exactly ``seq`` (the answer) or ``-seq`` (an error answer: ``FFNServeError``), checking
+        every ``awaited`` FFN rank's liveness meanwhile; on the device's waits, queues the wait
         (``memory.check`` raises what it records)."""
         if self.memory.records_waits:
             self.plane.await_answer(ffn_rank, slot, value_use(seq)[1])
             return self.plane.answer(ffn_rank, slot, self._sent[ffn_rank][slot])
-        line = self.plane.slots[ffn_rank][slot].response_words
+        answer = self.plane.answers[ffn_rank][slot]
+        line = answer.response_words
         assert line is not None  # host memory: waits are the host's
         found = line[0]
         if found != seq:
@@ -235,8 +238,7 @@ class PlaneAttentionTransport(AttentionEndpoint):
                     f"within timeout_s={self.spec.timeout_s} ({tag})"
                 )
         if found != seq:
-            text = self.plane.slots[ffn_rank][slot].read_error()
-            raise FFNServeError(f"FFN rank {ffn_rank}: {text}")
+            raise FFNServeError(f"FFN rank {ffn_rank}: {answer.read_error()}")
         return self.plane.answer(ffn_rank, slot, self._sent[ffn_rank][slot])
 
     def _check_alive(self, ffn_ranks: Sequence[int]) -> None:
@@ -251,16 +253,17 @@ class PlaneAttentionTransport(AttentionEndpoint):
             self._check_superseded(f)
 
     def reconnect(self, ffn_rank: int, address: str) -> None:
-        """Map the replacement's control block and data buffer (``address``: its control
-        block); the old mappings stay until ``close``."""
+        """Map the replacement's control block and request buffer (``address``: its control
+        block; the old mappings stay until ``close``) and offer it this rank's answer buffer."""
         control = _attach(ffn_rank, address, self.layout, self.spec)
         self._creators[ffn_rank] = _creator(ffn_rank, control)
         self.controls[ffn_rank], old = control, self.controls[ffn_rank]
         old.close()
         self.plane.attach(ffn_rank, control.handle)
+        control.offer_answers(self.rank, self.plane.answer_handles[ffn_rank])
 
     def close(self) -> None:
-        """Unmap everything (never unlinks: the FFN side owns its segments)."""
+        """Unmap everything; unlink this rank's answer buffers (the FFN side unlinks its own)."""
         for control in self.controls:
             control.close()
         self.controls = []
@@ -291,8 +294,9 @@ def _creator(ffn_rank: int, control: ControlBlock) -> Creator:
 
 
 class _PlaneFFN(FFNTransport):
-    """What both FFN endpoints of the plane own: the data buffer and the control block, named
-    ``<prefix>...`` (``spec.addresses[rank]`` when given, else ``PLANE_PREFIX``)."""
+    """What both FFN endpoints of the plane own: the request buffer and the control block, named
+    ``<prefix>...`` (``spec.addresses[rank]`` when given, else ``PLANE_PREFIX``); and the
+    attention ranks' answer buffers they map (``_map_answers``)."""
 
     def __init__(self, spec: TransportSpec, rank: int) -> None:
         super().__init__(spec, rank)
@@ -308,6 +312,20 @@ class _PlaneFFN(FFNTransport):
             self.plane.layout, spec.moe_layers, self.plane.handle, prefix, rank
         )
         self._closing = False
+        #: Per attention rank, the generation of the answer buffer mapped (0: none).
+        self._answers = [0] * spec.num_attention_ranks
+
+    def _map_answers(self, attention_rank: int) -> bool:
+        """Map ``attention_rank``'s answer buffer if it offered a new one (a first, or a
+        restarted front-end's); returns whether it did."""
+        if self.control.answers_generation(attention_rank) == self._answers[attention_rank]:
+            return False
+        offered = self.control.answers(attention_rank)
+        if offered is None:
+            return False
+        self._answers[attention_rank], handle = offered
+        self.plane.attach_answers(attention_rank, handle)
+        return True
 
     @property
     def address(self) -> str:
@@ -315,7 +333,7 @@ class _PlaneFFN(FFNTransport):
 
     def close(self) -> None:
         """Mark the control block closed (waiting attention ranks fail fast), unlink it and
-        the data buffer."""
+        the request buffer."""
         if self._closing:
             return
         self._closing = True
@@ -337,9 +355,9 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
                 "slot plane: serving requests as they come needs host memory and host waits "
                 "(waits: host); device memory serves whole steps"
             )
-        #: Per (attention rank, slot): its slot views and request and response lines.
+        #: Per (attention rank, slot): its slot views and request line.
         self._channels = [
-            (a, s, view, view.request_words, view.response_words)
+            (a, s, view, view.request_words)
             for s, views in enumerate(self.plane.slots)
             for a, view in enumerate(views)
         ]
@@ -374,12 +392,12 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
     def _spin_ok(self) -> bool:
         """Spin only if no attention rank last dispatched from the CPU we run on."""
         cpu = self._cpu
-        return all(request[CPU_WORD] != cpu for _, _, _, request, _ in self._channels)
+        return all(request[CPU_WORD] != cpu for _, _, _, request in self._channels)
 
     def _poll(self) -> list[FFNRequest]:
         requests = []
         seen = self._seen
-        for i, (a, slot, view, request, _) in enumerate(self._channels):
+        for i, (a, slot, view, request) in enumerate(self._channels):
             value = request[0]
             if value == seen[i]:
                 continue
@@ -393,13 +411,15 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
 
     def _request(self, i: int, a: int, slot: int, view, value: int, rows: int) -> FFNRequest | None:
         """The request of value ``value`` in channel ``i``, or ``None`` when it is refused with
-        an error answer (a row count out of range, a use its sender's schedule does not have)
-        or stale (its sender already announced a newer step: nobody waits for it)."""
+        an error answer (a row count out of range, a use its sender's schedule does not have),
+        stale (its sender already announced a newer step: nobody waits for it) or without an
+        answer buffer (its sender offers one before its first step)."""
         step, position = value_use(value)
         schedule = self._schedules[a]
         if schedule is None or schedule.step != step:
             schedule = self._schedules[a] = self.control.schedule(a)
-        if schedule is not None and schedule.step > step:
+            self._map_answers(a)
+        if (schedule is not None and schedule.step > step) or not self.plane.answers[a]:
             return None
         why = None
         if not 0 <= rows <= self.spec.max_tokens:
@@ -411,7 +431,8 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
         if why is not None:
             self._answer(i, value, failed=why)
             return None
-        x, ids, weights, out = view.rows(rows)
+        x, ids, weights = view.rows(rows)
+        out = self.plane.answers[a][slot].rows(rows)
         layer = schedule.layers[position]  # type: ignore[union-attr]
         return FFNRequest(a, layer, x, ids, weights, (i, value), out, step, slot, schedule)
 
@@ -428,7 +449,7 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
         self._answer(i, value)
 
     def reply_error(self, request: FFNRequest, message: str) -> None:
-        """See ``ServesRequests.reply_error``: the text goes into the slot's ``out``."""
+        """See ``ServesRequests.reply_error``: the text goes into the answer's ``out``."""
         i, value = request.reply_key  # type: ignore[misc]
         self._answer(i, value, failed=message)
 
@@ -436,11 +457,14 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
         """Publish the answer to ``value`` in channel ``i`` (its ``out`` written), or an
         error answer with the text ``failed``; nothing for a request superseded meanwhile (its
         attention rank gave up on it and reused the slot)."""
-        _, _, view, request, response = self._channels[i]
+        a, slot, _, request = self._channels[i]
         if request[0] != value:
             return
+        answer = self.plane.answers[a][slot]
         if failed is not None:
-            view.write_error(failed)
+            answer.write_error(failed)
+        response = answer.response_words
+        assert response is not None  # host memory
         response[CPU_WORD] = self._cpu
         response[0] = -value if failed is not None else value  # after the payload (TSO)
 
@@ -453,6 +477,7 @@ class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
         self._served = [0] * spec.num_attention_ranks  # the last step taken, per rank
         self._first_seen: float | None = None  # a step announced while others are awaited
         self._left_out: set[int] = set()  # ranks left out of a step (logged once each)
+        self._buffers = 0  # answer buffers mapped so far: in a step's shape (``Step.buffers``)
         self._backoff = Backoff(WaitPolicy())
 
     def next_step(self, timeout_s: float) -> Step | None:
@@ -493,11 +518,13 @@ class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
         running = {}
         for a, schedule in fresh.items():
             self._served[a] = schedule.step
+            if self._map_answers(a):
+                self._buffers += 1
             if schedule.mode == Mode.CAPTURE:  # recorded, not sent: nothing to wait for
                 continue
             self.plane.begin(a, schedule.step)
             running[a] = schedule
-        return Step.of(running)
+        return Step.of(running, self._buffers)
 
     def serve_use(self, slot: int, parts: tuple[Part, ...], forward: UseForward) -> None:
         """One use of a step in stream order (``FFNPlane.serve``): every part's rows in one

@@ -41,6 +41,13 @@ def _forward(spec, rank: int) -> LocalMoE:
     return LocalMoE.for_rank(SCALES, spec, rank)
 
 
+def _answer_memory(att) -> list[int] | None:
+    """Where the slot plane's answers land: this attention rank's own buffers."""
+    if not hasattr(att, "plane"):
+        return None
+    return [view.out.data_ptr() for views in att.plane.answers for view in views]
+
+
 def _cluster(start_ffn, backend: str, tmp_path, delay_rank1: float, failover_s: float = 20.0):
     spec = make_spec(backend, 1, 2, directory=str(tmp_path), failover_s=failover_s)
     forwards = [_forward(spec, 0), DelayedForward(_forward(spec, 1), delay_s=delay_rank1)]
@@ -58,6 +65,7 @@ def test_requests_of_a_killed_rank_are_answered_by_its_replacement(backend, star
     inputs = [routing(8, spec, seed=s) for s in (1, 2)]
     handles = [att.dispatch(0, *inputs[mb], microbatch=mb) for mb in (0, 1)]
     assert all(set(h.token_index) == {0, 1} for h in handles)
+    answers = _answer_memory(att)
 
     def supervise() -> None:  # what placement's supervisor does, by hand
         cluster.kill(1)
@@ -71,6 +79,7 @@ def test_requests_of_a_killed_rank_are_answered_by_its_replacement(backend, star
         assert torch.equal(out, reference_moe_combine(*inputs[mb], SCALES, 8, 2)), mb
     assert (att.replacements, att.redispatched) == (1, 2)
     assert att.addresses[1] != cluster.spec.addresses[1]
+    assert _answer_memory(att) == answers  # the replacement answered into the same memory
 
     att.begin_step(StepSchedule(att.step + 1, (5,), (0,), Mode.RUN))  # on the replacement
     x = routing(5, spec, seed=3)

@@ -91,9 +91,11 @@ def test_reaping_reads_only_our_own_files():
 
 
 def _line(att, handle, response: bool = False):
-    """The int64 words of the request (or response) line of ``handle``'s slot on FFN rank 0."""
-    view = att.plane.slots[0][handle.microbatch]
-    return att.memory.word(view.response_line if response else view.request_line)
+    """The int64 words of the request line of ``handle``'s slot on FFN rank 0 (or of the
+    response line in the attention rank's answer buffer for it)."""
+    if response:
+        return att.memory.word(att.plane.answers[0][handle.microbatch].response_line)
+    return att.memory.word(att.plane.slots[0][handle.microbatch].request_line)
 
 
 def test_a_corrupted_request_count_is_answered_with_an_error(loopback):
@@ -150,3 +152,33 @@ def test_weakly_ordered_cpus_refuse_shm(monkeypatch):
     assert auto_backend("cpu", "cpu") == "tcp"  # the default, auto, takes tcp there
     with pytest.raises(RuntimeError, match="use --afd-transport tcp"):
         create_ffn_transport(make_spec("shm", 1, 1), 0)
+
+
+_KILLED_OWNER = """
+import os, signal, sys
+from vllm_afd.transport.slot_plane import HostPlaneMemory
+memory = HostPlaneMemory(prefix=sys.argv[1])
+for _ in range(2):
+    memory.create(4096)
+print(" ".join(sorted(os.listdir("/dev/shm"))), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_segments_of_a_killed_owner_go_with_its_process_family():
+    """vLLM force-kills its engine cores as it stops: the answer buffers an attention rank
+    created are unlinked by Python's resource tracker once the killed owner's family exited."""
+    import subprocess
+    import sys
+    import time
+
+    prefix = f"{SHM_PREFIX}killed_"
+    child = subprocess.run(
+        [sys.executable, "-c", _KILLED_OWNER, prefix], capture_output=True, text=True, timeout=60
+    )
+    made = {name for name in child.stdout.split() if name.startswith(prefix)}
+    assert child.returncode == -9 and len(made) == 2, child.stderr
+    deadline = time.monotonic() + 20
+    while made & set(os.listdir(host.SHM_DIR)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not made & set(os.listdir(host.SHM_DIR))

@@ -23,6 +23,7 @@ from vllm_afd.transport.reference import (
 )
 from vllm_afd.transport.slot_plane import (
     LINE,
+    AnswerViews,
     AttentionPlane,
     FFNPlane,
     HostPlaneMemory,
@@ -34,24 +35,46 @@ from vllm_afd.transport.slot_plane import (
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_layout_keeps_flags_and_parts_apart_and_aligned():
-    layout = PlaneLayout(3, 2, 5, 24, 3, torch.bfloat16)
-    buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+def _spans(buffer: torch.Tensor, tensors) -> list[tuple[int, int]]:
     spans = []
-    for a in range(3):
-        for s in range(2):
-            v = SlotViews(buffer, layout, a, s)
-            for t in (v.request, v.response, v.x, v.ids, v.weights, v.out):
-                start = t.data_ptr() - buffer.data_ptr()
-                assert start % LINE == 0
-                spans.append((start, start + t.numel() * t.element_size()))
+    for t in tensors:
+        start = t.data_ptr() - buffer.data_ptr()
+        assert start % LINE == 0
+        spans.append((start, start + t.numel() * t.element_size()))
     spans.sort()
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
-    assert spans[-1][1] <= layout.total_bytes
+    assert spans[-1][1] <= buffer.numel()
+    return spans
+
+
+def test_layout_keeps_flags_and_parts_apart_and_aligned():
+    layout = PlaneLayout(3, 2, 5, 24, 3, torch.bfloat16)
+    requests = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    views = [SlotViews(requests, layout, a, s) for a in range(3) for s in range(2)]
+    _spans(requests, [t for v in views for t in (v.request, v.x, v.ids, v.weights)])
+    answers = torch.zeros(layout.answer_bytes, dtype=torch.uint8)
+    _spans(
+        answers,
+        [
+            t
+            for s in range(2)
+            for t in (AnswerViews(answers, layout, s).response, AnswerViews(answers, layout, s).out)
+        ],
+    )
     # one microbatch's slots lie together: slot 0 of every attention rank, then slot 1
     assert layout.slot_offset(2, 0) < layout.slot_offset(0, 1)
     with pytest.raises(ValueError, match="PlaneLayout.max_tokens must be at least 1, got 0"):
         PlaneLayout(1, 2, 0, 8, 2, torch.float32)
+
+
+def _link(ffn: list[FFNPlane], layout, memory, ranks: int) -> list[AttentionPlane]:
+    """``ranks`` attention planes mapping every FFN plane's request buffer, each FFN plane
+    mapping their answer buffers (one process: what control blocks carry between two)."""
+    attention = [AttentionPlane(layout, memory, a, [p.handle for p in ffn]) for a in range(ranks)]
+    for f, plane in enumerate(ffn):
+        for a, peer in enumerate(attention):
+            plane.attach_answers(a, peer.answer_handles[f])
+    return attention
 
 
 def _spec(attention: int, ffn: int, slots: int = 2) -> TransportSpec:
@@ -86,7 +109,7 @@ def test_two_attention_ranks_and_two_ffn_ranks_get_the_reference_moe(experts, ex
     layout = PlaneLayout.of(spec)
     memory = HostPlaneMemory(timeout_s=20)
     ffn = [FFNPlane(layout, memory, f) for f in range(2)]
-    attention = [AttentionPlane(layout, memory, a, [p.handle for p in ffn]) for a in range(2)]
+    attention = _link(ffn, layout, memory, 2)
     rows = [[6, 3], [2, 5]]  # per use of slot 0 (layer position 0, 1): each rank's tokens
     forwards = [LocalMoE.for_rank(experts, spec, f) for f in range(2)]
     for plane in ffn:
@@ -147,7 +170,7 @@ def test_a_combine_nobody_answers_fails_within_the_timeout_naming_the_flag():
     layout = PlaneLayout.of(_spec(attention=1, ffn=1))
     memory = HostPlaneMemory(timeout_s=0.2)
     ffn = FFNPlane(layout, memory, 0)
-    attention = AttentionPlane(layout, memory, 0, [ffn.handle])
+    (attention,) = _link([ffn], layout, memory, 1)
     x, ids, weights = _routing(3, seed=1)
     attention.begin(1)
     handle = attention.dispatch(1, 0, x, ids, weights)
@@ -180,7 +203,7 @@ def _run_ubatches(monkeypatch, layers: int, moe_layer) -> tuple[list, dict, list
     layout = PlaneLayout(1, 2, rows, hidden, slot_plane_check.TOP_K, torch.float32)
     memory = HostPlaneMemory(timeout_s=20)
     ffn = FFNPlane(layout, memory, 0)
-    attention = AttentionPlane(layout, memory, 0, [ffn.handle])
+    (attention,) = _link([ffn], layout, memory, 1)
     model = slot_plane_check.ToyMoE(torch.float32, torch.device("cpu"), layers)
     calls = []
     inputs = [torch.randn(rows, hidden) for _ in range(2)]

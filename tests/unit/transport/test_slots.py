@@ -321,6 +321,15 @@ def test_a_schedule_read_while_it_is_written_is_not_taken():
         base = block._base(1)
         block.words[base] = 0  # a writer between its first and its last store
         assert block.schedule(1) is None and block.announced_step(1) == 0
+        peer.announce(1, schedule)
+        # an attention rank's answer buffer: offered, offered again (a restarted front-end)
+        assert block.answers(0) is None and block.answers_generation(0) == 0
+        peer.offer_answers(0, "answers-a")
+        assert block.answers(0) == (2, "answers-a") and block.answers(1) is None
+        peer.offer_answers(0, "answers-b")
+        assert block.answers(0) == (4, "answers-b") and block.schedule(1) == schedule
+        block.words[block._answer_word(0)] = 5  # a writer half-way
+        assert block.answers(0) is None
         peer.close()
         with pytest.raises(ValueError, match="has layout"):
             ControlBlock.attach(block.name, PlaneLayout(2, 2, 4, 8, 3, torch.float32), LAYERS)
