@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_afd.transport.base import FFNTransport, TransportSpec
+from vllm_afd.transport.base import FFNTransport, ServesRequests, ServesSteps, TransportSpec
 from vllm_afd.transport.reference import FFNForward
 
 
@@ -72,11 +72,16 @@ def serve_ffn(
     poll_s: float = 0.05,
 ) -> int:
     """Reference FFN loop: answer every request until ``should_stop()`` (checked when idle);
-    a request whose forward raises is failed with the error's text (``reply_error``).
+    a request whose forward raises is failed with the error's text (``reply_error``). An
+    endpoint that serves whole announced steps is served step by step, as the executor does
+    (``_serve_steps``).
 
     Returns:
-        The number of requests answered.
+        The number of requests (or parts of uses) answered.
     """
+    if isinstance(transport, ServesSteps):
+        return _serve_steps(transport, forward, should_stop, poll_s)
+    assert isinstance(transport, ServesRequests)
     served = 0
     while True:
         requests = transport.recv(poll_s)
@@ -92,6 +97,23 @@ def serve_ffn(
                 continue
             transport.reply(request, out)
         served += len(requests)
+
+
+def _serve_steps(
+    transport: ServesSteps, forward: FFNForward, should_stop: Callable[[], bool], poll_s: float
+) -> int:
+    """Every announced step, use by use (``ServesSteps``), until ``should_stop()``."""
+    served = 0
+    while True:
+        step = transport.next_step(poll_s)
+        if step is None:
+            if should_stop():
+                return served
+            continue
+        for _, slot, parts in step.uses:
+            transport.serve_use(slot, parts, forward)
+            served += len(parts)
+        transport.end_step()
 
 
 class StopFlag:

@@ -85,9 +85,11 @@ experts it does not hold.
 Failure. A host wait raises ``FFNTimeout`` after its deadline and reports a flag that moved
 past the awaited value to its caller; its ``watch`` callback (every ``WATCH_INTERVAL_S``) lets
 the caller end it early (the FFN process died, the sender announced a newer step). A device
-wait gives up after its spin budget, or on an error answer or a peer that moved on, records it
-in a device word and lets the stream go on (a kernel cannot raise); ``check()`` reads that word
-on the host (at step boundaries, where the host looks anyway) and raises.
+wait gives up after its spin budget, or on an error answer, a peer that moved on or an abort
+word a host watchdog sets when the peer dies (``RecordedWaits.abort``: the step's later waits
+end at once), records it in a device word and lets the stream go on (a kernel cannot raise);
+``check()`` reads that word on the host (at step boundaries, where the host looks anyway) and
+raises.
 """
 
 from __future__ import annotations
@@ -629,19 +631,36 @@ class FFNPlane:
 class RecordedWaits:
     """The device's way to fail a wait, shared by ``CudaPlaneMemory`` and ``HostPlaneMemory``
     with ``device_waits``: a wait cannot raise (a kernel), so one that ends without its
-    answer (gave up, an error answer, a peer that moved on) is counted in ``errors``, a word
-    on the memory's device, and ``check()`` reads it on the host and raises."""
+    answer (gave up, an error answer, a peer that moved on, ``abort``) is counted in
+    ``errors``, a word on the memory's device, and ``check()`` reads it on the host and raises.
+
+    A dead peer must not cost every remaining wait of a step its whole bound: a host watchdog
+    that sees it die calls ``abort``, which sets ``aborted``, a word in host memory every wait
+    polls (pinned memory the device reads on GPUs), so the step's waits end at once."""
 
     #: Its waits record where they fail (``check`` raises) instead of raising.
     records_waits = True
     errors: torch.Tensor
+    #: Non-zero: every wait ends at once, failed, until ``check`` (host memory, int64 [1]).
+    aborted: torch.Tensor
     #: What a wait gives up after, for the message (``"30 s"``, ``"67108864 polls"``).
     bound: str
+    _reason: TransportError | None = None
+
+    def abort(self, reason: TransportError) -> None:
+        """End every wait now and until the next ``check``, which raises ``reason``."""
+        self._reason = reason
+        self.aborted.fill_(1)  # host memory: a plain store, read by the waits
 
     def check(self) -> None:
         failed = int(self.errors)  # a device sync: at step boundaries only
-        if failed:
+        reason, self._reason = self._reason, None
+        if failed or reason is not None:
             self.errors.zero_()
+            self.aborted.zero_()
+        if reason is not None:
+            raise reason
+        if failed:
             raise FFNTimeout(
                 f"slot plane: {failed} wait(s) ended without their answer (given up after "
                 f"{self.bound}, an error answer, or a peer that moved on)"
@@ -676,6 +695,10 @@ def await_word(
             next_watch = now + WATCH_INTERVAL_S
 
 
+class _Aborted(Exception):
+    """A device-semantics wait on the host saw ``RecordedWaits.aborted`` set."""
+
+
 def _unlink(name: str, creator_pid: int) -> None:
     """A segment's creator unlinks it, and tells the resource tracker (not a forked child)."""
     if os.getpid() == creator_pid:
@@ -708,6 +731,7 @@ class HostPlaneMemory(RecordedWaits):
         self.policy = policy or WaitPolicy()
         self.records_waits = device_waits
         self.errors = torch.zeros(1, dtype=torch.int64)
+        self.aborted = torch.zeros(1, dtype=torch.int64)
         self.bound = f"{timeout_s} s"
         self._maps: list[mmap.mmap] = []
         self._created: list[multiprocessing.util.Finalize] = []
@@ -757,8 +781,16 @@ class HostPlaneMemory(RecordedWaits):
         watch: Watch | None = None,
     ) -> int | None:
         want = self.word(step)[0] + position + 1
+        if self.device_waits:
+            if self.word(self.aborted)[0]:  # a step whose peer died: its waits end at once
+                self.errors += 1
+                return None
+            watch = self._watch_abort
         backoff = Backoff(self.policy)
-        seen = await_word(self.word(flag), want, backoff.start + self.timeout_s, backoff, watch)
+        try:
+            seen = await_word(self.word(flag), want, backoff.start + self.timeout_s, backoff, watch)
+        except _Aborted:
+            seen = None
         if seen is None:
             if self.device_waits:
                 self.errors += 1
@@ -769,6 +801,10 @@ class HostPlaneMemory(RecordedWaits):
         if seen != want:
             self.errors += 1
         return None
+
+    def _watch_abort(self) -> None:
+        if self.word(self.aborted)[0]:
+            raise _Aborted
 
     def check(self) -> None:
         if self.device_waits:

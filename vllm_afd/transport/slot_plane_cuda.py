@@ -9,8 +9,9 @@ device from the sender's step word (``slot_plane``: the use's value), so a captu
 the right value on every replay without Python. ``wait`` spins on an acquire load
 (``atomic_add(flag, 0)``) at system scope until ``|flag|`` reaches the awaited value. A kernel
 cannot raise: a wait that gives up after ``max_spins`` polls, or ends on another value than
-its own (an error answer, a peer that moved on), is counted in a device word
-(``slot_plane.RecordedWaits``), and ``check()`` reads that word on the host at a step boundary.
+its own (an error answer, a peer that moved on), or that a host watchdog aborted (a word in
+pinned host memory it polls), is counted in a device word (``slot_plane.RecordedWaits``), and
+``check()`` reads that word on the host at a step boundary.
 
 CUDA IPC, not PyTorch symmetric memory: it needs no process-group rendezvous (NCCL refuses two
 ranks on one GPU) and works for two processes sharing a device. The handle peers attach by is
@@ -48,12 +49,14 @@ def _kernels() -> tuple[Any, Any]:
         tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
 
     @triton.jit
-    def wait_kernel(flag_ptr, step_ptr, offset, error_ptr, max_spins):
+    def wait_kernel(flag_ptr, step_ptr, offset, error_ptr, abort_ptr, max_spins):
         want = tl.load(step_ptr) + offset
         seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
         spins = 0
-        while (seen < want) & (seen > -want) & (spins < max_spins):
+        aborted = tl.load(abort_ptr, volatile=True)
+        while (seen < want) & (seen > -want) & (spins < max_spins) & (aborted == 0):
             seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            aborted = tl.load(abort_ptr, volatile=True)
             spins += 1
         if seen != want:
             tl.atomic_add(error_ptr, 1)
@@ -76,6 +79,9 @@ class CudaPlaneMemory(RecordedWaits):
         self.device = torch.device("cuda", device) if isinstance(device, int) else device
         self.max_spins = max_spins
         self.errors = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # pinned host memory, which the device reads through the same address (UVA), as NCCL
+        # polls its abort flag: set by a host watchdog while a wait spins (``abort``)
+        self.aborted = torch.zeros(1, dtype=torch.int64).pin_memory()
         self.bound = f"{max_spins} polls"
         self._keep: list[torch.Tensor] = []  # created buffers: peers map them
 
@@ -120,7 +126,9 @@ class CudaPlaneMemory(RecordedWaits):
         what: str,
         watch: Watch | None = None,
     ) -> None:
-        _kernels()[1][(1,)](flag, step, position + 1, self.errors, self.max_spins, num_warps=1)
+        _kernels()[1][(1,)](
+            flag, step, position + 1, self.errors, self.aborted, self.max_spins, num_warps=1
+        )
 
     def close(self) -> None:
         self._keep.clear()

@@ -30,6 +30,7 @@ per step.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -60,6 +61,7 @@ from vllm_afd.transport.slot_plane import (
     PLANE_PREFIX,
     POSITION_BITS,
     ROWS_WORD,
+    WATCH_INTERVAL_S,
     AttentionPlane,
     FFNPlane,
     HostPlaneMemory,
@@ -118,6 +120,23 @@ class PlaneAttentionTransport(AttentionEndpoint):
         #: Per FFN rank and slot: the rows last sent.
         self._sent = [[0] * spec.num_slots for _ in self.controls]
         self._cpu = -1
+        self._closed = threading.Event()
+        self._watching = None
+        if self.memory.records_waits:  # a wait cannot watch: a thread watches for it
+            name = f"afd-plane-watchdog-{rank}"
+            self._watching = threading.Thread(target=self._watchdog, name=name, daemon=True)
+            self._watching.start()
+
+    def _watchdog(self) -> None:
+        """With the device's waits: every ``WATCH_INTERVAL_S``, the FFN ranks' liveness, as a
+        host wait's watch checks it; a lost one aborts the step's waits at once
+        (``RecordedWaits.abort``: the next announcement raises its ``FFNRankLost``) instead of
+        letting each spin to its bound."""
+        while not self._closed.wait(WATCH_INTERVAL_S):
+            try:
+                self._check_alive(range(len(self.controls)))
+            except TransportError as lost:
+                self.memory.abort(lost)  # type: ignore[attr-defined]
 
     def _announce(self, schedule: StepSchedule) -> None:
         """Raise what the last step's device waits recorded, then start ``schedule``'s step
@@ -264,6 +283,9 @@ class PlaneAttentionTransport(AttentionEndpoint):
 
     def close(self) -> None:
         """Unmap everything; unlink this rank's answer buffers (the FFN side unlinks its own)."""
+        self._closed.set()
+        if self._watching is not None:
+            self._watching.join()  # before the control blocks it reads go
         for control in self.controls:
             control.close()
         self.controls = []

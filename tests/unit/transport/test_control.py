@@ -21,7 +21,7 @@ from vllm_afd.transport.control import (
 from vllm_afd.transport.reference import LocalMoE
 
 pytestmark = pytest.mark.timeout(60)
-BACKENDS = ["shm", "slots", "tcp"]
+BACKENDS = ["shm", "slots", "tcp", "counting"]
 #: DeepSeek-like: layer 0 dense, then MoE layers; numbers past 64 take a second bitmap word.
 LAYERS = (1, 2, 3, 63, 64, 93)
 

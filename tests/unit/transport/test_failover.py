@@ -26,8 +26,9 @@ from vllm_afd.transport.directory import FAILED, RECOVERING, UP, RankEntry
 from vllm_afd.transport.reference import LocalMoE, ScaleExperts, reference_moe_combine
 
 pytestmark = pytest.mark.timeout(90)
-#: The slot plane on host memory (``shm`` is the same endpoints) and tcp.
-BACKENDS = ["slots", "tcp"]
+#: The slot plane on host memory (``shm`` is the same endpoints), tcp, and the out-of-tree
+#: counting backend (``transport_testlib.COUNTING``).
+BACKENDS = ["slots", "tcp", "counting"]
 SCALES = ScaleExperts(torch.arange(1.0, 9.0) / 4)
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transport_testlib import EXPERTS, expected, routing
 
-from vllm_afd.testing.ffn import serve_ffn
+from vllm_afd.testing.ffn import DelayedForward, serve_ffn
 from vllm_afd.transport import (
     Feature,
     FFNRankLost,
@@ -255,6 +255,30 @@ def test_device_waits_record_a_failed_wait_and_raise_it_at_the_next_announcement
     finally:
         endpoint.close()
         ffn.close()
+
+
+def test_a_dead_ffn_process_ends_every_device_wait_of_the_step_at_once(start_ffn):
+    """The device's waits cannot watch the FFN process: the attention endpoint's watchdog does,
+    and aborts them (``RecordedWaits.abort``). The FFN rank is killed while it computes the
+    step's first use: the step's six waits end within a watch interval or two instead of each
+    spinning to the timeout, and the next announcement raises the loss, naming the rank."""
+    spec = _spec(attention=1, ffn=1, timeout_s=20.0, config={"waits": "device"})
+    forward = DelayedForward(LocalMoE.for_rank(EXPERTS, spec, 0), delay_s=60.0)
+    cluster = start_ffn(spec, [forward])
+    endpoint = create_attention_transport(cluster.spec, 0)
+    try:
+        endpoint.begin_step(StepSchedule(1, (2, 2), LAYERS))
+        threading.Timer(0.3, cluster.kill, args=(0,)).start()
+        start = time.perf_counter()
+        for layer in LAYERS:
+            handles = [endpoint.dispatch(layer, *routing(2, spec, mb), mb) for mb in (0, 1)]
+            for handle in handles:
+                endpoint.combine(handle)  # recorded, not raised: a device wait
+        assert time.perf_counter() - start < spec.timeout_s  # one wait's bound, for six
+        with pytest.raises(FFNRankLost, match=r"FFN rank 0 \(pid \d+\) died"):
+            endpoint.begin_step(StepSchedule(2, (2,), LAYERS))
+    finally:
+        endpoint.close()
 
 
 def test_a_closed_ffn_rank_fails_the_wait_within_the_watch_interval():
