@@ -541,17 +541,30 @@ class MoEModelInfo:
     moe_layers: tuple[int, ...] = field(default_factory=tuple)
 
     def check_ffn_ranks(self, num_ffn_ranks: int) -> None:
-        if num_ffn_ranks > self.num_experts:
-            raise AFDConfigError(
-                f"{_where('ratio')}: {num_ffn_ranks} FFN ranks but the model has only "
-                f"{self.num_experts} routed experts; use at most {self.num_experts} FFN ranks"
-            )
-        if self.num_experts % num_ffn_ranks != 0:
-            raise AFDConfigError(
-                f"{_where('ratio')}: {self.num_experts} routed experts cannot be split evenly "
-                f"over {num_ffn_ranks} FFN ranks; the FFN rank count must divide "
-                f"{self.num_experts}"
-            )
+        problem = ffn_ranks_problem(self.num_experts, num_ffn_ranks)
+        if problem is not None:
+            raise AFDConfigError(f"{_where('ratio')}: {problem}")
+
+
+def ffn_ranks_problem(num_experts: int, num_ffn_ranks: int) -> str | None:
+    """Why ``num_ffn_ranks`` FFN ranks cannot hold ``num_experts`` routed experts, or ``None``.
+    The one rule of what serve, ``POST /afd/scale``, ``vllm-afd plan``, ``--afd-ratio auto``
+    and the advisor consider: each FFN rank holds an equal share of the experts."""
+    if num_ffn_ranks < 1:
+        return f"{num_ffn_ranks} FFN ranks: at least 1"
+    if num_ffn_ranks > num_experts:
+        return (
+            f"{num_ffn_ranks} FFN ranks but the model has only {num_experts} routed experts; "
+            f"use at most {num_experts} FFN ranks"
+        )
+    if num_experts % num_ffn_ranks:
+        allowed = [f for f in range(1, min(num_experts, 64) + 1) if num_experts % f == 0]
+        return (
+            f"{num_experts} routed experts cannot be split evenly over {num_ffn_ranks} FFN "
+            f"ranks; the FFN rank count must divide {num_experts} ({', '.join(map(str, allowed))}"
+            f"{', ...' if num_experts > 64 else ''})"
+        )
+    return None
 
 
 def _coerce(key: str, value: Any, typ: Callable[[Any], Any]) -> Any:

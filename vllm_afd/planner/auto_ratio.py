@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from vllm_afd import envs
-from vllm_afd.config import AFDConfigError, MoEModelInfo
+from vllm_afd.config import AFDConfigError, MoEModelInfo, ffn_ranks_problem
 
 
 def plan_hardware(platform_is_cpu: bool, what: str = "--afd-ratio auto") -> str:
@@ -39,7 +39,7 @@ def candidate_ffn_ranks(info: MoEModelInfo, attention_ranks: int) -> list[int]:
     return [
         f
         for f in range(1, attention_ranks + 1)
-        if attention_ranks % f == 0 and info.num_experts % f == 0
+        if attention_ranks % f == 0 and ffn_ranks_problem(info.num_experts, f) is None
     ]
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from vllm_afd.config import ffn_ranks_problem
 from vllm_afd.planner.hardware import Hardware
 from vllm_afd.planner.models import ModelSpec
 
@@ -121,7 +122,9 @@ def ffn_pool_candidates(
     pool = hw.ffn_pool_gpus
     sizes = range(pool, hw.nvlink_domain, pool) if pool else range(1, hw.nvlink_domain)
     fitting = tuple(
-        s for s in sizes if model.num_experts % s == 0 and ffn_fits(model, hw, s, memory)
+        s
+        for s in sizes
+        if ffn_ranks_problem(model.num_experts, s) is None and ffn_fits(model, hw, s, memory)
     )
     if pool:
         fitting = fitting[:1]

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_afd.config import ffn_ranks_problem
 from vllm_afd.planner.analytical import (
     Decomposition,
     StageTimes,
@@ -408,6 +409,9 @@ def plan(
     max_batch = req.batch or _kv_full_batch(req, hw)
     baseline = best_baseline(req, hw, point)
     if req.ffn_gpus:
+        problem = ffn_ranks_problem(req.model.num_experts, req.ffn_gpus)
+        if problem is not None:
+            raise ValueError(f"--ffn-gpus: {problem}")
         check_ffn_fits(req.model, hw, req.ffn_gpus, req.memory)
     pools = (req.ffn_gpus,) if req.ffn_gpus else ffn_pool_candidates(req.model, hw, req.memory)
     options = [_pool_rows(req, hw, point, pool, max_batch, baseline) for pool in pools]
@@ -544,7 +548,7 @@ def recommend_ratio(
         raise ValueError(f"fewer than 2 requests of {context} tokens fit an attention GPU")
     best: RatioPrediction | None = None
     for ffn in range(1, total_ranks):
-        if model.num_experts % ffn or not ffn_fits(model, hw, ffn, memory):
+        if ffn_ranks_problem(model.num_experts, ffn) or not ffn_fits(model, hw, ffn, memory):
             continue
         attn = total_ranks - ffn
         tune = batch is None

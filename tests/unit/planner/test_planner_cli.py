@@ -144,6 +144,20 @@ def test_plot_writes_a_png(capsys, tmp_path):
         ),
         (["--model", "qwen3", "--context", "32K"], "", "profiled contexts"),
         (
+            [
+                "--model",
+                "qwen3-30b-a3b",
+                "--hardware",
+                "h200",
+                "--context",
+                "8K",
+                "--ffn-gpus",
+                "3",
+            ],
+            "--ffn-gpus",
+            "must divide 128 (1, 2, 4, 8",
+        ),
+        (
             ["--model", "qwen3", "--context", "4K", "--profile", "/nonexistent.json"],
             "--profile",
             "no such file",
