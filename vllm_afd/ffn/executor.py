@@ -236,6 +236,36 @@ def _rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
+def prepare_device(kernel: ExpertKernel, spec: TransportSpec, rank: int) -> None:
+    """What the rank's device needs before its first request, done at start so that a
+    problem fails the start with its cause rather than the attention ranks' first forward (on
+    a GPU their memory profiling run): on CUDA, vLLM's workspace manager, which its modular MoE
+    kernels take scratch from (vLLM's GPU worker sets it up; the FFN rank has no worker); then
+    one dry forward of the first layer: two tokens on the host (the kernel moves them, as it
+    moves the transports' buffers), routed to this rank's first experts.
+
+    Raises:
+        RuntimeError: naming the layer and the kernel's error, when the dry forward fails.
+    """
+    if kernel.device.type == "cuda":
+        from vllm.v1.worker import workspace
+
+        if not workspace.is_workspace_manager_initialized():
+            workspace.init_workspace_manager(kernel.device)
+    layer = min(kernel.layers)
+    x = torch.zeros(2, spec.hidden_size, dtype=spec.dtype)
+    first = spec.expert_range(rank).start
+    ids = ((first + torch.arange(spec.top_k)) % spec.num_experts).to(torch.int32).expand(2, -1)
+    weights = torch.full((2, spec.top_k), 1.0 / spec.top_k, dtype=torch.float32)
+    try:
+        kernel(layer, x, ids.contiguous(), weights)
+    except Exception as exc:
+        raise RuntimeError(
+            f"AFD FFN rank {rank}: a dry forward of MoE layer {layer} failed at start on "
+            f"{kernel.device}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 class FFNExecutor:
     """One FFN rank: its experts, its transport endpoint, and the serve loop."""
 
@@ -251,6 +281,7 @@ class FFNExecutor:
         self.param_bytes = expert_bytes(layers)
         self.weights = _weights_report(layers)
         self.kernel = ExpertKernel(layers, device)
+        prepare_device(self.kernel, spec, rank)
         self.checker = ScheduleChecker(rank, layers)
         self._announcing: set[int] = set()  # attention ranks seen announcing (logged once)
         logger.info(

@@ -310,3 +310,47 @@ def test_with_device_waits_the_executor_serves_whole_steps_and_fails_what_it_can
         if endpoint is not None:
             endpoint.close()
         executor.stop()
+
+
+def test_a_kernel_that_fails_fails_the_start_with_its_cause(tiny_qwen3, monkeypatch):
+    """The dry forward at start (``prepare_device``): a broken kernel stops the FFN rank before
+    it serves, naming the layer and the error, not the attention ranks' first forward."""
+    from vllm_afd.ffn import executor
+
+    def broken(self, layer, x, topk_ids, topk_weights):
+        raise RuntimeError("no kernel for this dtype")
+
+    monkeypatch.setattr(executor.ExpertKernel, "__call__", broken)
+    spec = TransportSpec("shm", 1, 1, 8, 128, 2, 4, torch.float32, moe_layers=(0, 1))
+    with pytest.raises(
+        RuntimeError,
+        match=r"dry forward of MoE layer 0 failed at start on cpu: "
+        r"RuntimeError: no kernel for this dtype",
+    ):
+        FFNExecutor(spec, 0, tiny_qwen3, "cpu")
+
+
+def test_on_cuda_the_workspace_is_set_up_before_the_dry_forward(monkeypatch):
+    """What vLLM's GPU worker sets up for its MoE kernels, the FFN rank sets up itself (faked
+    CUDA device: the order of the calls, and the dry forward's routing to the rank's experts)."""
+    from vllm.v1.worker import workspace
+
+    from vllm_afd.ffn.executor import prepare_device
+
+    calls = []
+    monkeypatch.setattr(workspace, "is_workspace_manager_initialized", lambda: False)
+    monkeypatch.setattr(workspace, "init_workspace_manager", lambda d: calls.append(("ws", d)))
+
+    class Kernel:
+        device = torch.device("cuda", 3)
+        layers = {5: None, 9: None}
+
+        def __call__(self, layer, x, topk_ids, topk_weights):
+            calls.append(("forward", layer, x.shape, topk_ids.tolist()))
+
+    spec = TransportSpec("slots", 1, 2, 8, 16, 2, 4, torch.bfloat16, moe_layers=(5, 9))
+    prepare_device(Kernel(), spec, 1)
+    assert calls == [
+        ("ws", torch.device("cuda", 3)),
+        ("forward", 5, (2, 16), [[4, 5], [4, 5]]),
+    ]
