@@ -285,12 +285,30 @@ def _mode() -> Mode:
 
 
 def announce_replay(num_tokens: int, num_ubatches: int) -> None:
-    """Runner hook (G1): a FULL CUDA graph is about to be replayed; its AFD kernels run
-    without the op's Python, so the step is announced here: ``num_ubatches`` microbatches of
-    at most ``num_tokens`` tokens. No-op in a process without an FFN group."""
+    """Runner hook (G1): a FULL CUDA graph of ``num_tokens`` (padded) tokens is about to be
+    replayed; its AFD kernels run without the op's Python, so the step is announced here, its
+    microbatches' tokens as vLLM splits them (``replay_ubatch_tokens``). No-op in a process
+    without an FFN group."""
     session = _SESSION
     if session is not None:
-        session.steps.begin((num_tokens,) * num_ubatches, ())
+        session.steps.begin(replay_ubatch_tokens(num_tokens, num_ubatches), ())
+
+
+def replay_ubatch_tokens(num_tokens: int, num_ubatches: int) -> tuple[int, ...]:
+    """Each microbatch's tokens in a replay of ``num_tokens`` padded tokens, from vLLM's own
+    split (``ubatch_utils.maybe_create_ubatch_slices``, as the V2 runner's
+    ``create_ubatch_slices`` calls it): the FFN computes each microbatch's rows, not the whole
+    step's once per microbatch."""
+    if num_ubatches <= 1:
+        return (num_tokens,)
+    import numpy as np
+    from vllm.v1.worker.ubatch_utils import maybe_create_ubatch_slices
+
+    _, padded = maybe_create_ubatch_slices(
+        True, np.array([num_tokens]), num_tokens, 1, num_ubatches
+    )
+    assert padded is not None
+    return tuple(s.num_tokens for s in padded)
 
 
 def announce_microbatched_step(microbatch_tokens: Sequence[int], contexts: Sequence) -> None:

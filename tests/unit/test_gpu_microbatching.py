@@ -193,7 +193,9 @@ def test_under_dbo_one_step_of_two_microbatches_is_announced_for_both_ubatches(m
 
 
 def test_a_replayed_full_cuda_graph_announces_its_step_first(monkeypatch):
-    """G1: the replay's kernels run without the op's Python, so the runner announces."""
+    """G1: the replay's kernels run without the op's Python, so the runner announces, each
+    ubatch with its own rows as vLLM splits the padded batch (N/2 each for two ubatches, not N:
+    the FFN would compute every row twice)."""
     from vllm_afd.patches.gpu_runner import _replay_announces
 
     steps = remote_experts._Steps(_Endpoint())
@@ -203,12 +205,12 @@ def test_a_replayed_full_cuda_graph_announces_its_step_first(monkeypatch):
     def run_fullgraph(self, desc):
         order.append(("replay", len(steps.endpoint.schedules)))
 
-    desc = SimpleNamespace(num_tokens=16, num_ubatches=2)
-    _replay_announces(run_fullgraph)(None, desc)
-    _replay_announces(run_fullgraph)(None, desc)
-    assert order == [("replay", 1), ("replay", 2)]
-    assert [s.microbatch_tokens for s in steps.endpoint.schedules] == [(16, 16)] * 2
-    assert [s.step for s in steps.endpoint.schedules] == [1, 2]
+    for tokens, ubatches in ((16, 2), (7, 2), (24, 1)):
+        desc = SimpleNamespace(num_tokens=tokens, num_ubatches=ubatches)
+        _replay_announces(run_fullgraph)(None, desc)
+    assert order == [("replay", 1), ("replay", 2), ("replay", 3)]
+    assert [s.microbatch_tokens for s in steps.endpoint.schedules] == [(8, 8), (3, 4), (24,)]
+    assert [s.step for s in steps.endpoint.schedules] == [1, 2, 3]
 
 
 def test_vllms_ubatch_threads_drive_the_afd_op_with_two_yields_and_receive_hooks(monkeypatch):

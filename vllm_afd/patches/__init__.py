@@ -179,9 +179,9 @@ G1 ``ModelCudaGraphManager.run_fullgraph`` (the V2 model runner's FULL CUDA-grap
    Why: the AFD op announces each step to the FFN ranks from Python inside the forward
    (``remote_experts._Steps``); a replayed graph runs its dispatch/combine kernels without
    that Python, so the FFN ranks would never learn the step the kernels' flags belong to.
-   How: before the replay, announce a step of ``desc.num_ubatches`` microbatches of at most
-   ``desc.num_tokens`` tokens each (``remote_experts.announce_replay``); nothing without an
-   FFN group in the process.
+   How: before the replay, announce a step of ``desc.num_ubatches`` microbatches, each with
+   its tokens as vLLM's own ``maybe_create_ubatch_slices`` splits ``desc.num_tokens``
+   (``remote_experts.announce_replay``); nothing without an FFN group in the process.
    Upstream: none; the peer plugin sends its control message from its own model runner.
    Remove when: AFD is upstream (RFC vllm-project/vllm#22799), or vLLM has a pre-forward
    hook that runs for graph replays too.
