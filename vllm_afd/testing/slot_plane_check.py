@@ -22,6 +22,11 @@ each (the whole well under 5 minutes):
   process's ``SteppedPlaneFFN`` serving whole steps as the FFN executor does, its steps as
   CUDA graphs from the second step of a shape on (``StepGraphs``; on the host eagerly, with
   the device's wait semantics), 4 steps against the reference (host: exact; CUDA: bf16).
+* ``host-peer-death`` / ``cuda-peer-death``: the ``slots`` pair again; the FFN process serves one
+  step and is SIGKILLed while the attention ranks wait in the next: their device waits end
+  within ``PEER_DEATH_BOUND_S`` of the kill (the endpoint's watchdog sets the abort word they
+  poll; on CUDA, pinned host memory the Triton wait reads) instead of each spinning to its
+  bound, and the next announcement raises ``FFNRankLost``.
 * ``cuda-round-trip``: per decode-sized batch, the round trip per MoE layer (graph replays of a
   step of ``LAYERS`` layers, the router included, FFN compute an echo) and the bytes it moves,
   against the time the GPU's own copy takes for those bytes. Two processes time-slice one GPU
@@ -62,6 +67,8 @@ STEPS = (
     ("cuda-graphs", 60),
     ("cuda-slots", 45),
     ("cuda-round-trip", 60),
+    ("host-peer-death", 40),
+    ("cuda-peer-death", 45),
 )
 
 
@@ -432,6 +439,80 @@ def run_slots_pair(kind: str, dtype: torch.dtype, steps: int = 4) -> dict:
         if child.is_alive():
             child.kill()
             child.join(5)
+
+
+#: How soon after an FFN process's death a step's device waits must all have ended.
+PEER_DEATH_BOUND_S = 5.0
+
+
+def run_peer_death(kind: str, dtype: torch.dtype) -> dict:
+    """One step served, then the FFN child killed 0.5 s into the next (it serves one step
+    only): seconds from the kill to the end of that step's waits, and what the next
+    announcement raised."""
+    from vllm_afd.transport import FFNRankLost, create_attention_transport
+    from vllm_afd.transport.control import StepSchedule
+
+    if kind == "cuda":
+        torch.cuda.set_device(0)
+    ctx = mp.get_context("spawn")
+    to_attention, done = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(
+        target=_slots_ffn_main, args=(kind, dtype, 1, to_attention, done), daemon=True
+    )
+    child.start()
+    endpoints = []
+    try:
+        spec = _slots_spec(dtype, "device", (to_attention.get(timeout=60),))
+        endpoints = [create_attention_transport(spec, a) for a in range(2)]
+        device = endpoints[0].memory.device
+        model = ToyMoE(dtype, device)
+        killed = 0.0
+        for number in (1, 2):
+            for endpoint in endpoints:
+                endpoint.begin_step(StepSchedule(number, (TOKENS, TOKENS), spec.moe_layers))
+            if number == 2:
+                to_attention.get(timeout=60)  # the child served step 1: kill it in step 2
+                time.sleep(0.5)
+                child.kill()
+                killed = time.perf_counter()
+            xs = [[torch.zeros(TOKENS, HIDDEN, dtype=dtype, device=device) for _ in "mb"]] * 2
+            handles = {}
+            for op, mb, layer in dbo_order(LAYERS):
+                for a, endpoint in enumerate(endpoints):
+                    x = xs[a][mb]
+                    if op == "D":
+                        handles[a, mb] = endpoint.dispatch(layer, x, *model.route(layer, x), mb)
+                    else:
+                        endpoint.combine(handles.pop((a, mb)))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        ended = time.perf_counter() - killed
+        raised = ""
+        try:
+            endpoints[0].begin_step(StepSchedule(3, (TOKENS, TOKENS), spec.moe_layers))
+        except FFNRankLost as exc:
+            raised = str(exc)
+        if ended > PEER_DEATH_BOUND_S or "died" not in raised:
+            raise AssertionError(
+                f"after the FFN process's death the step's waits took {ended:.1f} s (bound "
+                f"{PEER_DEATH_BOUND_S} s); the next announcement raised {raised!r}"
+            )
+        return {"waits_ended_s": round(ended, 3), "raised": raised}
+    finally:
+        for endpoint in endpoints:
+            endpoint.close()
+        if child.is_alive():
+            child.kill()
+        child.join(5)
+
+
+def step_host_peer_death() -> dict:
+    return run_peer_death("host", torch.float32)
+
+
+def step_cuda_peer_death() -> dict:
+    _require_cuda()
+    return run_peer_death("cuda", torch.bfloat16)
 
 
 def step_host_slots() -> dict:

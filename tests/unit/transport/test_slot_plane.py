@@ -187,8 +187,11 @@ def test_the_device_check_runs_on_cpu_with_its_device_steps_skipped(tmp_path):
     for host in ("host-plane", "host-slots"):
         assert report[host]["status"] == "PASS"
         assert report[host]["result"]["max_abs_error"] == 0.0
+    death = report["host-peer-death"]
+    assert death["status"] == "PASS" and "died" in death["result"]["raised"]
+    assert death["result"]["waits_ended_s"] <= slot_plane_check.PEER_DEATH_BOUND_S
     device = "PASS" if torch.cuda.is_available() else "SKIP"
-    cuda = ("cuda-plane", "cuda-graphs", "cuda-slots", "cuda-round-trip")
+    cuda = ("cuda-plane", "cuda-graphs", "cuda-slots", "cuda-round-trip", "cuda-peer-death")
     assert {report[s]["status"] for s in cuda} == {device}
 
 
