@@ -222,8 +222,8 @@ def test_vllms_ubatch_threads_drive_the_afd_op_with_two_yields_and_receive_hooks
     import threading
 
     from vllm_afd.testing.ffn import serve_ffn
+    from vllm_afd.testing.reference import LocalMoE, ScaleExperts, reference_moe_combine
     from vllm_afd.transport import create_attention_transport, create_ffn_transport
-    from vllm_afd.transport.reference import LocalMoE, ScaleExperts, reference_moe_combine
 
     experts = ScaleExperts(torch.arange(1.0, 9.0) / 4)
     layers, rows = (0, 1, 2), 4

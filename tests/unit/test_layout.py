@@ -90,7 +90,7 @@ def test_no_import_circle():
 NOT_FOR_THE_FFN_SIDE = {
     "vllm_afd.remote_experts",
     "vllm_afd.transport.endpoint",
-    "vllm_afd.transport.reference",
+    "vllm_afd.testing.reference",
     "vllm_afd.transport.slot_plane",
     "vllm_afd.transport.slot_plane_cuda",
     "vllm_afd.transport.slots",

@@ -136,9 +136,9 @@ def test_overlap_point_outside_a_step_is_a_no_op(pool: PingPong) -> None:
 def test_microbatches_through_a_live_shm_transport() -> None:
     """k=3 microbatches share one attention endpoint with ``num_slots=3``; every layer's
     answer equals the dense reference, whatever order the FFN thread serves them in."""
+    from vllm_afd.testing.reference import LocalMoE, ScaleExperts, reference_moe_combine
     from vllm_afd.transport import TransportSpec, create_attention_transport, create_ffn_transport
     from vllm_afd.transport.control import StepSchedule
-    from vllm_afd.transport.reference import LocalMoE, ScaleExperts, reference_moe_combine
 
     spec = TransportSpec(
         backend="shm",

@@ -21,8 +21,8 @@ import torch
 
 from vllm_afd import envs, remote_experts
 from vllm_afd.testing.ffn import serve_ffn
+from vllm_afd.testing.reference import LocalMoE, SiluMulExperts
 from vllm_afd.transport import TransportSpec, create_ffn_transport, directory
-from vllm_afd.transport.reference import LocalMoE, SiluMulExperts
 
 
 class _OneRank:

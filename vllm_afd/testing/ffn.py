@@ -4,7 +4,7 @@ forwards that compute nothing or misbehave on purpose (``EchoForward``, ``Delaye
 ``FailingForward``).
 
 A forward is any picklable ``forward(x, topk_ids, topk_weights, out) -> out`` (see
-``transport.reference.FFNForward``; ``LocalMoE`` is the one that computes experts). ``out`` is the
+``testing.reference.FFNForward``; ``LocalMoE`` is the one that computes experts). ``out`` is the
 request's ``reply_buffer`` (``None`` where the backend has none): every forward here writes its
 answer straight into it, which saves the shm backend its reply copy.
 """
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_afd.testing.reference import FFNForward
 from vllm_afd.transport.base import FFNTransport, ServesRequests, ServesSteps, TransportSpec
-from vllm_afd.transport.reference import FFNForward
 
 
 @dataclass

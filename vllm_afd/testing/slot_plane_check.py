@@ -49,6 +49,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +125,45 @@ def dbo_order(layers: int, microbatches: int = 2) -> list[tuple[str, int, int]]:
     return order
 
 
+@dataclass(frozen=True)
+class PlaneHandle:
+    """What ``dispatch`` returns and ``combine`` consumes: the slot, the layer's position in the
+    step and the rows sent."""
+
+    slot: int
+    position: int
+    num_tokens: int
+
+
+def dispatch(
+    plane: AttentionPlane,
+    slot: int,
+    position: int,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> PlaneHandle:
+    """``plane.send`` of every row to every FFN rank (fixed shapes, as on devices)."""
+    n = x.shape[0]
+    if not 0 <= n <= plane.layout.max_tokens:
+        raise ValueError(f"send of {n} tokens: allowed 0..{plane.layout.max_tokens}")
+    for f in range(len(plane.slots)):
+        plane.send(f, slot, position, x, topk_ids, topk_weights)
+    return PlaneHandle(slot, position, n)
+
+
+def combine(plane: AttentionPlane, handle: PlaneHandle) -> torch.Tensor:
+    """Await every FFN rank's answer (on devices with streams, queue the waits), then their
+    sum in FFN rank order: ``[N, H]``, a new tensor (the slot may be reused at once)."""
+    slot, position, n = handle.slot, handle.position, handle.num_tokens
+    for f in range(len(plane.slots)):
+        plane.await_answer(f, slot, position)
+    total = plane.answer(0, slot, n).clone()
+    for f in range(1, len(plane.slots)):
+        total += plane.answer(f, slot, n)
+    return total
+
+
 def attention_step(
     planes: list[AttentionPlane], model: ToyMoE, xs: list[list[torch.Tensor]], layers: int
 ) -> None:
@@ -135,9 +175,9 @@ def attention_step(
         for a, plane in enumerate(planes):
             x = xs[a][mb]
             if op == "D":
-                handles[a, mb] = plane.dispatch(mb, layer, x, *model.route(layer, x))
+                handles[a, mb] = dispatch(plane, mb, layer, x, *model.route(layer, x))
             else:
-                x += plane.combine(handles.pop((a, mb)))
+                x += combine(plane, handles.pop((a, mb)))
 
 
 def ffn_step(plane: FFNPlane, forwards: list[Callable], rows: int, microbatches: int) -> None:

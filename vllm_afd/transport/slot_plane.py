@@ -129,7 +129,7 @@ WATCH_INTERVAL_S = 0.05
 #: Fresh names a segment's creator tries when a name is taken (planted by someone else).
 _CREATE_ATTEMPTS = 8
 #: ``forward(x [N, H], topk_ids [N, K] int32, topk_weights [N, K] float32, out [N, H]) -> out``,
-#: already weighted and summed over the FFN rank's experts (``transport.reference.FFNForward``).
+#: already weighted and summed over the FFN rank's experts (``testing.reference.FFNForward``).
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -369,16 +369,6 @@ def _set_step(word: torch.Tensor, step: int) -> None:
     word.fill_(step << POSITION_BITS)  # a kernel on a device: in stream order, no host sync
 
 
-@dataclass(frozen=True)
-class PlaneHandle:
-    """What ``AttentionPlane.dispatch`` returns and its ``combine`` consumes: the slot, the
-    layer's position in the step and the rows sent."""
-
-    slot: int
-    position: int
-    num_tokens: int
-
-
 class PlaneError(Exception):
     """A host wait found another value than the one it waited for (``found``)."""
 
@@ -392,8 +382,8 @@ class AttentionPlane:
     FFN rank order) and owns an answer buffer for each (``answer_handles``: the FFN ranks map
     them, ``FFNPlane.attach_answers``); sends into its own slots of a request buffer and awaits
     the answers in its own memory, one FFN rank at a time (``send``, ``await_answer``,
-    ``answer``: what the attention endpoint's wire is made of), or every FFN rank at once
-    (``dispatch``, ``combine_hook``: the device check)."""
+    ``answer``: what the attention endpoint's wire is made of; the device check drives every
+    FFN rank at once with them, ``testing.slot_plane_check.dispatch``)."""
 
     def __init__(
         self, layout: PlaneLayout, memory: PlaneMemory, rank: int, handles: Sequence[str]
@@ -489,50 +479,6 @@ class AttentionPlane:
         """FFN rank ``ffn_rank``'s answer in ``slot``: ``[rows, H]``, a view of this rank's
         answer buffer (read it before the slot's next use)."""
         return self.answers[ffn_rank][slot].rows(rows)
-
-    def dispatch(
-        self,
-        slot: int,
-        position: int,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-    ) -> PlaneHandle:
-        """``send`` every row to every FFN rank."""
-        n = x.shape[0]
-        if not 0 <= n <= self.layout.max_tokens:
-            raise ValueError(f"send of {n} tokens: allowed 0..{self.layout.max_tokens}")
-        for f in range(len(self.slots)):
-            self.send(f, slot, position, x, topk_ids, topk_weights)
-        return PlaneHandle(slot, position, n)
-
-    def combine_hook(
-        self, handle: PlaneHandle, watch: Watch | None = None
-    ) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
-        """``combine`` in two parts, as DeepEP's ``return_recv_hook=True`` and vLLM's async
-        finalize split it: ``hook()`` awaits every FFN rank's answer (on devices with streams,
-        it queues the waits), ``receive()`` then sums them in FFN rank order (a new tensor:
-        the slot may be reused at once)."""
-        slot, position, n = handle.slot, handle.position, handle.num_tokens
-        ranks = range(len(self.slots))
-
-        def hook() -> None:
-            for f in ranks:
-                self.await_answer(f, slot, position, watch)
-
-        def receive() -> torch.Tensor:
-            total = self.answer(0, slot, n).clone()
-            for f in ranks[1:]:
-                total += self.answer(f, slot, n)
-            return total
-
-        return hook, receive
-
-    def combine(self, handle: PlaneHandle, watch: Watch | None = None) -> torch.Tensor:
-        """``[N, H]`` (``layout.dtype``): ``combine_hook``'s two parts in a row."""
-        hook, receive = self.combine_hook(handle, watch)
-        hook()
-        return receive()
 
 
 class FFNPlane:
@@ -830,7 +776,6 @@ __all__ = [
     "FFNPlane",
     "HostPlaneMemory",
     "PlaneError",
-    "PlaneHandle",
     "PlaneLayout",
     "PlaneMemory",
     "RecordedWaits",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_afd.transport.reference import SiluMulExperts
+from vllm_afd.testing.reference import SiluMulExperts
 
 #: Families ``vllm_afd.bench.tiny_models`` builds, and one whose expert tensors the old regex
 #: loader did not read (Granite-MoE: fused ``input_linear`` / ``output_linear`` per layer).

@@ -9,7 +9,7 @@ import torch
 from tests.unit.ffn.conftest import FAMILIES, GPT_OSS, model_info, reference_experts
 from vllm_afd.ffn.executor import ExpertKernel
 from vllm_afd.ffn.weights import expert_bytes, load_routed_experts
-from vllm_afd.transport.reference import reference_moe_combine
+from vllm_afd.testing.reference import reference_moe_combine
 
 
 def _routing(tokens: int, num_experts: int, top_k: int, seed: int):

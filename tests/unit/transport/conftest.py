@@ -9,8 +9,8 @@ from collections.abc import Iterator, Sequence
 import pytest
 from transport_testlib import COUNTS_DIR, FFNCluster, Loopback, leftover_segments
 
+from vllm_afd.testing.reference import FFNForward
 from vllm_afd.transport import TransportSpec
-from vllm_afd.transport.reference import FFNForward
 
 
 @pytest.fixture(scope="session")

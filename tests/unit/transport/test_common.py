@@ -9,14 +9,14 @@ from transport_testlib import make_spec, routing
 
 from vllm_afd import envs
 from vllm_afd.config import AFDConfigError
-from vllm_afd.transport import DispatchHandle, TransportSpec, wait
-from vllm_afd.transport.endpoint import combine_partials, split_by_ffn_rank
-from vllm_afd.transport.reference import (
+from vllm_afd.testing.reference import (
     LocalMoE,
     ScaleExperts,
     SiluMulExperts,
     reference_moe_combine,
 )
+from vllm_afd.transport import DispatchHandle, TransportSpec, wait
+from vllm_afd.transport.endpoint import combine_partials, split_by_ffn_rank
 from vllm_afd.transport.wait import Backoff, WaitPolicy
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transport_testlib import EXPERTS, expected, make_spec, recv_all, routing
 
+from vllm_afd.testing.reference import LocalMoE
 from vllm_afd.transport import ProtocolError, create_attention_transport, create_ffn_transport
 from vllm_afd.transport.control import (
     WIRE_MICROBATCHES,
@@ -18,7 +19,6 @@ from vllm_afd.transport.control import (
     Tag,
     schedule_words,
 )
-from vllm_afd.transport.reference import LocalMoE
 
 pytestmark = pytest.mark.timeout(60)
 BACKENDS = ["shm", "slots", "tcp", "counting"]

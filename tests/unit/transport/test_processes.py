@@ -16,13 +16,13 @@ import torch
 from transport_testlib import attach_and_exit, leftover_segments, make_spec, routing
 
 from vllm_afd.testing.ffn import DelayedForward
-from vllm_afd.transport import FFNTimeout, TransportError
-from vllm_afd.transport.reference import (
+from vllm_afd.testing.reference import (
     LocalMoE,
     ScaleExperts,
     SiluMulExperts,
     reference_moe_combine,
 )
+from vllm_afd.transport import FFNTimeout, TransportError
 
 pytestmark = pytest.mark.timeout(60)
 BACKENDS = ["slots", "tcp", "counting"]

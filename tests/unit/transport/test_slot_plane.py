@@ -14,13 +14,14 @@ import torch
 
 from tests.unit.ubatchlib import run_ubatch_threads
 from vllm_afd.testing import slot_plane_check
-from vllm_afd.transport.base import FFNTimeout, TransportSpec
-from vllm_afd.transport.reference import (
+from vllm_afd.testing.reference import (
     LocalMoE,
     ScaleExperts,
     SiluMulExperts,
     reference_moe_combine,
 )
+from vllm_afd.testing.slot_plane_check import combine, dispatch
+from vllm_afd.transport.base import FFNTimeout, TransportSpec
 from vllm_afd.transport.slot_plane import (
     LINE,
     AnswerViews,
@@ -132,9 +133,9 @@ def test_two_attention_ranks_and_two_ffn_ranks_get_the_reference_moe(experts, ex
         for a, n in enumerate(counts):
             x, ids, weights = _routing(n, seed=10 * use + a)
             want[use, a] = reference_moe_combine(x, ids, weights, experts, 8, 2)
-            handles.append(attention[a].dispatch(0, use, x, ids, weights))
+            handles.append(dispatch(attention[a], 0, use, x, ids, weights))
         for a, h in enumerate(handles):
-            got[use, a] = attention[a].combine(h)
+            got[use, a] = combine(attention[a], h)
     for t in servers:
         t.join(20)
     for key, value in want.items():
@@ -173,11 +174,11 @@ def test_a_combine_nobody_answers_fails_within_the_timeout_naming_the_flag():
     (attention,) = _link([ffn], layout, memory, 1)
     x, ids, weights = _routing(3, seed=1)
     attention.begin(1)
-    handle = attention.dispatch(1, 0, x, ids, weights)
+    handle = dispatch(attention, 1, 0, x, ids, weights)
     with pytest.raises(FFNTimeout, match="response of FFN rank 0 to attention rank 0, slot 1"):
-        attention.combine(handle)
+        combine(attention, handle)
     with pytest.raises(ValueError, match=r"send of 7 tokens: allowed 0\.\.6"):
-        attention.dispatch(0, 0, *_routing(7, seed=2))
+        dispatch(attention, 0, 0, *_routing(7, seed=2))
 
 
 def test_the_device_check_runs_on_cpu_with_its_device_steps_skipped(tmp_path):
@@ -231,10 +232,10 @@ def test_vllms_own_ubatch_threads_drive_the_plane_in_dbo_order(monkeypatch):
     order, and the answers are the one-process reference's, bit for bit."""
 
     def moe_layer(ubatching, attention, model, calls, ubatch, layer, x):
-        handle = attention.dispatch(ubatch, layer, x, *model.route(layer, x))
+        handle = dispatch(attention, ubatch, layer, x, *model.route(layer, x))
         calls.append(("D", ubatch, layer))
         ubatching.dbo_yield()
-        out = attention.combine(handle)
+        out = combine(attention, handle)
         calls.append(("C", ubatch, layer))
         return x + out
 

@@ -17,6 +17,7 @@ import torch
 from transport_testlib import EXPERTS, expected, routing
 
 from vllm_afd.testing.ffn import DelayedForward, serve_ffn
+from vllm_afd.testing.reference import LocalMoE
 from vllm_afd.transport import (
     Feature,
     FFNRankLost,
@@ -31,7 +32,6 @@ from vllm_afd.transport import (
 from vllm_afd.transport.base import ServesSteps
 from vllm_afd.transport.control import Mode, StepSchedule
 from vllm_afd.transport.control_block import ControlBlock
-from vllm_afd.transport.reference import LocalMoE
 from vllm_afd.transport.slot_plane import PlaneLayout
 
 pytestmark = pytest.mark.timeout(120)

@@ -18,6 +18,12 @@ import torch
 
 from vllm_afd.host import SHM_DIR
 from vllm_afd.testing.ffn import StopFlag, ffn_worker_main
+from vllm_afd.testing.reference import (
+    FFNForward,
+    LocalMoE,
+    ScaleExperts,
+    reference_moe_combine,
+)
 from vllm_afd.transport import (
     AttentionTransport,
     TransportSpec,
@@ -27,12 +33,6 @@ from vllm_afd.transport import (
 from vllm_afd.transport.base import ServesRequests
 from vllm_afd.transport.control import StepSchedule
 from vllm_afd.transport.control_block import reap_stale_control_blocks
-from vllm_afd.transport.reference import (
-    FFNForward,
-    LocalMoE,
-    ScaleExperts,
-    reference_moe_combine,
-)
 
 #: Segment-name prefix of this test run (the slot plane's FFN side takes it from
 #: spec.addresses).
