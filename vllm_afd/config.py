@@ -473,6 +473,12 @@ def _choices(f: dataclasses.Field) -> tuple[str, ...] | None:
     return f.metadata.get("choices")
 
 
+class UnsetParallelSize(int):
+    """``--data-parallel-size`` when the user gave none (1, as vLLM's default): ``--afd-ratio
+    7:1`` alone widens it to 7 attention ranks, while a 1 the user gave (a plain ``int``: the
+    flag, or a config file's key) is kept, and checked against the ratio like any other."""
+
+
 def add_afd_flags(parser: argparse.ArgumentParser) -> None:
     """Add the "AFD" argument group to a vLLM engine-args parser (idempotent).
 
@@ -481,6 +487,8 @@ def add_afd_flags(parser: argparse.ArgumentParser) -> None:
     """
     if any(getattr(a, "dest", None) == "afd_ratio" for a in parser._actions):
         return
+    if any(getattr(a, "dest", None) == "data_parallel_size" for a in parser._actions):
+        parser.set_defaults(data_parallel_size=UnsetParallelSize(1))
     group = parser.add_argument_group(
         "AFD",
         "Attention-FFN Disaggregation (vllm-afd). Off unless --afd-ratio or --afd-join is given.",

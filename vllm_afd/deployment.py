@@ -23,6 +23,7 @@ from vllm_afd.config import (
     EPLB_REFUSED,
     AFDConfig,
     AFDConfigError,
+    UnsetParallelSize,
     check_gpu_microbatches,
     check_supported,
     check_this_host,
@@ -57,7 +58,8 @@ def prepare_engine_args(engine_args, usage_context) -> None:
     - on GPUs, what AFD needs of vLLM's config (``_fit_gpu_engine_args``), so that vLLM
       validates the config AFD runs and every engine core's re-validation passes;
     - one flag is enough: ``serve MODEL --afd-ratio 7:1`` gets 7 data-parallel attention
-      ranks, when the user asked for no parallelism at all (data and tensor parallel size 1),
+      ranks, when the user gave no data parallel size and tensor parallel size 1 (a
+      ``--data-parallel-size 1`` given is kept, and refused by the ratio check),
       for servers only: vLLM's offline ``LLM`` class runs a single engine, where tensor
       parallelism is the way to get several attention ranks.
     """
@@ -73,6 +75,8 @@ def prepare_engine_args(engine_args, usage_context) -> None:
         _fit_gpu_engine_args(engine_args, afd)
     if engine_args.data_parallel_size != 1 or engine_args.tensor_parallel_size != 1:
         return
+    if not isinstance(engine_args.data_parallel_size, UnsetParallelSize):
+        return  # --data-parallel-size 1 given: checked against the ratio, not widened
     from vllm.usage.usage_lib import UsageContext
 
     ratio = afd.ratio

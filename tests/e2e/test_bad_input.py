@@ -80,6 +80,11 @@ def _cases(qwen3: str, dense: str) -> list[Case]:
             (qwen3, "--afd-ratio", "3:1", "--data-parallel-size", "2"),
             "does not divide the 2",
         ),
+        (
+            "data parallel size 1 given against the ratio",
+            (qwen3, "--afd-ratio", "2:1", "--data-parallel-size", "1"),
+            "2:1 does not divide the 1 attention rank",
+        ),
         ("more FFN ranks than experts", (qwen3, "--afd-ratio", "1:16"), "only 8 routed experts"),
         ("experts not divisible", (qwen3, "--afd-ratio", "1:3"), "cannot be split evenly"),
         ("no routed experts", (dense, "--afd-ratio", "1:1"), "has no routed experts"),

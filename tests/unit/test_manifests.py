@@ -20,7 +20,9 @@ ROOT = Path(__file__).parents[2]
 QWEN3_30B = MoEModelInfo("Qwen3MoeForCausalLM", 48, 128, 8, 2048, 768, tuple(range(48)))
 
 
-def _checked(parser, argv: list[str], monkeypatch) -> tuple[argparse.Namespace, AFDConfig]:
+def _checked(
+    parser, argv: list[str], monkeypatch, total: int = 8
+) -> tuple[argparse.Namespace, AFDConfig]:
     """``vllm serve ARGV`` on an 8-GPU node: parsed, prepared as the front-end prepares it,
     and through the device checks (``AFDConfigError`` if any fails)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -40,7 +42,7 @@ def _checked(parser, argv: list[str], monkeypatch) -> tuple[argparse.Namespace, 
     afd = AFDConfig.of(engine_args)
     ranks = engine_args.data_parallel_size * engine_args.tensor_parallel_size
     deployment.check_devices(afd, ranks, "cuda", gpus_on_node=8)
-    assert ranks + afd.num_ffn_ranks(ranks) == 8
+    assert ranks + afd.num_ffn_ranks(ranks) == total
     return args, afd
 
 
@@ -75,3 +77,25 @@ def test_the_dynamo_worker_takes_afd_through_additional_config(serve_parser, mon
     vllm_args.remove("--model")
     args, afd = _checked(serve_parser, [model, *vllm_args], monkeypatch)
     assert args.data_parallel_size == 7 and afd.ratio == (7, 1)
+
+
+def test_a_data_parallel_size_of_1_given_is_kept_and_refused_by_the_ratio(
+    serve_parser, monkeypatch
+):
+    """``--afd-ratio 2:1`` alone gets two data-parallel attention ranks; with
+    ``--data-parallel-size 1`` given, the 1 is the user's, and the ratio check refuses it (exit
+    2 naming both) instead of silently starting two engines."""
+    import pytest
+
+    from vllm_afd.config import AFDConfigError
+
+    model = "Qwen/Qwen3-30B-A3B"
+    args, afd = _checked(serve_parser, [model, "--afd-ratio", "2:1"], monkeypatch, total=3)
+    assert afd.ratio == (2, 1)
+    with pytest.raises(AFDConfigError, match=r"2:1 does not divide the 1 attention rank"):
+        _checked(
+            serve_parser,
+            [model, "--afd-ratio", "2:1", "--data-parallel-size", "1"],
+            monkeypatch,
+            total=3,
+        )

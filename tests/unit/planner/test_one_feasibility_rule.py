@@ -1,11 +1,7 @@
 """One feasibility rule (``config.ffn_ranks_problem``): nothing the planner recommends is
-refused by serve's checks, and the README's headline is a deployment the planner predicts to
-win, with the verdict the README prints beside it."""
+refused by serve's checks."""
 
 from __future__ import annotations
-
-import re
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +10,6 @@ from vllm_afd.deployment import check_settings
 from vllm_afd.planner import PlanRequest, get_hardware, get_model, plan
 from vllm_afd.planner.hardware import HARDWARE_PRESETS
 from vllm_afd.planner.models import MODEL_PRESETS
-
-README = Path(__file__).resolve().parents[3] / "README.md"
 
 
 def _info(model) -> MoEModelInfo:
@@ -62,23 +56,3 @@ def test_check_settings_and_plan_refuse_the_same_ffn_rank_count():
         plan(PlanRequest(model=model, hardware=get_hardware("h200"), context=8192, ffn_gpus=3))
     with pytest.raises(Exception, match="128 routed experts cannot be split evenly over 3"):
         check_settings(AFDConfig(ratio=(1, 3)), _info(model), 1)
-
-
-def test_the_readme_headline_is_a_deployment_the_planner_predicts_to_win():
-    text = README.read_text()
-    claim = re.search(
-        r"vllm-afd plan\s+--model\s+(\S+)\s+--hardware\s+(\S+)\s+--context\s+(\d+)K`\)\s+"
-        r"predicts\s+(\d+):(\d+)\s+to\s+win:\s+S_all\s+([\d.]+),",
-        text,
-    )
-    assert claim is not None, "README.md lost its headline's planner verdict"
-    model, hardware, context_k, attn, ffn, s_all = claim.groups()
-    assert f"--afd-ratio {attn}:{ffn}" in text.split("## ")[0]
-    result = plan(
-        PlanRequest(
-            model=get_model(model), hardware=get_hardware(hardware), context=int(context_k) * 1024
-        )
-    )
-    rec = result.recommended
-    assert (rec.attn_gpus, rec.ffn_gpus) == (int(attn), int(ffn))
-    assert rec.s_all > 1 and f"{rec.s_all:.2f}" == s_all

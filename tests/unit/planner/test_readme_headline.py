@@ -1,5 +1,6 @@
 """README's headline command is one that runs: it passes the planner's fit check and the
-product's own start-up checks of the ratio, the devices and the model's experts."""
+product's own start-up checks of the ratio, the devices and the model's experts; and it is a
+deployment the planner predicts to win, with the verdict the README prints beside it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from vllm_afd.config import AFDConfig, parse_ratio
 from vllm_afd.deployment import check_devices
+from vllm_afd.planner import PlanRequest, plan
 from vllm_afd.planner.hardware import get_hardware
 from vllm_afd.planner.memory import check_ffn_fits
 from vllm_afd.planner.models import get_model
@@ -46,3 +48,23 @@ def test_the_old_headline_would_have_failed_the_fit_check():
     """Qwen3-235B-A22B at 7:1 on 8 GPUs: 454 GB of experts on one FFN GPU."""
     with pytest.raises(ValueError, match="do not fit 1 FFN GPU"):
         check_ffn_fits(get_model("Qwen/Qwen3-235B-A22B"), get_hardware("h200"), 1)
+
+
+def test_the_readme_headline_is_a_deployment_the_planner_predicts_to_win():
+    text = README.read_text()
+    claim = re.search(
+        r"vllm-afd plan\s+--model\s+(\S+)\s+--hardware\s+(\S+)\s+--context\s+(\d+)K`\)\s+"
+        r"predicts\s+(\d+):(\d+)\s+to\s+win:\s+S_all\s+([\d.]+),",
+        text,
+    )
+    assert claim is not None, "README.md lost its headline's planner verdict"
+    model, hardware, context_k, attn, ffn, s_all = claim.groups()
+    assert f"--afd-ratio {attn}:{ffn}" in text.split("## ")[0]
+    result = plan(
+        PlanRequest(
+            model=get_model(model), hardware=get_hardware(hardware), context=int(context_k) * 1024
+        )
+    )
+    rec = result.recommended
+    assert (rec.attn_gpus, rec.ffn_gpus) == (int(attn), int(ffn))
+    assert rec.s_all > 1 and f"{rec.s_all:.2f}" == s_all
