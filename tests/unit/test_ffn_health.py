@@ -249,6 +249,32 @@ def test_the_supervisor_gives_up_after_failures_in_a_row(tmp_path, monkeypatch):
         supervisor.stop()
 
 
+def test_a_streak_counts_failures_of_one_cause(tmp_path):
+    """A death, then seconds later a failed request: two causes, two streaks of one (no
+    back-off); the same failure again grows the streak (the replacement waits 1 s)."""
+    from vllm_afd.placement.failover import failure_cause
+
+    assert failure_cause("FFN rank 0 (pid 7) stopped: no heartbeat for 1.2s") == "stopped"
+    assert failure_cause("FFN rank 2 (pid 7, Ray node ab) died: ActorDiedError") == "died"
+    first = _sleeper()
+    group = _Group(_spec(tmp_path))
+    _publish(tmp_path, first.pid)
+    supervisor = Supervisor(group)
+    try:
+        streaks = []
+        for cause in ("died", "failed serving a request", "failed serving a request"):
+            entry = ffn_directory.lookup(str(tmp_path), 0)
+            supervisor._fail_over(entry, f"FFN rank 0 (pid {entry.pid}) {cause}")
+            streaks.append(supervisor._streak[0])
+        assert streaks == [1, 1, 2]
+        assert ffn_directory.lookup(str(tmp_path), 0).failovers == 3
+    finally:
+        supervisor.stop()
+        for proc in [first, *group.procs]:
+            proc.kill()
+            proc.wait()
+
+
 class _SlowGroup(_Group):
     """A replacement that takes ``start_s`` to start (a raylet gone with the front-end's
     process group: its start cannot finish)."""

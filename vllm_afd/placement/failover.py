@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -39,6 +40,15 @@ def restart_delay(streak: int) -> float:
     """Seconds before starting the replacement after the ``streak``-th failure of a rank in a
     row: 0 for the first, then 1, 3, 7, 15 s (at most ``FAILOVER_MAX_DELAY_S``)."""
     return min(2.0 ** (streak - 1) - 1, FAILOVER_MAX_DELAY_S)
+
+
+def failure_cause(problem: str) -> str:
+    """The kind of failure ``problem`` names: its words after the rank and pid, up to a colon,
+    parenthesis or semicolon (``died``, ``stopped``, ``wedged``, ``failed serving a request``,
+    ``gave no answer through Ray for``...). A streak counts failures of one kind: a rank that
+    died of an OOM kill and, a few seconds later, failed a bad request is not crash-looping."""
+    text = problem.split(") ", 1)[-1]
+    return re.split(r"[:(;]", text, maxsplit=1)[0].rstrip(" 0123456789.s")
 
 
 def _one_line(exc: BaseException, limit: int = 300) -> str:
@@ -132,6 +142,7 @@ class Supervisor:
         self.group = group
         num_ffn = group.spec.num_ffn_ranks
         self._streak = [0] * num_ffn
+        self._cause = [""] * num_ffn  # of each rank's last failure: a streak is of one cause
         self._started = [time.monotonic()] * num_ffn
         self._ray = RayWatch(group)
         self._stop = threading.Event()
@@ -171,9 +182,9 @@ class Supervisor:
         return entry
 
     def _fail_over(self, entry: RankEntry, problem: str) -> None:
-        rank, detected = entry.rank, time.monotonic()
+        rank, detected, cause = entry.rank, time.monotonic(), failure_cause(problem)
         stable = detected - self._started[rank] >= FAILOVER_STABLE_S
-        streak = 1 if stable else self._streak[rank] + 1
+        streak = 1 if stable or cause != self._cause[rank] else self._streak[rank] + 1
         logger.warning("AFD: %s; replacing it (failure %d in a row)", problem, streak)
         entry = self._publish(entry, state=directory.RECOVERING, reason=problem)
         self._kill(rank, entry)
@@ -203,6 +214,7 @@ class Supervisor:
         info = self.group.infos[rank]
         took = time.monotonic() - detected
         self._streak[rank], self._started[rank] = streak, time.monotonic()
+        self._cause[rank] = cause
         self._publish(
             entry,
             incarnation=entry.incarnation + 1,
