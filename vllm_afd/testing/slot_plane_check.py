@@ -421,12 +421,8 @@ def _slots_ffn_main(kind: str, dtype: torch.dtype, steps: int, to_attention, don
     transport.close()
 
 
-def run_slots_pair(kind: str, dtype: torch.dtype, steps: int = 4) -> dict:
-    """``steps`` steps of two attention ranks (this process) served by an FFN child through
-    the slots backend; the largest deviation from the reference and the graphs captured."""
-    from vllm_afd.transport import create_attention_transport
-    from vllm_afd.transport.control import StepSchedule
-
+def _start_slots_child(kind: str, dtype: torch.dtype, steps: int):
+    """The FFN process of the slots steps (``_slots_ffn_main``) and its two queues."""
     if kind == "cuda":
         torch.cuda.set_device(0)
     ctx = mp.get_context("spawn")
@@ -435,6 +431,29 @@ def run_slots_pair(kind: str, dtype: torch.dtype, steps: int = 4) -> dict:
         target=_slots_ffn_main, args=(kind, dtype, steps, to_attention, done), daemon=True
     )
     child.start()
+    return child, to_attention, done
+
+
+def _dbo_step(endpoints: list, model: ToyMoE, xs: list[list[torch.Tensor]]) -> None:
+    """Every layer of the announced step for each attention endpoint, its two microbatches in
+    vLLM's DBO call order: ``xs[a][mb] += answer`` (the toy model's residual)."""
+    handles = {}
+    for op, mb, layer in dbo_order(LAYERS):
+        for a, endpoint in enumerate(endpoints):
+            x = xs[a][mb]
+            if op == "D":
+                handles[a, mb] = endpoint.dispatch(layer, x, *model.route(layer, x), mb)
+            else:
+                x += endpoint.combine(handles.pop((a, mb)))
+
+
+def run_slots_pair(kind: str, dtype: torch.dtype, steps: int = 4) -> dict:
+    """``steps`` steps of two attention ranks (this process) served by an FFN child through
+    the slots backend; the largest deviation from the reference and the graphs captured."""
+    from vllm_afd.transport import create_attention_transport
+    from vllm_afd.transport.control import StepSchedule
+
+    child, to_attention, done = _start_slots_child(kind, dtype, steps)
     endpoints = []
     try:
         spec = _slots_spec(dtype, "device", (to_attention.get(timeout=60),))
@@ -451,14 +470,7 @@ def run_slots_pair(kind: str, dtype: torch.dtype, steps: int = 4) -> dict:
             xs = [[x.clone() for x in rank] for rank in inputs]
             for endpoint in endpoints:
                 endpoint.begin_step(StepSchedule(number, (TOKENS, TOKENS), spec.moe_layers))
-            handles = {}
-            for op, mb, layer in dbo_order(LAYERS):
-                for a, endpoint in enumerate(endpoints):
-                    x = xs[a][mb]
-                    if op == "D":
-                        handles[a, mb] = endpoint.dispatch(layer, x, *model.route(layer, x), mb)
-                    else:
-                        x += endpoint.combine(handles.pop((a, mb)))
+            _dbo_step(endpoints, model, xs)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             for rank, rank_inputs in zip(xs, inputs, strict=True):
@@ -492,14 +504,7 @@ def run_peer_death(kind: str, dtype: torch.dtype) -> dict:
     from vllm_afd.transport import FFNRankLost, create_attention_transport
     from vllm_afd.transport.control import StepSchedule
 
-    if kind == "cuda":
-        torch.cuda.set_device(0)
-    ctx = mp.get_context("spawn")
-    to_attention, done = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(
-        target=_slots_ffn_main, args=(kind, dtype, 1, to_attention, done), daemon=True
-    )
-    child.start()
+    child, to_attention, done = _start_slots_child(kind, dtype, 1)
     endpoints = []
     try:
         spec = _slots_spec(dtype, "device", (to_attention.get(timeout=60),))
@@ -516,14 +521,7 @@ def run_peer_death(kind: str, dtype: torch.dtype) -> dict:
                 child.kill()
                 killed = time.perf_counter()
             xs = [[torch.zeros(TOKENS, HIDDEN, dtype=dtype, device=device) for _ in "mb"]] * 2
-            handles = {}
-            for op, mb, layer in dbo_order(LAYERS):
-                for a, endpoint in enumerate(endpoints):
-                    x = xs[a][mb]
-                    if op == "D":
-                        handles[a, mb] = endpoint.dispatch(layer, x, *model.route(layer, x), mb)
-                    else:
-                        endpoint.combine(handles.pop((a, mb)))
+            _dbo_step(endpoints, model, xs)
             if device.type == "cuda":
                 torch.cuda.synchronize()
         ended = time.perf_counter() - killed
