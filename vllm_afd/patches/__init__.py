@@ -1,4 +1,4 @@
-"""Every touch of a vLLM internal, grouped by the process it runs in, with its ledger.
+"""Every touch of a vLLM (or Ray) internal, grouped by the process it runs in, with its ledger.
 
 vLLM loads general plugins in every process it starts (API server, engine core, each worker),
 so ``apply()`` applies every group in every process. A group that does not belong to a process
@@ -6,7 +6,8 @@ is inert there: it wraps a class that process never calls.
 
 - front-end (the process that parses flags and builds the ``VllmConfig``):
   ``engine_args.py`` (P1-P3, and M6, which the engine core's re-validation runs too),
-  ``health.py`` (P4), ``metrics_registry.py`` (P6).
+  ``health.py`` (P4), ``metrics_registry.py`` (P6); ``ray_errors.py`` (R1, Ray's driver: applied
+  by failover's supervisor, not by ``apply()``).
 - worker (the processes that run the model): ``layers.py`` (P5, P7, P8), ``cpu_runner.py``
   (M1-M7), ``gpu_runner.py`` (G1-G2, GPUs only), ``cpu_comm.py`` (S1-S2), ``cpu_amx.py``
   (S3, every process), ``dp_store.py`` (S4), ``request_errors.py`` (W1, W3).
@@ -77,6 +78,17 @@ P6 ``prometheus_client.multiprocess.MultiProcessCollector.__init__``, wrapped (a
    Upstream: none; ``vllm.stat_logger_plugins`` receive engine-core stats, not a collector
    read at scrape time.
    Remove when: vLLM lets plugins contribute collectors to its ``/metrics`` registry.
+R1 ``ray._private.worker.print_to_stdstream`` (module function; Ray 2.60), wrapped once Ray
+   is up (``placement.cluster.ensure_ray``).
+   Why: when the supervisor kills a lost FFN rank, or the rank dies, the raylet reports the
+   worker's death to the driver, which prints it with "killed by the OOM killer" among its
+   guesses: on every failover, whatever the cause. The plugin logs the loss and the
+   replacement itself.
+   How: a raylet report naming the ``Worker PID`` of a rank the supervisor replaced
+   (``failover.replaced_pid``) is not printed; every other one is, unchanged.
+   Upstream: none; Ray prints every error message a job's driver receives.
+   Remove when: Ray lets a driver filter the error messages it prints, or tells a worker
+   killed by ``ray.kill`` from one that crashed.
 
 Worker
 

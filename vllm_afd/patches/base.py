@@ -258,6 +258,7 @@ TARGETS = (
     Target("W2", _KV_MANAGER, "KVCacheManager", "evict_blocks", ("block_ids",), "used"),
     Target("W3", _GPU_RUNNER, "GPUModelRunner", "_dummy_run", ("num_tokens",)),
     Target("E1", "vllm.envs", "", "environment_variables", kind="global"),
+    Target("R1", "ray._private.worker", "", "print_to_stdstream", ("data", "ignore_prefix")),
     Target(
         "F4",
         f"{_MOE}.fused_moe_method_base",

@@ -20,6 +20,7 @@ from vllm_afd.ffn.rank import HEARTBEAT_INTERVAL_S
 from vllm_afd.host import (
     pid_alive,
 )
+from vllm_afd.patches import ray_errors
 from vllm_afd.placement.cluster import FFNGroup, log_rank_up
 from vllm_afd.placement.health import FROZEN_TIMEOUT_S, rank_problem, reap_dead_segments
 from vllm_afd.transport import directory
@@ -34,6 +35,16 @@ FAILOVER_MAX_STREAK = 5
 FAILOVER_MAX_DELAY_S = 30.0
 #: How long stopping the supervisor waits for its thread (``Supervisor.stop``).
 STOP_WAIT_S = 2.0
+
+
+#: Pids of the FFN rank processes this front-end's supervisors replaced (``replaced_pid``).
+_REPLACED: set[int] = set()
+
+
+def replaced_pid(pid: int) -> bool:
+    """A supervisor of this process replaced the FFN rank that ran as ``pid`` (patch R1 keeps
+    Ray's report of its death out of the log)."""
+    return pid in _REPLACED
 
 
 def restart_delay(streak: int) -> float:
@@ -145,6 +156,7 @@ class Supervisor:
         self._cause = [""] * num_ffn  # of each rank's last failure: a streak is of one cause
         self._started = [time.monotonic()] * num_ffn
         self._ray = RayWatch(group)
+        ray_errors.apply(replaced_pid)  # Ray's report of a replaced rank's death: not printed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="afd-ffn-supervisor", daemon=True)
         self._thread.start()
@@ -237,6 +249,8 @@ class Supervisor:
     def _kill(self, rank: int, entry: RankEntry) -> None:
         """Kill the lost rank's process (stopped and wedged ones too) and reap its segments."""
         import ray
+
+        _REPLACED.add(entry.pid)
 
         actor = self.group.actors[rank]
         if actor is not None and ray.is_initialized():

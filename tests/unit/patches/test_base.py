@@ -98,7 +98,8 @@ def test_every_wrapped_target_is_wrapped_after_register():
         worker_cpu_only = target.patch[0] in "MS"  # CPU model runner and communicator
         gpu_only = target.patch[0] == "G"  # GPU model runner
         platform_ok = not gpu_only if current_platform.is_cpu() else not worker_cpu_only
-        if target.kind in base.WRAPPED and platform_ok:
+        later = target.patch[0] == "R"  # R1: once a failover supervisor starts, with Ray up
+        if target.kind in base.WRAPPED and platform_ok and not later:
             owner, _ = target.resolve()
             raw = owner.__dict__[target.name]
             raw = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw

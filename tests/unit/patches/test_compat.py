@@ -18,7 +18,7 @@ import pytest
 import vllm_afd.patches
 from vllm_afd.patches.base import TARGETS, WRAPPED, Target, raw_attribute
 
-LEDGER_IDS = re.findall(r"^([PMSFGEW]\d+) ", vllm_afd.patches.__doc__, re.M)
+LEDGER_IDS = re.findall(r"^([PMSFGEWR]\d+) ", vllm_afd.patches.__doc__, re.M)
 
 
 def _attribute(target: Target):
