@@ -225,7 +225,7 @@ def test_the_supervisor_replaces_a_killed_rank_and_publishes_it(tmp_path):
         assert (entry.incarnation, entry.address, entry.failovers) == (2, "replacement1", 1)
         assert entry.pid == group.procs[0].pid and 0 < entry.recovery_s < 5.0
         assert entry.reason == f"FFN rank 0 (pid {first.pid}) died"
-        assert placement.failover.replaced_pid(first.pid)
+        assert placement.failover.supervised_pid(entry.pid)  # the replacement's
     finally:
         supervisor.stop()
         for proc in group.procs:
@@ -406,7 +406,7 @@ def test_the_status_route_shows_the_live_group_and_the_planners_ratio(monkeypatc
 
 def test_ray_s_report_of_a_replaced_rank_s_death_is_not_printed(tmp_path, capsys):
     """R1: the raylet's "worker died" report, OOM-killer guesses and all, is left out for a
-    rank the supervisor replaced (the plugin logs the loss itself); every other report prints."""
+    rank a supervisor watches (the plugin logs the loss itself); every other report prints."""
     from ray._private import worker
 
     from vllm_afd.patches.ray_errors import replaced_worker
@@ -421,7 +421,7 @@ def test_ray_s_report_of_a_replaced_rank_s_death_is_not_printed(tmp_path, capsys
     assert not replaced_worker({"pid": 7, "lines": [report.format(pid=7)]}, {7}.__contains__)
     supervisor = Supervisor(_Group(_spec(tmp_path)))  # applies R1
     try:
-        placement.failover._REPLACED.add(424242)
+        placement.failover._SUPERVISED.add(424242)
         for pid in (424242, 434343):
             line = {"lines": [report.format(pid=pid)], "pid": "raylet", "is_err": False}
             worker.print_to_stdstream(line, ignore_prefix=False)
@@ -430,4 +430,4 @@ def test_ray_s_report_of_a_replaced_rank_s_death_is_not_printed(tmp_path, capsys
         assert "424242" not in printed.out + printed.err
     finally:
         supervisor.stop()
-        placement.failover._REPLACED.discard(424242)
+        placement.failover._SUPERVISED.discard(424242)

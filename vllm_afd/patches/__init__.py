@@ -84,8 +84,8 @@ R1 ``ray._private.worker.print_to_stdstream`` (module function; Ray 2.60), wrapp
    worker's death to the driver, which prints it with "killed by the OOM killer" among its
    guesses: on every failover, whatever the cause. The plugin logs the loss and the
    replacement itself.
-   How: a raylet report naming the ``Worker PID`` of a rank the supervisor replaced
-   (``failover.replaced_pid``) is not printed; every other one is, unchanged.
+   How: a raylet report naming the ``Worker PID`` of an FFN rank a supervisor watches or
+   watched (``failover.supervised_pid``) is not printed; every other one is, unchanged.
    Upstream: none; Ray prints every error message a job's driver receives.
    Remove when: Ray lets a driver filter the error messages it prints, or tells a worker
    killed by ``ray.kill`` from one that crashed.

@@ -1,5 +1,5 @@
-"""Front-end, R1 (ledger in ``__init__``): Ray's report of an FFN rank's worker that the
-failover supervisor replaced stays out of the server's log; the plugin's own lines say what
+"""Front-end, R1 (ledger in ``__init__``): Ray's report of the death of an FFN rank that a
+failover supervisor watches stays out of the server's log; the plugin's own lines say what
 happened (``AFD: FFN rank R (pid P) died; replacing it``, ``... replaced in X s``)."""
 
 from __future__ import annotations
@@ -13,24 +13,24 @@ from vllm_afd.patches.base import wrap
 _WORKER_PID = re.compile(r"Worker PID: (\d+)")
 
 
-def replaced_worker(data: dict, is_replaced: Callable[[int], bool]) -> bool:
+def replaced_worker(data: dict, is_supervised: Callable[[int], bool]) -> bool:
     """``data`` (what Ray's driver prints for the raylet) reports the death of a worker whose
-    pid ``is_replaced``."""
+    pid ``is_supervised``."""
     if data.get("pid") != "raylet":
         return False
     for line in data.get("lines", ()):
         found = _WORKER_PID.search(str(line))
-        if found is not None and is_replaced(int(found.group(1))):
+        if found is not None and is_supervised(int(found.group(1))):
             return True
     return False
 
 
-def apply(is_replaced: Callable[[int], bool]) -> None:
-    """R1, once per process (the first ``is_replaced`` stays)."""
+def apply(is_supervised: Callable[[int], bool]) -> None:
+    """R1, once per process (the first ``is_supervised`` stays)."""
 
     def make(original: Callable) -> Callable:
         def print_to_stdstream(data, ignore_prefix, *args, **kwargs):
-            if replaced_worker(data, is_replaced):
+            if replaced_worker(data, is_supervised):
                 return None
             return original(data, ignore_prefix, *args, **kwargs)
 

@@ -37,14 +37,16 @@ FAILOVER_MAX_DELAY_S = 30.0
 STOP_WAIT_S = 2.0
 
 
-#: Pids of the FFN rank processes this front-end's supervisors replaced (``replaced_pid``).
-_REPLACED: set[int] = set()
+#: Pids of the FFN rank processes this front-end's supervisors watch or watched
+#: (``supervised_pid``).
+_SUPERVISED: set[int] = set()
 
 
-def replaced_pid(pid: int) -> bool:
-    """A supervisor of this process replaced the FFN rank that ran as ``pid`` (patch R1 keeps
-    Ray's report of its death out of the log)."""
-    return pid in _REPLACED
+def supervised_pid(pid: int) -> bool:
+    """A supervisor of this process watches (or watched) the FFN rank that runs (ran) as
+    ``pid``: its death is the supervisor's to report (patch R1 keeps Ray's report of it out of
+    the log; Ray may print it before the supervisor notices)."""
+    return pid in _SUPERVISED
 
 
 def restart_delay(streak: int) -> float:
@@ -156,7 +158,8 @@ class Supervisor:
         self._cause = [""] * num_ffn  # of each rank's last failure: a streak is of one cause
         self._started = [time.monotonic()] * num_ffn
         self._ray = RayWatch(group)
-        ray_errors.apply(replaced_pid)  # Ray's report of a replaced rank's death: not printed
+        _SUPERVISED.update(info["pid"] for info in group.infos if info)
+        ray_errors.apply(supervised_pid)  # Ray's report of a watched rank's death: not printed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="afd-ffn-supervisor", daemon=True)
         self._thread.start()
@@ -224,6 +227,7 @@ class Supervisor:
                 return
             break
         info = self.group.infos[rank]
+        _SUPERVISED.add(info["pid"])
         took = time.monotonic() - detected
         self._streak[rank], self._started[rank] = streak, time.monotonic()
         self._cause[rank] = cause
@@ -249,8 +253,6 @@ class Supervisor:
     def _kill(self, rank: int, entry: RankEntry) -> None:
         """Kill the lost rank's process (stopped and wedged ones too) and reap its segments."""
         import ray
-
-        _REPLACED.add(entry.pid)
 
         actor = self.group.actors[rank]
         if actor is not None and ray.is_initialized():
