@@ -409,16 +409,22 @@ def test_ray_s_report_of_a_replaced_rank_s_death_is_not_printed(tmp_path, capsys
     rank a supervisor watches (the plugin logs the loss itself); every other report prints."""
     from ray._private import worker
 
-    from vllm_afd.patches.ray_errors import replaced_worker
+    from vllm_afd.patches.ray_errors import reports_a_supervised_death
 
     report = (
         "A worker died or was killed while executing a task by an unexpected system error. "
         "(Worker's Lease ID: ab, Worker PID: {pid}) Some common causes include: (1) the "
         "process was killed by the OOM killer due to high memory usage"
     )
-    assert replaced_worker({"pid": "raylet", "lines": [report.format(pid=7)]}, {7}.__contains__)
-    assert not replaced_worker({"pid": "raylet", "lines": [report.format(pid=8)]}, {7}.__contains__)
-    assert not replaced_worker({"pid": 7, "lines": [report.format(pid=7)]}, {7}.__contains__)
+    assert reports_a_supervised_death(
+        {"pid": "raylet", "lines": [report.format(pid=7)]}, {7}.__contains__
+    )
+    assert not reports_a_supervised_death(
+        {"pid": "raylet", "lines": [report.format(pid=8)]}, {7}.__contains__
+    )
+    assert not reports_a_supervised_death(
+        {"pid": 7, "lines": [report.format(pid=7)]}, {7}.__contains__
+    )
     supervisor = Supervisor(_Group(_spec(tmp_path)))  # applies R1
     try:
         placement.failover._SUPERVISED.add(424242)

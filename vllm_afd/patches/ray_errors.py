@@ -13,7 +13,7 @@ from vllm_afd.patches.base import wrap
 _WORKER_PID = re.compile(r"Worker PID: (\d+)")
 
 
-def replaced_worker(data: dict, is_supervised: Callable[[int], bool]) -> bool:
+def reports_a_supervised_death(data: dict, is_supervised: Callable[[int], bool]) -> bool:
     """``data`` (what Ray's driver prints for the raylet) reports the death of a worker whose
     pid ``is_supervised``."""
     if data.get("pid") != "raylet":
@@ -30,7 +30,7 @@ def apply(is_supervised: Callable[[int], bool]) -> None:
 
     def make(original: Callable) -> Callable:
         def print_to_stdstream(data, ignore_prefix, *args, **kwargs):
-            if replaced_worker(data, is_supervised):
+            if reports_a_supervised_death(data, is_supervised):
                 return None
             return original(data, ignore_prefix, *args, **kwargs)
 
