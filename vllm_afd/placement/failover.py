@@ -158,7 +158,7 @@ class Supervisor:
         self._cause = [""] * num_ffn  # of each rank's last failure: a streak is of one cause
         self._started = [time.monotonic()] * num_ffn
         self._ray = RayWatch(group)
-        _SUPERVISED.update(info["pid"] for info in group.infos if info)
+        _SUPERVISED.update(info["pid"] for info in group.infos if info and "pid" in info)
         ray_errors.apply(supervised_pid)  # Ray's report of a watched rank's death: not printed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="afd-ffn-supervisor", daemon=True)
