@@ -250,8 +250,8 @@ class AFDConfig:
         metadata=_flag(
             "--afd-autoscale",
             "Apply the planner's recommended FFN rank count live, for the batch and context "
-            "the attention ranks measure (needs planner hardware, VLLM_AFD_PLAN_HARDWARE, on "
-            "the CPU build).",
+            "the attention ranks measure (on the CPU build it needs the planner's inputs: "
+            "VLLM_AFD_PLAN_PROFILE, a profile `vllm-afd profile` wrote).",
             action="store_true",
         ),
     )

@@ -149,10 +149,13 @@ def setup_afd(vllm_config) -> None:
         afd = _resolve_auto(afd, info, ranks, model_dir, vllm_config)
         vllm_config.additional_config["afd"] = afd.to_dict()
     check_settings(afd, info, ranks)
-    if afd.autoscale:  # its planner needs hardware (the CPU build has no default)
-        from vllm_afd.planner.auto_ratio import plan_hardware
+    if afd.autoscale:  # its planner needs inputs (the CPU build has no default)
+        from vllm_afd.planner.auto_ratio import planner_inputs
 
-        plan_hardware(_attention_device() == "cpu", "--afd-autoscale")
+        try:
+            planner_inputs(_attention_device() == "cpu", "--afd-autoscale")
+        except ValueError as exc:
+            raise AFDConfigError(f"--afd-autoscale: {exc}") from None
     check_devices(afd, ranks, _attention_device())
     from vllm_afd.placement.credentials import check_admin_token_file
 
@@ -165,7 +168,7 @@ def setup_afd(vllm_config) -> None:
     from vllm_afd.placement.autoscale import Deployment, start_advisor
 
     on_cpu, draft = _attention_device() == "cpu", _draft_length(vllm_config)
-    start_advisor(Deployment(info, ranks, model_dir, on_cpu, draft), afd)
+    start_advisor(Deployment(info, ranks, model_dir, on_cpu, draft, afd.microbatches), afd)
     logger.info(
         "AFD on: %d attention rank(s) : %d FFN rank(s), transport %s",
         ranks,
@@ -243,7 +246,9 @@ def front_end_facts(
     from vllm_afd.metrics.collector import metric_labels
 
     try:
-        attn, ffn, line = recommend(vllm_config, info, ranks, model_dir)
+        attn, ffn, line = recommend(
+            vllm_config, info, ranks, model_dir, "the planner's recommendation"
+        )
         recommendation = {"ratio": f"{attn}:{ffn}", "prediction": line}
     except (AFDConfigError, ValueError, OSError) as exc:
         recommendation = {"error": str(exc)}
@@ -381,10 +386,13 @@ def _resolve_auto(afd: AFDConfig, info, ranks: int, model_dir: str, vllm_config)
     return dataclasses.replace(afd, ratio=(attn, ffn))
 
 
-def recommend(vllm_config, info, ranks: int, model_dir: str) -> tuple[int, int, str]:
+def recommend(
+    vllm_config, info, ranks: int, model_dir: str, what: str = "--afd-ratio auto"
+) -> tuple[int, int, str]:
     """The planner's ``(A, F, one-line prediction)`` for this deployment's attention ranks at
-    its batch cap and context (``planner.auto_ratio``; ``AFDConfigError`` without planner
-    hardware on the CPU build): what ``--afd-ratio auto`` uses and ``/afd/status`` shows."""
+    its batch cap and context (``planner.auto_ratio``; ``AFDConfigError`` naming ``what``
+    without planner inputs on the CPU build): what ``--afd-ratio auto`` uses and
+    ``/afd/status`` shows."""
     from vllm.platforms import current_platform
 
     from vllm_afd.planner.auto_ratio import recommend_for_deployment
@@ -397,6 +405,8 @@ def recommend(vllm_config, info, ranks: int, model_dir: str) -> tuple[int, int, 
         max_batch=vllm_config.scheduler_config.max_num_seqs,
         platform_is_cpu=current_platform.is_cpu(),
         draft_length=_draft_length(vllm_config),
+        microbatches=2 if vllm_config.parallel_config.enable_dbo else 1,
+        what=what,
     )
 
 

@@ -8,6 +8,7 @@ The FFN pool it scales is tests/unit/test_scaling.py's and the e2e scale test's;
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
@@ -23,7 +24,7 @@ from vllm_afd.metrics.blocks import AttentionStatsBlock, FFNStatsBlock
 from vllm_afd.patches.request_errors import decode_step
 from vllm_afd.placement import autoscale, scaling
 from vllm_afd.placement.autoscale import Advisor, Deployment, Policy, decide, measure
-from vllm_afd.planner.auto_ratio import Candidate, plan_hardware, predict_ffn_counts
+from vllm_afd.planner.auto_ratio import Candidate, planner_inputs, predict_ffn_counts
 from vllm_afd.transport import TransportSpec, directory
 
 #: Qwen3-30B-A3B (``qwen3_30b_dir``): on an H200 the planner's best A:F for 2 attention ranks
@@ -70,30 +71,55 @@ def test_the_loop_scales_once_a_gain_over_the_margin_holds_for_two_windows():
     assert "1:1 (2 FFN rank(s)" in decision.reason
 
 
-def test_a_live_count_the_planner_does_not_model_is_left_for_its_best():
-    """A pool scaled by hand to a count that is no whole r:1 ratio (1 attention rank, 2 FFN)."""
-    decision = decide(2, [_candidate(1, 1000.0)], ON, best_before=1, since_last_scale_s=1e9)
+def test_a_live_count_the_planner_cannot_predict_is_left_for_its_best_saying_why():
+    """A pool scaled by hand to a count the planner has no prediction for (it leaves the
+    NVLink domain, say): the advice says why and moves to the best predicted count."""
+    why = {4: "2 attention + 4 FFN GPUs exceed the h100 NVLink domain of 4 GPUs"}
+    decision = decide(4, [_candidate(1, 1000.0)], ON, 1, 1e9, unpredicted=why)
     assert (decision.target, decision.rule) == (1, "scale")
+    assert "the live 4 FFN rank(s), not predicted (2 attention + 4 FFN GPUs" in decision.reason
+
+
+def test_no_prediction_says_why_for_each_count():
+    why = {1: "the profile covers contexts 128-2048, not 9000", 2: "the same"}
+    decision = decide(1, [], ON, None, 1e9, unpredicted=why)
+    assert decision.rule == "infeasible"
+    assert "1 FFN rank(s): the profile covers contexts 128-2048, not 9000" in decision.reason
+
+
+def test_a_disturbed_window_is_not_decided_on():
+    """A window that holds a scale or a failover holds, whatever the planner prefers."""
+    decision = decide(1, TWO, ON, 2, 1e9, disturbed="a failover of an FFN rank")
+    assert (decision.target, decision.rule) == (None, "disturbed")
+    assert "a failover of an FFN rank" in decision.reason
 
 
 def test_the_planner_moves_the_ratio_with_the_context(qwen3_30b):
     """What the loop acts on: at 64 requests per attention rank the best FFN rank count for
-    2 attention ranks is 2 (1:1) at a 2K context and 1 (2:1) at 16K, on an H200."""
+    2 attention ranks is 4 (1:2, more FFN ranks than attention ranks) at a 2K context and 1
+    (2:1) at 16K, on an H200; every count the experts allow is asked for, and the counts past
+    the NVLink domain are left out saying so."""
     best = {}
+    counts = autoscale.candidate_ffn_ranks(INFO, 2, whole_ratios=False)
+    assert counts == [1, 2, 4, 8, 16, 32, 64, 128]
     for context in (2048, 16384):
-        hardware, candidates = predict_ffn_counts(
-            INFO, 2, qwen3_30b, context=context, batch=64, platform_is_cpu=True
+        predictions = predict_ffn_counts(
+            INFO, 2, qwen3_30b, context, batch=64, platform_is_cpu=True, counts=counts
         )
-        assert hardware == "h200" and [c.num_ffn_ranks for c in candidates] == [1, 2]
-        best[context] = max(candidates, key=lambda c: c.tokens_per_device).ratio
-    assert best == {2048: "1:1", 16384: "2:1"}
+        assert predictions.model == "analytical model on h200"
+        assert [c.num_ffn_ranks for c in predictions.candidates] == [1, 2, 4]
+        assert "NVLink domain of 8 GPUs" in predictions.unpredicted[8]
+        assert predictions.candidates[2].ratio == "1:2"
+        best[context] = predictions.best().ratio
+    assert best == {2048: "1:2", 16384: "2:1"}
 
 
-def test_without_planner_hardware_autoscale_names_its_flag(monkeypatch):
+def test_without_planner_inputs_autoscale_names_its_flag(monkeypatch):
     monkeypatch.delenv("VLLM_AFD_PLAN_HARDWARE", raising=False)
+    monkeypatch.delenv("VLLM_AFD_PLAN_PROFILE", raising=False)
     with pytest.raises(AFDConfigError, match="--afd-autoscale on the CPU build needs"):
-        plan_hardware(True, "--afd-autoscale")
-    assert plan_hardware(False, "--afd-autoscale") == "h200"
+        planner_inputs(True, "--afd-autoscale")
+    assert planner_inputs(False, "--afd-autoscale").model == "analytical model on h200"
 
 
 @pytest.mark.parametrize(
@@ -194,15 +220,31 @@ def test_a_window_is_what_the_ranks_measured_in_it(deployment):
     assert window.attention_ms == pytest.approx((10.0 - 48 * 0.05) / 48)
 
 
-def test_too_few_steps_or_a_new_pool_is_no_window(deployment):
+def test_too_few_steps_is_no_window_and_a_scale_or_a_failover_is_marked(deployment):
     spec, attention, ffn = deployment
     before = autoscale.read_totals(spec)
     _load(attention, ffn, steps=1, batch=2, context=50)  # 2 steps < MIN_STEPS
     assert measure(before, autoscale.read_totals(spec), 10.0, 48) is None
     _load(attention, ffn, steps=10, batch=2, context=50)
-    moved = autoscale.Totals(("another pool",), steps=1e6)
-    assert measure(before, moved, 10.0, 48) is None
-    assert measure(autoscale.read_totals(spec), before, 10.0, 48) is None  # counters went back
+    after = autoscale.read_totals(spec)
+    assert measure(before, after, 10.0, 48).disturbed == ""
+    # a scale: the new pool's counters (from 0) are the window, marked
+    moved = dataclasses.replace(after, pool=("another", "pool"), steps=8, step_s=0.4)
+    window = measure(after, moved, 10.0, 48)
+    assert window.disturbed == "a scale of the FFN pool to 2 rank(s)"
+    assert (window.steps, window.step_ms) == (8, pytest.approx(50.0))
+    # a failover: the directory counts it; the replaced rank's counters restart at 0
+    entry = directory.RankEntry(0, 1, directory.RECOVERING, spec.addresses[0], "h", 1)
+    directory.publish(spec.directory, entry)
+    assert autoscale.read_totals(spec).unsettled == 1
+    assert measure(before, autoscale.read_totals(spec), 10.0, 48).disturbed.startswith("a failover")
+    directory.publish(spec.directory, dataclasses.replace(entry, state="up", failovers=1))
+    restarted = dataclasses.replace(
+        autoscale.read_totals(spec), steps=after.steps + 8, ffn_batches=48, ffn_s=0.0096
+    )
+    window = measure(after, restarted, 10.0, 48)
+    assert window.disturbed == "a failover of an FFN rank"
+    assert window.ffn_ms == pytest.approx(0.2)  # the restarted counters, from 0
 
 
 def test_a_decode_step_is_recorded_in_the_hooks_block(deployment, monkeypatch):
@@ -212,6 +254,22 @@ def test_a_decode_step_is_recorded_in_the_hooks_block(deployment, monkeypatch):
     spec = deployment[0]
     totals = autoscale.read_totals(spec)
     assert (totals.steps, totals.step_s, totals.requests, totals.context) == (1, 0.02, 3, 300)
+
+
+def test_a_decode_step_is_timed_from_its_start_to_the_next_one(monkeypatch):
+    """W1 records a decode step's period (the engine's whole loop), once the next step starts
+    and decodes too; a step that adds requests (after an idle engine) records none."""
+    from vllm_afd.patches.request_errors import StepPeriods
+
+    recorded = []
+    monkeypatch.setattr(recorder, "record_step", lambda *a: recorded.append(a))
+    periods = StepPeriods()
+    periods.started(10.0, (2, 200))
+    periods.started(10.5, (2, 202))  # records the first: 0.5 s
+    periods.started(11.25, None)  # a prefill (the engine may have idled before it): nothing
+    periods.started(99.0, (3, 300))  # after the prefill: nothing
+    periods.started(99.1, (3, 303))
+    assert recorded == [(0.5, 2, 200), (pytest.approx(0.1), 3, 300)]
 
 
 class _Pools:
@@ -259,10 +317,10 @@ def test_the_advisor_follows_the_load_from_short_to_long_contexts(
     tmp_path, qwen3_30b, monkeypatch, caplog
 ):
     """The whole loop on 2 attention ranks at 2:1 (1 FFN rank): under a 2K-context load it
-    scales to 1:1 (2 FFN ranks); once the contexts grow to 64K it scales back to 2:1, not
-    sooner than the interval after the first scale (at 16K 2:1 would promise +5% only: below
-    the margin, it holds). Each decision is logged with why, and the
-    advice has the measured window next to the prediction."""
+    scales to 1:2 (4 FFN ranks); once the contexts grow to 64K it scales back to 2:1, not
+    sooner than the interval after the first scale, and not on the window that holds the
+    scale. Each decision is logged with why, and the advice has the measured window next to
+    the prediction."""
     monkeypatch.setenv("VLLM_AFD_RUNTIME", "")
     pools = _Pools(tmp_path)
     monkeypatch.setattr(scaling, "scale_ffn_group", pools.scale)
@@ -281,11 +339,11 @@ def test_the_advisor_follows_the_load_from_short_to_long_contexts(
         writer.join(5)
         for block in pools.blocks:
             block.close()
-    assert pools.calls == [2, 1], caplog.text
+    assert pools.calls == [4, 1], caplog.text
     assert pools.times[1] - pools.times[0] >= 0.6  # --afd-autoscale-interval
     said = [r.getMessage() for r in caplog.records if "AFD autoscale: scale:" in r.getMessage()]
     assert len(said) == 2, said
-    assert "the planner prefers 1:1 (2 FFN rank(s)" in said[0] and "context 2048" in said[0]
+    assert "the planner prefers 1:2 (4 FFN rank(s)" in said[0] and "context 2048" in said[0]
     assert "the planner prefers 2:1 (1 FFN rank(s)" in said[1] and "context 65536" in said[1]
     advice = directory.read_advice(pools.live[0].directory)
     assert advice["rule"] == "scale" and advice["recommended"] == {
@@ -295,7 +353,10 @@ def test_the_advisor_follows_the_load_from_short_to_long_contexts(
     window = advice["window"]
     assert window["batch"] == pytest.approx(64) and window["context"] == pytest.approx(65536)
     assert window["step_ms"] == pytest.approx(10.0)
-    assert {c["num_ffn_ranks"] for c in advice["candidates"]} == {1, 2}
+    assert {c["num_ffn_ranks"] for c in advice["candidates"]} == {1, 2, 4}
+    assert advice["model"] == "analytical model on h200" and "8" in advice["unpredicted"]
+    held = [r.getMessage() for r in caplog.records if "the window holds a scale" in r.getMessage()]
+    assert held, caplog.text
 
 
 def test_the_advice_is_in_metrics(deployment):

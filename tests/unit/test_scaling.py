@@ -249,8 +249,10 @@ def test_vllm_afd_scale_reaches_the_ffn_server_through_its_private_directory(
         assert "[1, 2, 4, 8]" in reply["error"]
         assert scaling.request_scale(path, 2, timeout_s=10)["scale"] is None  # the size it has
         # a request file the server may not trust (group-readable) is refused like a bad body
-        (requests / "x.request").write_text('{"num_ffn_ranks": 4}')
-        (requests / "x.request").chmod(0o644)
+        # written whole under another name first: the server's loop may take it at once
+        (requests / "x.tmp").write_text('{"num_ffn_ranks": 4}')
+        (requests / "x.tmp").chmod(0o644)
+        (requests / "x.tmp").rename(requests / "x.request")
         deadline = 50
         while not (requests / "x.answer").exists() and deadline:
             stop.wait(0.1)

@@ -326,10 +326,10 @@ def layer_turns(moe_layers) -> Iterator[int]:
     return itertools.cycle(moe_layers)
 
 
-def _ffn_child(
-    spec_json: str, model_dir: str, threads: int, cpus: list[int] | None, conn, stop_event
-) -> None:
-    """Process entry: one FFN rank (the product's executor) serving until told to stop."""
+def _ffn_child(spec_json: str, model_dir: str, threads: int, cpus: list[int] | None, conn) -> None:
+    """Process entry: one FFN rank (the product's executor) serving until told to stop (a
+    message or the parent's end of ``conn`` closed: unlike an event, a pipe cannot leave the
+    parent waiting for a child that died or is stopped)."""
     import torch
 
     from vllm_afd.ffn.executor import FFNExecutor
@@ -342,7 +342,8 @@ def _ffn_child(
     executor = FFNExecutor(TransportSpec.from_json(spec_json), 0, model_dir, "cpu")
     executor.start()
     conn.send(executor.address)
-    stop_event.wait()
+    with contextlib.suppress(EOFError, OSError):
+        conn.recv()
     executor.stop()
 
 
@@ -383,11 +384,10 @@ class RemoteFFN:
         )
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.stop = ctx.Event()
         self.proc = ctx.Process(
             target=_ffn_child,
             daemon=True,
-            args=(self.spec.to_json(), model_dir, threads, cpus, child, self.stop),
+            args=(self.spec.to_json(), model_dir, threads, cpus, child),
         )
         self.endpoint = None
 
@@ -396,6 +396,7 @@ class RemoteFFN:
 
         import torch
 
+        from vllm_afd.bench.transport_bench import step_layers
         from vllm_afd.transport import create_attention_transport
 
         self.proc.start()
@@ -404,12 +405,14 @@ class RemoteFFN:
             raise RuntimeError("profiler: the FFN executor child did not start within 300 s")
         spec = dataclasses.replace(self.spec, addresses=(self.conn.recv(),))
         endpoint = self.endpoint = create_attention_transport(spec, 0)
-        turns, calls = layer_turns(self.info.moe_layers), {}
+        # the MoE layers in turn, a step of them all announced as a decode announces its steps
+        turns = step_layers(endpoint, spec, max(self.tokens), tuple(self.info.moe_layers))
+        calls = {}
         for m in self.tokens:
             x = torch.randn(m, self.info.hidden_size).to(self.dtype)
             ids, weights = _routing(m, self.info.num_experts, self.info.top_k, seed=m)
             calls[float(m)] = lambda x=x, i=ids, w=weights: endpoint.combine(
-                endpoint.dispatch(next(turns), x, i, w)
+                endpoint.dispatch(turns(), x, i, w)
             )
         return Sampler(calls, before=lambda: busy_wait(self.gap_s))
 
@@ -427,7 +430,8 @@ class RemoteFFN:
         self.resume()
         if self.endpoint is not None:
             self.endpoint.close()
-        self.stop.set()
+        with contextlib.suppress(OSError):
+            self.conn.send("stop")
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()

@@ -60,7 +60,7 @@ import secrets
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -341,19 +341,23 @@ _ROUNDS = 4
 STEP_LAYERS = tuple(range(128))
 
 
-def _next_layer(att, spec: TransportSpec, num_tokens: int):
-    """``next_layer()``: the layer of the next round trip (0 where the backend needs no steps;
-    else the next of ``STEP_LAYERS``, announcing a step of them when the last one is used)."""
+def step_layers(
+    att, spec: TransportSpec, num_tokens: int, step_layers: tuple[int, ...] = STEP_LAYERS
+) -> Callable[[], int]:
+    """``next_layer()``: the layer of the next round trip of up to ``num_tokens`` tokens (the
+    first of ``step_layers`` where the backend needs no steps; else the next of them in turn,
+    announcing a step of them all whenever the last one was used), as a decode's steps visit
+    the model's MoE layers."""
     if not transport_backend(spec.backend).needs_steps:
-        return lambda: 0
-    layers = iter(())
+        return lambda: step_layers[0]
+    layers: Iterator[int] = iter(())
 
     def next_layer() -> int:
         nonlocal layers
         layer = next(layers, None)
         if layer is None:
-            att.begin_step(StepSchedule(att.step + 1, (num_tokens,), STEP_LAYERS))
-            layers = iter(STEP_LAYERS)
+            att.begin_step(StepSchedule(att.step + 1, (num_tokens,), step_layers))
+            layers = iter(step_layers)
             layer = next(layers)
         return layer
 
@@ -368,7 +372,7 @@ def measure_point(
     x = torch.randn(num_tokens, spec.hidden_size, generator=gen).to(spec.dtype)
     ids = torch.randint(0, spec.num_experts, (num_tokens, spec.top_k), generator=gen)
     weights = torch.full((num_tokens, spec.top_k), 1.0 / spec.top_k)
-    next_layer = _next_layer(att, spec, num_tokens)
+    next_layer = step_layers(att, spec, num_tokens)
     out = att.combine(att.dispatch(next_layer(), x, ids, weights))
     if not torch.equal(out, x * 2):
         raise AssertionError(f"{spec.backend}: echo mismatch at T={num_tokens}")

@@ -232,7 +232,8 @@ class AFDCollector:
             ),
             "steps": SummaryMetricFamily(
                 "vllm_afd_decode_step_seconds",
-                "Forward time of the attention rank's decode steps (count = decode steps).",
+                "Period of the attention rank's decode steps, each from its start to the next's "
+                "(count = decode steps).",
                 labels=[*_ATTENTION, "attention_rank"],
             ),
             **_advice_families(),
@@ -323,7 +324,7 @@ class AFDCollector:
 
 #: The advisor's window (``placement.autoscale.Window`` field -> metric name, help).
 _WINDOW_GAUGES = {
-    "step_ms": ("vllm_afd_window_step_seconds", "Mean forward time of one decode step"),
+    "step_ms": ("vllm_afd_window_step_seconds", "Mean period of one decode step"),
     "batch": ("vllm_afd_window_batch_requests", "Requests per decode step and attention rank"),
     "context": ("vllm_afd_window_context_tokens", "Context tokens per request"),
     "attention_ms": (
@@ -355,6 +356,12 @@ def _advice_families() -> dict:
             "The planner's tokens/s per device (attention and FFN) per FFN rank count.",
             labels=[*_FFN, "num_ffn_ranks"],
         ),
+        "disturbed": GaugeMetricFamily(
+            "vllm_afd_window_disturbed",
+            "1 when the last window held a scale or a failover (no measure of the steady load, "
+            "not decided on).",
+            labels=_FFN,
+        ),
         "rule": GaugeMetricFamily(
             "vllm_afd_autoscale_rule",
             "1 for the rule that made the last autoscale decision (scale, or why it held).",
@@ -380,6 +387,8 @@ def _add_advice(f: dict, model: str, advice: dict | None) -> None:
             f["predicted"].add_metric(series, c["step_ms"] / 1e3)
             f["predicted_tokens"].add_metric(series, c["tokens_per_device"])
         window = advice.get("window") or {}
+        if window:
+            f["disturbed"].add_metric([model], 1.0 if window.get("disturbed") else 0.0)
         for key in _WINDOW_GAUGES:
             if key in window:
                 scale = 1e-3 if key.endswith("_ms") else 1.0

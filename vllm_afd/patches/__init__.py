@@ -264,9 +264,10 @@ W1 ``GPUModelRunner.execute_model`` and ``GPUModelRunner.sample_tokens`` (the V1
    ``input_batch.req_ids`` and ``query_start_loc`` when a batch fails); the step's
    ``ModelRunnerOutput`` (or an async one's ``get_output``) gets an ``afd_failed_requests``
    attribute, request id -> the FFN's error text, when the step failed any. The step runs
-   holding ``remote_experts.STEP_LOCK`` (W3 says why). A decode step's forward is timed, with
-   its requests and context tokens read from the ``SchedulerOutput``, into the rank's stats
-   block (``recorder.record_step``): the measured load of the planner in the loop.
+   holding ``remote_experts.STEP_LOCK`` (W3 says why). A decode step's period (its start to
+   the next decode step's start) is recorded, with its requests and context tokens read from
+   the ``SchedulerOutput``, into the rank's stats block (``recorder.record_step``): the
+   measured load of the planner in the loop.
    Upstream: none; vLLM has no per-request error a model's layer can raise.
    Remove when: vLLM lets a forward fail some of its requests.
 W2 ``Scheduler.update_from_output``, wrapped; ``KVCacheManager.get_block_ids`` and

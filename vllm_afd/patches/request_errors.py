@@ -12,9 +12,9 @@ client gets vLLM's error answer, the other requests go on.
 
 W1 and W3 also hold the attention hook's step lock (``remote_experts.STEP_LOCK``) for each
 step and dummy step (a DP rank's idle forward): a live scale switches an idle attention rank
-to the new FFN pool between steps only. W1 also times each decode step's forward, with its
-requests and their context, into the rank's stats block (``recorder.record_step``): what the
-planner in the loop reads (``placement.autoscale``).
+to the new FFN pool between steps only. W1 also times each decode step's period
+(``StepPeriods``), with its requests and their context, into the rank's stats block
+(``recorder.record_step``): what the planner in the loop reads (``placement.autoscale``).
 """
 
 from __future__ import annotations
@@ -59,18 +59,34 @@ def _runner_step(original: Callable) -> Callable:
         from vllm_afd import remote_experts
 
         remote_experts._RUNNER = self
+        scheduler_output = args[0] if args else kwargs.get("scheduler_output")
+        if hasattr(scheduler_output, "total_num_scheduled_tokens"):  # not sample_tokens
+            _STEPS.started(time.perf_counter(), decode_step(scheduler_output))
         with remote_experts.STEP_LOCK:
-            start = time.perf_counter()
-            output = _with_failures(original(self, *args, **kwargs))
-            seconds = time.perf_counter() - start
-        decode = decode_step(args[0] if args else kwargs.get("scheduler_output"))
-        if decode is not None:
-            from vllm_afd.metrics.recorder import record_step
-
-            record_step(seconds, *decode)
-        return output
+            return _with_failures(original(self, *args, **kwargs))
 
     return wrapper
+
+
+class StepPeriods:
+    """W1's decode step timing: the period of a decode step is from its start to the next
+    step's start (the engine's whole loop: schedule, forward, sampling, output), recorded when
+    that next step decodes too (the engine ran on without a pause: only a step that adds
+    requests follows an idle engine). The planner's CPU step model predicts this period
+    (``vllm-afd profile`` fits it from the engine's step times)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, tuple[int, int] | None] = (0.0, None)
+
+    def started(self, at: float, decode: tuple[int, int] | None) -> None:
+        (then, previous), self._last = self._last, (at, decode)
+        if previous is not None and decode is not None:
+            from vllm_afd.metrics.recorder import record_step
+
+            record_step(at - then, *previous)
+
+
+_STEPS = StepPeriods()
 
 
 def decode_step(scheduler_output) -> tuple[int, int] | None:

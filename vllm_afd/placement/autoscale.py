@@ -5,16 +5,21 @@ rank hides behind more attention ranks). The process that holds the FFN group ru
 ``Advisor`` thread that, every window (``min(10 s, --afd-autoscale-interval / 3)``):
 
 1. reads what the deployment measured since the last window (``measure``): the attention
-   ranks' decode steps (forward time, requests and context per step: patch W1 records them
-   in each rank's stats block), their exposed FFN time per round trip, and the FFN ranks'
-   service time per layer batch;
-2. asks the planner (``planner.auto_ratio.predict_ffn_counts``, the same prediction as
-   ``--afd-ratio auto``) what each FFN rank count would give at the measured batch and
-   context;
+   ranks' decode steps (the step period, from one decode step's start to the next's, with
+   its requests and context: patch W1 records them in each rank's stats block), their exposed
+   FFN time per round trip, and the FFN ranks' service time per layer batch; a window that
+   holds a scale or a failover (the FFN directory's failover counts and states) is marked
+   ``disturbed``;
+2. asks the planner (``planner.auto_ratio.predict_ffn_counts``, the model fitted for the
+   platform: the CPU step model of a ``vllm-afd profile`` file on the CPU build, the
+   analytical model on GPUs) what every FFN rank count the experts allow would give at the
+   measured batch and context, more FFN ranks than attention ranks included, and why it
+   cannot predict a count;
 3. decides (``decide``): scale to the planner's best count when it promises at least
-   ``--afd-autoscale-margin`` more tokens/s per device than the live one, in two windows in a
-   row, and the last scale (its own or a ``POST /afd/scale``) is at least
-   ``--afd-autoscale-interval`` old; otherwise hold, saying why;
+   ``--afd-autoscale-margin`` more tokens/s per device than the live one, in two undisturbed
+   windows in a row, and the last scale (its own or a ``POST /afd/scale``) is at least
+   ``--afd-autoscale-interval`` old; otherwise hold, saying why (a disturbed window is never
+   decided on);
 4. publishes the window, the predictions and the decision (``directory.publish_advice``:
    ``/afd/status`` answers it as ``live``, ``/metrics`` as gauges), logs a decision that
    changed, and with ``--afd-autoscale`` applies a scale (``scaling.scale_ffn_group``).
@@ -22,12 +27,12 @@ rank hides behind more attention ranks). The process that holds the FFN group ru
 A window with too little in it (fewer than ``MIN_STEPS`` decode steps: an idle server; or the
 first on a new pool, whose counters start at 0) publishes nothing: the last advice stands.
 
-Without ``--afd-autoscale`` it only advises. The measured step time is the forward of one
-decode step on an attention rank; it stands next to the planner's predicted step time, which
-is how far to trust the recommendation (on the CPU build the planner needs
-``VLLM_AFD_PLAN_HARDWARE``, e.g. the hardware file ``vllm-afd profile`` writes). On the GPU
-plane the same loop holds: the blocks are host memory written by the same hooks, and a scale
-is the same protocol (``scaling.py``).
+Without ``--afd-autoscale`` it only advises. The measured step period stands next to the
+planner's predicted step for the live count (``/metrics``: ``vllm_afd_window_step_seconds``
+and ``vllm_afd_planner_predicted_step_seconds``), which is how far to trust the
+recommendation (on the CPU build the planner needs ``VLLM_AFD_PLAN_PROFILE``, the file
+``vllm-afd profile`` writes). On the GPU plane the same loop holds: the blocks are host
+memory written by the same hooks, and a scale is the same protocol (``scaling.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +57,7 @@ from vllm_afd.metrics.blocks import (
     A_STEP_SECONDS,
     A_STEPS,
 )
-from vllm_afd.planner.auto_ratio import Candidate, predict_ffn_counts
+from vllm_afd.planner.auto_ratio import Candidate, candidate_ffn_ranks, predict_ffn_counts
 from vllm_afd.transport import TransportSpec, directory
 
 logger = logging.getLogger("vllm.afd")
@@ -76,15 +81,21 @@ class Totals:
     exposed_s: float = 0.0
     ffn_batches: float = 0.0
     ffn_s: float = 0.0
+    #: Failovers of the pool's FFN ranks so far (their directory entries).
+    failovers: int = 0
+    #: FFN ranks not ``up`` (being replaced, given up on).
+    unsettled: int = 0
 
 
 def read_totals(spec: TransportSpec) -> Totals:
-    """``Totals`` of the deployment ``spec`` from its stats blocks (a missing block adds 0)."""
+    """``Totals`` of the deployment ``spec`` from its stats blocks (a missing block adds 0)
+    and its FFN directory."""
     from vllm_afd.metrics.collector import read_deployment
 
     blocks = read_deployment(spec)
     attention = [b.scalars for b in blocks.attention if b is not None]
     ffn = [b for b in blocks.ffn if b is not None]
+    ranks = directory.entries(spec.directory, spec.num_ffn_ranks) if spec.directory else []
     return Totals(
         tuple(spec.addresses),
         steps=sum(s[A_STEPS] for s in attention),
@@ -95,6 +106,8 @@ def read_totals(spec: TransportSpec) -> Totals:
         exposed_s=sum(s[_A_SECONDS] for s in attention),
         ffn_batches=sum(sum(b.hist) for b in ffn),
         ffn_s=sum(b.scalars[_F_SECONDS] for b in ffn),
+        failovers=sum(e.failovers for e in ranks if e is not None),
+        unsettled=sum(e is not None and e.state != directory.UP for e in ranks),
     )
 
 
@@ -104,7 +117,7 @@ class Window:
 
     seconds: float
     steps: int
-    #: Forward time of one decode step on an attention rank.
+    #: Period of one decode step on an attention rank (its start to the next step's start).
     step_ms: float
     #: Requests per decode step and attention rank (the planner's b_A).
     batch: float
@@ -116,18 +129,36 @@ class Window:
     exposed_ffn_ms: float
     #: FFN service time per layer batch on an FFN rank.
     ffn_ms: float
+    #: What in the window makes it no measure of the steady load (a scale, a failover), or "".
+    disturbed: str = ""
+
+
+#: ``Totals`` fields that are counters (the rest say what the pool is and how it is doing).
+_COUNTERS = tuple(
+    f.name for f in dataclasses.fields(Totals) if f.name not in ("pool", "failovers", "unsettled")
+)
 
 
 def measure(before: Totals, after: Totals, seconds: float, num_layers: int) -> Window | None:
     """The ``Window`` between two ``Totals``; ``None`` when there is too little to plan on
-    (fewer than ``MIN_STEPS`` decode steps) or the counters restarted (a new FFN pool, a
-    replaced rank)."""
-    delta = {
-        f.name: getattr(after, f.name) - getattr(before, f.name)
-        for f in dataclasses.fields(Totals)
-        if f.name != "pool"
-    }
-    if after.pool != before.pool or min(delta.values()) < 0 or delta["steps"] < MIN_STEPS:
+    (fewer than ``MIN_STEPS`` decode steps).
+
+    A window in which the pool changed (a scale: the new pool's counters start at 0) is
+    measured on the new pool's counters alone; one in which an FFN rank failed over or was not
+    up is measured too (a replaced rank's counters restart: its totals then count from 0);
+    both are marked ``disturbed``."""
+    if after.pool != before.pool:
+        before = Totals(after.pool)
+        disturbed = f"a scale of the FFN pool to {len(after.pool)} rank(s)"
+    elif after.failovers != before.failovers or after.unsettled or before.unsettled:
+        disturbed = "a failover of an FFN rank"
+    else:
+        disturbed = ""
+    delta = {}
+    for name in _COUNTERS:
+        now, then = getattr(after, name), getattr(before, name)
+        delta[name] = now - then if now >= then else now  # a counter restarted at 0
+    if delta["steps"] < MIN_STEPS:
         return None
     steps = delta["steps"]
     step_ms = 1e3 * delta["step_s"] / steps
@@ -141,6 +172,7 @@ def measure(before: Totals, after: Totals, seconds: float, num_layers: int) -> W
         attention_ms=max(0.0, step_ms - exposed_per_step_ms) / max(1, num_layers),
         exposed_ffn_ms=1e3 * delta["exposed_s"] / max(1.0, delta["round_trips"]),
         ffn_ms=1e3 * delta["ffn_s"] / max(1.0, delta["ffn_batches"]),
+        disturbed=disturbed,
     )
 
 
@@ -172,7 +204,7 @@ class Decision:
 
 
 #: ``Decision.rule`` values: scale, or why not (the advice adds ``no_planner``: no prediction).
-RULES = ("scale", "best", "margin", "unconfirmed", "off", "interval", "infeasible")
+RULES = ("scale", "best", "margin", "unconfirmed", "off", "interval", "infeasible", "disturbed")
 
 
 def decide(
@@ -181,18 +213,32 @@ def decide(
     policy: Policy,
     best_before: int | None,
     since_last_scale_s: float,
+    unpredicted: Mapping[int, str] | None = None,
+    disturbed: str = "",
 ) -> Decision:
     """The decision for the planner's ``candidates`` at the measured load, ``live`` FFN ranks
     serving now. ``best_before``: the best count of the previous window (a recommendation
-    must hold for two windows in a row)."""
+    must hold for two windows in a row); ``unpredicted``: why the planner has no candidate for
+    the other counts; ``disturbed``: what makes the window no measure of the load (then it
+    holds)."""
+    unpredicted = unpredicted or {}
+    if disturbed:
+        return Decision(None, "disturbed", f"the window holds {disturbed}: not decided on")
     if not candidates:
-        return Decision(None, "infeasible", "the planner finds no feasible FFN rank count")
+        why = "; ".join(f"{f} FFN rank(s): {text}" for f, text in unpredicted.items())
+        return Decision(
+            None, "infeasible", f"the planner predicts no FFN rank count ({why or 'none asked'})"
+        )
     best = max(candidates, key=lambda c: c.tokens_per_device)
     now = next((c for c in candidates if c.num_ffn_ranks == live), None)
     if now is best:
         return Decision(None, "best", f"the live {_told(best)} is the planner's best")
     gain = math.inf if now is None else best.tokens_per_device / now.tokens_per_device - 1
-    versus = "the live count, not a whole r:1 ratio" if now is None else _told(now)
+    versus = (
+        f"the live {live} FFN rank(s), not predicted ({unpredicted.get(live, 'not asked')})"
+        if now is None
+        else _told(now)
+    )
     why = f"the planner prefers {_told(best)} to {versus}: {_percent(gain)}"
     if gain < policy.margin:
         return Decision(None, "margin", f"{why} < the margin {_percent(policy.margin)}")
@@ -230,6 +276,7 @@ class Deployment:
     model_dir: str
     platform_is_cpu: bool
     draft_length: int = 0
+    microbatches: int = 1
 
 
 class Advisor:
@@ -282,37 +329,45 @@ class Advisor:
             "num_ffn_ranks": spec.num_ffn_ranks,
             "autoscale": self.policy.enabled,
             "window": dataclasses.asdict(window),
-            "hardware": None,
+            "model": None,
             "candidates": [],
+            "unpredicted": {},
             "recommended": None,
             "action": "hold",
         }
         try:
-            hardware, candidates = predict_ffn_counts(
+            predictions = predict_ffn_counts(
                 d.info,
                 d.attention_ranks,
                 d.model_dir,
-                context=round(window.context),
-                batch=round(window.batch),
+                context=window.context,
+                batch=window.batch,
                 platform_is_cpu=d.platform_is_cpu,
                 draft_length=d.draft_length,
                 what="the planner in the loop",
+                counts=candidate_ffn_ranks(d.info, d.attention_ranks, whole_ratios=False),
+                microbatches=d.microbatches,
             )
         except (AFDConfigError, ValueError, OSError) as exc:
             advice.update(rule="no_planner", reason=f"no planner prediction: {exc}")
             return advice
+        candidates = predictions.candidates
         decision = decide(
             spec.num_ffn_ranks,
             candidates,
             self.policy,
             self._best_before,
             time.time() - self._last_scale_at(spec),
+            predictions.unpredicted,
+            window.disturbed,
         )
-        best = max(candidates, key=lambda c: c.tokens_per_device) if candidates else None
-        self._best_before = None if best is None else best.num_ffn_ranks
+        best = predictions.best()
+        # a recommendation holds for two undisturbed windows in a row
+        self._best_before = None if best is None or window.disturbed else best.num_ffn_ranks
         advice.update(
-            hardware=hardware,
+            model=predictions.model,
             candidates=[dataclasses.asdict(c) for c in candidates],
+            unpredicted={str(f): why for f, why in predictions.unpredicted.items()},
             recommended=None
             if best is None
             else {"num_ffn_ranks": best.num_ffn_ranks, "ratio": best.ratio},
@@ -335,9 +390,14 @@ class Advisor:
             return
         self._last_said = key
         w = advice["window"]
+        live = next(
+            (c for c in advice["candidates"] if c["num_ffn_ranks"] == advice["num_ffn_ranks"]),
+            None,
+        )
+        predicted = "" if live is None else f" (predicted {live['step_ms']:.2f} ms)"
         measured = (
             f" [measured: batch {w['batch']:.1f}/attention rank, context {w['context']:.0f}, "
-            f"step {w['step_ms']:.2f} ms, attention {w['attention_ms']:.3f} ms/layer, "
+            f"step {w['step_ms']:.2f} ms{predicted}, attention {w['attention_ms']:.3f} ms/layer, "
             f"FFN {w['ffn_ms']:.3f} ms/layer batch]"
         )
         logger.info("AFD autoscale: %s: %s%s", advice["action"], advice["reason"], measured)

@@ -148,6 +148,29 @@ def test_kernel_samples_take_the_moe_layers_in_turn(tiny_qwen3, monkeypatch):
     assert calls == [(list(info.moe_layers), layer) for layer in (first, second, first)]
 
 
+@pytest.mark.slow
+@pytest.mark.full
+def test_the_remote_ffn_is_timed_through_announced_steps(tiny_qwen3):
+    """The profile's remote FFN service: an FFN executor in a child process behind the real
+    transport, timed from the attention side over the MoE layers in turn, each step of them
+    announced as a decode announces it (the slot plane refuses a use outside one)."""
+    import torch
+    from transformers import AutoConfig
+
+    from vllm_afd.config import moe_model_info
+
+    info = moe_model_info(AutoConfig.from_pretrained(tiny_qwen3))
+    remote = profiler.RemoteFFN(tiny_qwen3, info, [1, 16], torch.float32, threads=1)
+    with remote as sampler:
+        sampler.run_pass(3, warmup_s=0)
+        step = remote.endpoint.step
+        medians = sampler.quantiles(0.5)
+    assert set(medians) == {1.0, 16.0} and all(0 < t < 1 for t in medians.values())
+    # 2 x (3 + 1 warm-up) calls over the model's MoE layers in turn: a step per pass of them
+    assert step == -(-8 // len(info.moe_layers))
+    assert remote.proc.exitcode is not None  # the FFN child stopped with it
+
+
 def test_kernel_samples_hold_each_share_of_the_experts(tiny_qwen3):
     """W per FFN-rank share is that share's expert bytes of one layer (1, 2 and 4 ranks)."""
     import torch

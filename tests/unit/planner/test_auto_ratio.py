@@ -20,12 +20,13 @@ def test_auto_picks_a_feasible_split_and_says_why(tiny_qwen3, monkeypatch):
         INFO, 4, tiny_qwen3, context=512, max_batch=16, platform_is_cpu=True
     )
     assert attn == 4 and ffn in (1, 2, 4)
-    assert "planner on h200" in line and "tok/s per device" in line
+    assert "analytical model on h200" in line and "tok/s per device" in line
 
 
 def test_auto_on_cpu_without_hardware_is_a_clear_error(tiny_qwen3, monkeypatch):
     monkeypatch.delenv("VLLM_AFD_PLAN_HARDWARE", raising=False)
-    with pytest.raises(AFDConfigError, match="VLLM_AFD_PLAN_HARDWARE"):
+    monkeypatch.delenv("VLLM_AFD_PLAN_PROFILE", raising=False)
+    with pytest.raises(AFDConfigError, match="VLLM_AFD_PLAN_PROFILE"):
         recommend_for_deployment(
             INFO, 2, tiny_qwen3, context=512, max_batch=16, platform_is_cpu=True
         )
@@ -47,3 +48,58 @@ def test_auto_counts_the_speculative_draft(qwen3_30b_dir, monkeypatch):
         assert f"d={d}," in line
         steps[d] = float(re.search(r"step ([0-9.]+) ms", line).group(1))
     assert steps[3] > steps[0]
+
+
+def _cpu_profile(path, kernel=(80e-6, 3e-6)):
+    """A profile file with a ``"cpu"`` section (as `vllm-afd profile` writes one)."""
+    import json
+
+    from vllm_afd.planner.cpu import CpuFit, cpu_fit_to_dict
+    from vllm_afd.planner.hardware import Hardware
+
+    hw = Hardware(
+        name="cpu-1t",
+        hbm_bandwidth=10e9,
+        hbm_capacity=8e9,
+        num_sms=1,
+        sm_bandwidth=10e9,
+        fp8_flops=50e9,
+        bf16_flops=50e9,
+        bandwidth_efficiency=1.0,
+        gemm_efficiency=0.5,
+        dispatch_intercept=100e-6,
+        gpus_per_node=2,
+        nvlink_domain=2,
+    )
+    fit = CpuFit(attention=(50e-6, 2e-6, 1e-9), aux=(2e-3, 50e-6), kernel=kernel, hardware=hw)
+    path.write_text(json.dumps({"cpu": cpu_fit_to_dict(fit)}))
+    return fit
+
+
+def test_the_cpu_build_predicts_with_the_profile_s_cpu_step_model(
+    tiny_qwen3, tmp_path, monkeypatch
+):
+    """On the CPU build a profile `vllm-afd profile` wrote is predicted with its CPU step model
+    (``planner.cpu.predict_afd``, no hardware file needed), at the batch and context asked
+    for, for every count asked for: more FFN ranks than attention ranks too."""
+    from vllm_afd.planner import load_hf_config
+    from vllm_afd.planner.auto_ratio import predict_ffn_counts
+    from vllm_afd.planner.cpu import predict_afd
+
+    fit = _cpu_profile(tmp_path / "p.json")
+    monkeypatch.setenv("VLLM_AFD_PLAN_PROFILE", str(tmp_path / "p.json"))
+    monkeypatch.delenv("VLLM_AFD_PLAN_HARDWARE", raising=False)
+    model = load_hf_config(tiny_qwen3)
+    steps = {}
+    for batch, context in ((2.75, 100.0), (4.0, 100.0), (4.0, 900.0)):
+        got = predict_ffn_counts(
+            INFO, 1, tiny_qwen3, context, batch, True, counts=[1, 2, 3], microbatches=1
+        )
+        assert got.model.startswith("CPU step model (") and "cpu-1t" in got.model
+        assert [c.ratio for c in got.candidates] == ["1:1", "1:2"]
+        assert "cannot be split evenly over 3" in got.unpredicted[3]
+        expected = predict_afd(fit, model, batch, 1.0, 1, context, 1).step_s
+        assert got.candidates[0].step_ms == pytest.approx(1e3 * expected)
+        steps[batch, context] = got.candidates[0].step_ms
+    # the prediction follows the batch and the context
+    assert steps[2.75, 100.0] < steps[4.0, 100.0] < steps[4.0, 900.0]
