@@ -39,3 +39,4 @@ test-all: venv
 
 lint: venv
 	$(BIN)/ruff check vllm_afd tests
+	$(BIN)/mypy

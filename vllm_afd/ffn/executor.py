@@ -38,6 +38,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,10 +50,13 @@ from vllm_afd.transport import FFNRequest, FFNTransport, TransportSpec, create_f
 from vllm_afd.transport.base import ServesRequests, ServesSteps, UseForward
 from vllm_afd.transport.control import Part, ScheduleChecker, Tag
 
+if TYPE_CHECKING:
+    from vllm_afd.ffn.weights import MoELayer
+
 logger = logging.getLogger("vllm.afd")
 
 
-def foreign_experts(layer: torch.nn.Module) -> torch.Tensor | None:
+def foreign_experts(layer: MoELayer) -> torch.Tensor | None:
     """``[E]`` bool: True for the global experts ``layer`` does not hold; None if it holds all."""
     local = layer.expert_map_manager.get_local_expert_ids()
     if len(local) == layer.global_num_experts:
@@ -77,7 +81,7 @@ class ExpertKernel:
     experts, so there the routing goes in whole, foreign weights zeroed.
     """
 
-    def __init__(self, layers: dict[int, torch.nn.Module], device: str = "cpu") -> None:
+    def __init__(self, layers: dict[int, MoELayer], device: str = "cpu") -> None:
         self.layers = layers
         self.device = torch.device(device)
         self.own_pairs_only = self.device.type == "cpu"
@@ -100,17 +104,26 @@ class ExpertKernel:
         module = self.layers[layer]
         foreign = self.foreign[layer]
         if foreign is None:
-            return module.quant_method.apply(module, x, topk_weights, topk_ids, None, None)
+            return _apply(module, x, topk_weights, topk_ids)
         elsewhere = foreign[topk_ids.long()]
         if not self.own_pairs_only:
-            topk_weights = topk_weights.masked_fill(elsewhere, 0.0)
-            return module.quant_method.apply(module, x, topk_weights, topk_ids, None, None)
+            return _apply(module, x, topk_weights.masked_fill(elsewhere, 0.0), topk_ids)
         rows, cols = (~elsewhere).nonzero(as_tuple=True)  # row-major: tokens, then their k
         pair_ids = topk_ids[rows, cols].unsqueeze(1)
         pair_weights = topk_weights[rows, cols].unsqueeze(1)
-        pairs = x.index_select(0, rows)
-        y = module.quant_method.apply(module, pairs, pair_weights, pair_ids, None, None)
+        y = _apply(module, x.index_select(0, rows), pair_weights, pair_ids)
         return torch.zeros_like(x).index_add_(0, rows, y)
+
+
+def _apply(
+    module: MoELayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """The layer's quant method on ``x`` routed as given: the finished ``[N, H]`` (no shared
+    experts or tensor-parallel reduce to fuse here, so no kernel hands back an unfinished
+    output)."""
+    y = module.quant_method.apply(module, x, topk_weights, topk_ids, None, None)
+    assert isinstance(y, torch.Tensor), type(y)
+    return y
 
 
 @dataclass
@@ -157,7 +170,7 @@ def _open_stats_block(address: str, rank: int, layers) -> FFNStatsBlock | None:
         return None
 
 
-def _weights_report(layers: dict[int, torch.nn.Module]) -> dict[str, list[str]]:
+def _weights_report(layers: dict[int, MoELayer]) -> dict[str, list[str]]:
     """What the layers hold once prepared for their kernels: the dtypes of their tensors and
     their quant methods (an FP8 checkpoint served dequantized shows no float8 tensor)."""
     return {
@@ -282,7 +295,7 @@ class FFNExecutor:
         self.weights = _weights_report(layers)
         self.kernel = ExpertKernel(layers, device)
         prepare_device(self.kernel, spec, rank)
-        self.checker = ScheduleChecker(rank, layers)
+        self.checker = ScheduleChecker(rank, self.layers)
         self._announcing: set[int] = set()  # attention ranks seen announcing (logged once)
         logger.info(
             "AFD FFN rank %d: experts %d-%d of %d MoE layers, %.1f MiB, built in %.2f s",
@@ -333,7 +346,6 @@ class FFNExecutor:
         waits end, recorded; with graphs every use of the step, since a capture serves none),
         and the rank serves on. The step's time is shared evenly by its uses in the stats (a
         graph's layers are not timed one by one)."""
-        transport = self.transport
         step = transport.next_step(timeout_s)
         if step is None:
             return 0

@@ -46,8 +46,13 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    # a routed-experts layer as vLLM builds it
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts as MoELayer
 
 logger = logging.getLogger("vllm.afd")
 
@@ -65,7 +70,7 @@ def engine_config(model_dir: str | Path, dtype: torch.dtype):
 
     return EngineArgs(
         model=str(model_dir),
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=str(dtype).removeprefix("torch."),  # type: ignore[arg-type]  # torch's names
         enforce_eager=True,
         skip_tokenizer_init=True,
         max_model_len=_MAX_MODEL_LEN,
@@ -102,7 +107,7 @@ def _ensure_world() -> None:
             shutil.rmtree(private, ignore_errors=True)
 
 
-def _materialise(layer: torch.nn.Module, device: str) -> None:
+def _materialise(layer: MoELayer, device: str) -> None:
     """Real NaN-filled memory for ``layer``'s own parameters (zeros for integer ones).
 
     New ``Parameter`` objects carry over the old ones' attributes (``weight_loader`` and the
@@ -180,7 +185,7 @@ def _check_loaded(name: str, layer) -> None:
 
 def load_routed_experts(
     model_dir: str | Path, rank: int, num_ranks: int, dtype: torch.dtype, device: str = "cpu"
-) -> dict[int, torch.nn.Module]:
+) -> dict[int, MoELayer]:
     """FFN rank ``rank`` of ``num_ranks``: the model's MoE layers holding this rank's experts.
 
     Returns the model's layer number -> its vLLM ``RoutedExperts`` module (weights loaded and
@@ -241,7 +246,7 @@ def has_expert_kernel(method) -> bool:
     return getattr(method, "experts_cls", True) is not None
 
 
-def needs_fp8_fallback(layer: torch.nn.Module) -> bool:
+def needs_fp8_fallback(layer: MoELayer) -> bool:
     """The layer's experts are FP8 and this platform has no kernel for them."""
     return layer.w13_weight.dtype in FP8_DTYPES and not has_expert_kernel(layer.quant_method)
 
@@ -272,7 +277,7 @@ def dequantize_fp8(
     return weight.float() * expanded[:, :rows, :cols]
 
 
-def _weight_scale(layer: torch.nn.Module, prefix: str) -> torch.Tensor:
+def _weight_scale(layer: MoELayer, prefix: str) -> torch.Tensor:
     """The dequantization multiplier of ``{prefix}_weight`` (vLLM's two FP8 scale names)."""
     for suffix in ("weight_scale_inv", "weight_scale"):
         scale = getattr(layer, f"{prefix}_{suffix}", None)
@@ -281,7 +286,7 @@ def _weight_scale(layer: torch.nn.Module, prefix: str) -> torch.Tensor:
     raise ValueError(f"{prefix}_weight is FP8 but the layer has no weight scale")
 
 
-def dequantize_fp8_experts(layer: torch.nn.Module, dtype: torch.dtype) -> None:
+def dequantize_fp8_experts(layer: MoELayer, dtype: torch.dtype) -> None:
     """Make an FP8 layer an unquantized one in place: its experts dequantized to ``dtype``,
     its scales dropped, vLLM's ``UnquantizedFusedMoEMethod`` as its quant method (weights not
     yet processed for its kernel)."""
@@ -301,11 +306,12 @@ def dequantize_fp8_experts(layer: torch.nn.Module, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
     for prefix, weight in dequantized.items():
         getattr(layer, f"{prefix}_weight").data = weight
-    layer.w13_input_scale = layer.w2_input_scale = None
+    for name in ("w13_input_scale", "w2_input_scale"):
+        setattr(layer, name, None)
     layer._replace_quant_method(UnquantizedFusedMoEMethod(layer.moe_config))
 
 
-def _prepare_for_kernels(layers: dict[int, torch.nn.Module], dtype: torch.dtype) -> None:
+def _prepare_for_kernels(layers: dict[int, MoELayer], dtype: torch.dtype) -> None:
     """Each layer's quant method prepares its weights for its kernel; FP8 layers without a
     kernel on this platform are dequantized first (one log line)."""
     fallback = [n for n, layer in layers.items() if needs_fp8_fallback(layer)]
@@ -330,7 +336,7 @@ def _prepare_for_kernels(layers: dict[int, torch.nn.Module], dtype: torch.dtype)
             raise ValueError(f"MoE layer {number}: {_no_kernel(layer)}: {exc}") from exc
 
 
-def _no_kernel(layer: torch.nn.Module) -> str:
+def _no_kernel(layer: MoELayer) -> str:
     """Why a layer without an expert kernel cannot be served, naming format and platform."""
     from vllm.platforms import current_platform
 
@@ -342,7 +348,7 @@ def _no_kernel(layer: torch.nn.Module) -> str:
     )
 
 
-def expert_bytes(layers: dict[int, torch.nn.Module]) -> int:
+def expert_bytes(layers: dict[int, MoELayer]) -> int:
     """Bytes of the expert weights ``layers`` hold (what the rank's memory holds for them)."""
     return sum(
         p.nbytes for layer in layers.values() for p in layer.parameters() if p.device.type != "meta"

@@ -51,6 +51,8 @@ class ControlBlock:
     def __init__(self, name: str, mm: mmap.mmap, layout: PlaneLayout, words_per: int) -> None:
         self.name, self.mm, self.layout, self.words_per = name, mm, layout, words_per
         self.words = memoryview(mm).cast("q")
+        #: Unlinks the block at its creator's exit (``create``); attached blocks have none.
+        self._finalizer: weakref.finalize | None = None
 
     @staticmethod
     def size(layout: PlaneLayout, words_per: int) -> int:
@@ -194,7 +196,8 @@ class ControlBlock:
         unlinks it."""
         if creator:
             self.words[_W_STATE] = _CLOSED
-            self._finalizer()
+            if self._finalizer is not None:
+                self._finalizer()
         self.words.release()
         self.mm.close()
 

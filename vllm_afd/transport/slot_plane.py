@@ -135,7 +135,7 @@ Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 def _words(tensor: torch.Tensor) -> memoryview:
     """A host tensor's int64 words as a memoryview (it shares the tensor's memory)."""
-    return memoryview(tensor.numpy()).cast("B").cast("q")
+    return tensor.numpy().data.cast("B").cast("q")
 
 
 #: ``(x, ids, weights)`` views of a request slot's first rows (``SlotViews.rows``).

@@ -111,7 +111,9 @@ class CudaPlaneMemory(RecordedWaits):
             _bytes(event),
             sync,
         )
-        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (nbytes,))
+        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(
+            storage, 0, (nbytes,), (1,)
+        )
 
     def signal(
         self, flag: torch.Tensor, step: torch.Tensor, position: int, failed: bool = False

@@ -32,8 +32,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -67,6 +67,7 @@ from vllm_afd.transport.slot_plane import (
     HostPlaneMemory,
     PlaneLayout,
     PlaneMemory,
+    SlotViews,
     await_word,
     value_use,
 )
@@ -233,7 +234,7 @@ class PlaneAttentionTransport(AttentionEndpoint):
         seq: int,
         tag: Tag,
         deadline: float,
-        awaited: Sequence[int],
+        awaited: Collection[int],
     ) -> torch.Tensor:
         """FFN rank ``ffn_rank``'s answer to the use ``seq`` of ``slot``: ``[N, H]``, a view of
         this rank's answer buffer (read before the slot's next use). On host memory waits for
@@ -246,7 +247,7 @@ class PlaneAttentionTransport(AttentionEndpoint):
         answer = self.plane.answers[ffn_rank][slot]
         line = answer.response_words
         assert line is not None  # host memory: waits are the host's
-        found = line[0]
+        found: int | None = line[0]
         if found != seq:
             backoff = Backoff(self.wait, spin=line[CPU_WORD] != self._cpu)
             watch = lambda: self._check_alive(awaited)  # noqa: E731
@@ -260,7 +261,7 @@ class PlaneAttentionTransport(AttentionEndpoint):
             raise FFNServeError(f"FFN rank {ffn_rank}: {answer.read_error()}")
         return self.plane.answer(ffn_rank, slot, self._sent[ffn_rank][slot])
 
-    def _check_alive(self, ffn_ranks: Sequence[int]) -> None:
+    def _check_alive(self, ffn_ranks: Collection[int]) -> None:
         """Raise ``FFNRankLost`` for the first of ``ffn_ranks`` that closed its endpoint, died,
         or that the failover supervisor declared lost (a wedged rank: ``_check_superseded``)."""
         for f in ffn_ranks:
@@ -378,11 +379,11 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
                 "(waits: host); device memory serves whole steps"
             )
         #: Per (attention rank, slot): its slot views and request line.
-        self._channels = [
-            (a, s, view, view.request_words)
-            for s, views in enumerate(self.plane.slots)
-            for a, view in enumerate(views)
-        ]
+        self._channels: list[tuple[int, int, SlotViews, memoryview]] = []
+        for s, views in enumerate(self.plane.slots):
+            for a, view in enumerate(views):
+                assert view.request_words is not None  # host memory
+                self._channels.append((a, s, view, view.request_words))
         self._seen = [0] * len(self._channels)
         #: Per attention rank: the step schedule last read from its control block.
         self._schedules: list[StepSchedule | None] = [None] * spec.num_attention_ranks
@@ -428,7 +429,7 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
             if made is not None:
                 requests.append(made)
         if len(requests) > 1:
-            requests.sort(key=lambda r: (r.src_rank, r.reply_key[1], r.microbatch))
+            requests.sort(key=lambda r: (r.src_rank, _reply_key(r)[1], r.microbatch))
         return requests
 
     def _request(self, i: int, a: int, slot: int, view, value: int, rows: int) -> FFNRequest | None:
@@ -461,7 +462,7 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
     def reply(self, request: FFNRequest, out: torch.Tensor) -> None:
         """See ``ServesRequests.reply``; ``out``: ``[N, H]``, converted to ``spec.dtype``, or
         ``request.reply_buffer`` itself (already in place: nothing is copied)."""
-        i, value = request.reply_key  # type: ignore[misc]
+        i, value = _reply_key(request)
         buffer = request.reply_buffer
         assert buffer is not None
         if out is not buffer:
@@ -472,7 +473,7 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
 
     def reply_error(self, request: FFNRequest, message: str) -> None:
         """See ``ServesRequests.reply_error``: the text goes into the answer's ``out``."""
-        i, value = request.reply_key  # type: ignore[misc]
+        i, value = _reply_key(request)
         self._answer(i, value, failed=message)
 
     def _answer(self, i: int, value: int, failed: str | None = None) -> None:
@@ -577,7 +578,7 @@ class SlotsBackend(Backend):
     attention = PlaneAttentionTransport
     ffn = PlaneFFN
     needs_steps = True
-    settings = {"waits": str}
+    settings: ClassVar[Mapping[str, type]] = {"waits": str}
 
     @classmethod
     def endpoints(
@@ -621,11 +622,16 @@ class SlotsBackend(Backend):
         return reap_stale_control_blocks()
 
 
+def _reply_key(request: FFNRequest) -> tuple[int, int]:
+    """The plane's ``reply_key``: (channel, request value)."""
+    return cast("tuple[int, int]", request.reply_key)
+
+
 class ShmBackend(SlotsBackend):
     """One CPU host: the slot plane on host memory, FFN ranks serving requests as they come."""
 
     name = "shm"
-    settings: Mapping[str, type] = {}
+    settings: ClassVar[Mapping[str, type]] = {}
 
     @classmethod
     def resolve_settings(cls, settings: Mapping[str, Any], attention_device: str) -> dict:

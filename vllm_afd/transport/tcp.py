@@ -74,6 +74,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable, Collection
+from typing import cast
 
 import torch
 
@@ -128,7 +129,7 @@ def _header(
 
 def _byte_view(t: torch.Tensor) -> memoryview:
     """Flat writable byte view of a contiguous tensor's memory (keeps the tensor alive)."""
-    return memoryview(t.view(-1).view(torch.uint8).numpy())
+    return t.view(-1).view(torch.uint8).numpy().data
 
 
 def _hello_fields(spec: TransportSpec, rank: int) -> tuple[int, ...]:
@@ -602,6 +603,7 @@ class _AttentionPeer:
             except ValueError as exc:
                 raise ConnectionError(f"protocol error: bad schedule ({exc})") from None
             return
+        assert self.rank is not None  # requests come after the HELLO (_payload checks it)
         self.requests.append(
             FFNRequest(
                 self.rank,
@@ -615,6 +617,11 @@ class _AttentionPeer:
                 schedule=self.schedule,
             )
         )
+
+
+def _reply_key(request: FFNRequest) -> tuple[_AttentionPeer, int, int]:
+    """tcp's ``reply_key``: (the attention rank's connection, slot, sequence number)."""
+    return cast("tuple[_AttentionPeer, int, int]", request.reply_key)
 
 
 class TcpFFNTransport(ServesRequests):
@@ -711,7 +718,7 @@ class TcpFFNTransport(ServesRequests):
         body = memoryview(peer.hello)
         raw_fields = bytes(body[: _HELLO.size])
         nonce = bytes(body[_HELLO.size : _HELLO.size + auth.NONCE_BYTES])
-        mac = body[_HELLO.size + auth.NONCE_BYTES :]
+        mac = bytes(body[_HELLO.size + auth.NONCE_BYTES :])
         if not auth.verify(auth.hello_mac(self._secret, peer.nonce, raw_fields, nonce), mac):
             self._reject(
                 peer,
@@ -748,7 +755,7 @@ class TcpFFNTransport(ServesRequests):
 
     def reply(self, request: FFNRequest, out: torch.Tensor) -> None:
         """See ``ServesRequests.reply``; ``out``: ``[N, H]``, converted to ``spec.dtype``."""
-        peer, slot, seq = request.reply_key
+        peer, slot, seq = _reply_key(request)
         n = request.x.shape[0]
         if out.shape != (n, self.spec.hidden_size):
             raise ValueError(f"reply must be [{n}, {self.spec.hidden_size}], got {out.shape}")
@@ -762,7 +769,7 @@ class TcpFFNTransport(ServesRequests):
     def reply_error(self, request: FFNRequest, message: str) -> None:
         """See ``ServesRequests.reply_error``: an ERROR frame with the text (truncated to
         ``MAX_TEXT_BYTES``)."""
-        peer, slot, seq = request.reply_key
+        peer, slot, seq = _reply_key(request)
         if peer.closed:
             return
         body = message.encode()[:MAX_TEXT_BYTES]
