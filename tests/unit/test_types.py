@@ -1,6 +1,6 @@
 """The type checker holds the data path's contracts (``make lint``; pyproject's ``[tool.mypy]``):
-``transport/`` and ``ffn/`` check clean, and a call of a method the ``FFNTransport`` contract
-does not declare is an error."""
+the packages it lists (``transport/``, ``ffn/``, the planner, the metrics) check clean, and a
+call of a method the ``FFNTransport`` contract does not declare is an error."""
 
 from __future__ import annotations
 
@@ -16,6 +16,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.full]
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _checked_packages() -> list[str]:
+    """pyproject's ``[tool.mypy]`` files (what ``make lint`` checks)."""
+    import json
+    import re
+
+    text = (ROOT / "pyproject.toml").read_text()
+    return json.loads(re.search(r"^\[tool\.mypy\]\nfiles = (\[.*\])$", text, re.M).group(1))
+
+
 def test_mypy_is_clean_on_the_data_path_and_catches_an_undeclared_transport_call(tmp_path):
     probe = tmp_path / "undeclared_call.py"
     probe.write_text(
@@ -25,7 +34,7 @@ def test_mypy_is_clean_on_the_data_path_and_catches_an_undeclared_transport_call
     )
     assert shutil.which("mypy", path=str(Path(sys.executable).parent)), "mypy: the test extra"
     done = subprocess.run(
-        [sys.executable, "-m", "mypy", "vllm_afd/transport", "vllm_afd/ffn", str(probe)],
+        [sys.executable, "-m", "mypy", *_checked_packages(), str(probe)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -120,7 +120,9 @@ def read_deployment(runtime) -> DeploymentBlocks:
     """Every block of the deployment ``runtime`` (a TransportSpec as object, dict or JSON)."""
     addresses, num_attention, num_ffn = spec_fields(runtime)
     where = spec_directory(runtime)
-    entries = ffn_directory.entries(where, num_ffn) if where else [None] * num_ffn
+    entries: list[ffn_directory.RankEntry | None] = (
+        ffn_directory.entries(where, num_ffn) if where else [None] * num_ffn
+    )
     current = [
         entry.address if entry else (addresses[r] if r < len(addresses) else None)
         for r, entry in enumerate(entries)

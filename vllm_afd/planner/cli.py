@@ -300,7 +300,7 @@ def _summary_lines(result: PlanResult) -> list[str]:
         f"b_A {rec.batch}, {rec.step_ms:.2f} ms/step, {rec.tokens_per_gpu:.1f} tok/s/GPU"
     )
     d = rec.decomposition
-    if d is not None:
+    if d is not None and result.baseline is not None:  # a decomposition is against it
         line += (
             f", S_all {d.s_all:.3f} = batch {d.batch_gain:.3f} x overlap {d.overlap_gain:.3f} "
             f"x cost {d.disaggregation_cost:.3f} ({'wins' if d.wins else 'does not win'}"

@@ -75,14 +75,17 @@ def cpu_fit_from_dict(data: dict[str, Any]) -> CpuFit:
     """Build from a profile file's ``"cpu"`` section; ValueError names a missing key."""
     try:
         hw = Hardware(**data["hardware"])
+        a0, a1, a2 = (float(v) for v in data["attention"])
+        d0, d1 = (float(v) for v in data["aux"])
+        k0, k1 = (float(v) for v in data["kernel"])
         return CpuFit(
-            attention=tuple(float(v) for v in data["attention"]),
-            aux=tuple(float(v) for v in data["aux"]),
-            kernel=tuple(float(v) for v in data["kernel"]),
+            attention=(a0, a1, a2),
+            aux=(d0, d1),
+            kernel=(k0, k1),
             hardware=hw,
             threads=int(data.get("threads", 1)),
         )
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"profile 'cpu' section is incomplete or malformed ({exc})") from None
 
 

@@ -290,11 +290,12 @@ def best_baseline(req: PlanRequest, hw: Hardware, point: ProfilePoint) -> Baseli
     a = req.acceptance
     if req.baseline_step_ms is not None:
         ep = (req.baseline_eps or (0,))[0]
+        assert req.baseline_batch is not None  # they go together (PlanRequest checks it)
         return Baseline(ep, req.baseline_batch, req.baseline_step_ms, "user", a)
     if point.has_baseline:
-        return Baseline(
-            point.baseline_ep, point.baseline_batch, point.baseline_step_ms, "profile", a
-        )
+        size, batch, step_ms = point.baseline_ep, point.baseline_batch, point.baseline_step_ms
+        assert size is not None and batch is not None and step_ms is not None  # whole or none
+        return Baseline(size, batch, step_ms, "profile", a)
     best: Baseline | None = None
     for ep in req.baseline_eps or default_eps(req.model, hw):
         batch = colocated_batch(

@@ -38,6 +38,7 @@ _CONTEXT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 
 def parse_context(text: str | int) -> int:
     """Token count from `4096`, `4K`, `8k`, `1M` (K = 1024, M = 1024**2, as in the paper)."""
+    value: float
     if isinstance(text, int):
         value = text
     else:
@@ -168,12 +169,15 @@ def _interpolate(lo: ProfilePoint, hi: ProfilePoint, context: int) -> ProfilePoi
     def mix(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else a + w * (b - a)
 
+    def between(a: float, b: float) -> float:
+        return a + w * (b - a)
+
     batch = mix(lo.profile_batch, hi.profile_batch)
     return ProfilePoint(
         context=context,
-        dv_ms=mix(lo.dv_ms, hi.dv_ms),
+        dv_ms=between(lo.dv_ms, hi.dv_ms),
         draft_length=lo.draft_length,
-        kappa=mix(lo.kappa, hi.kappa),
+        kappa=between(lo.kappa, hi.kappa),
         profile_batch=None if batch is None else max(1, round(batch)),
         t_draft_att_ms=mix(lo.t_draft_att_ms, hi.t_draft_att_ms) if batch is not None else None,
         t_draft_rest_ms=mix(lo.t_draft_rest_ms, hi.t_draft_rest_ms),

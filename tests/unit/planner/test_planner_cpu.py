@@ -97,6 +97,8 @@ def test_cpu_fit_roundtrip_through_a_profile_file(tmp_path):
     assert load_cpu_fit(path) == FIT
     with pytest.raises(ValueError, match="incomplete"):
         cpu_fit_from_dict({"attention": [1, 2, 3]})
+    with pytest.raises(ValueError, match="malformed"):  # A(n, c) has three terms
+        cpu_fit_from_dict(cpu_fit_to_dict(FIT) | {"attention": [1e-5, 2e-6]})
     path.write_text("{}")
     with pytest.raises(ValueError, match="no 'cpu' section"):
         load_cpu_fit(path)
