@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_afd import envs
 from vllm_afd.bench.server import ServeProcess, http_request
 from vllm_afd.bench.soak import client_prompt, parse_metrics
 
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(default_real_model())
     json_path = Path(args.json)
     log = json_path.with_suffix(".server.log")
-    env = {"VLLM_PLUGINS": "afd", "VLLM_AFD_PLAN_PROFILE": str(Path(args.profile).resolve())}
+    env = {"VLLM_PLUGINS": "afd", envs.PLAN_PROFILE: str(Path(args.profile).resolve())}
     flags = ("--afd-ratio", args.ratio, "--afd-microbatches", str(args.microbatches))
     server = ServeProcess(args.model, log, flags, env=env)
     print(f"planner_loop: server pid {server.proc.pid} on {server.url}, log {log}", flush=True)

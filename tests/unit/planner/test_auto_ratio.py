@@ -50,30 +50,16 @@ def test_auto_counts_the_speculative_draft(qwen3_30b_dir, monkeypatch):
     assert steps[3] > steps[0]
 
 
-def _cpu_profile(path, kernel=(80e-6, 3e-6)):
+def _cpu_profile(path):
     """A profile file with a ``"cpu"`` section (as `vllm-afd profile` writes one)."""
     import json
 
-    from vllm_afd.planner.cpu import CpuFit, cpu_fit_to_dict
-    from vllm_afd.planner.hardware import Hardware
+    from test_planner_cpu import FIT  # a fitted CPU rank of known terms
 
-    hw = Hardware(
-        name="cpu-1t",
-        hbm_bandwidth=10e9,
-        hbm_capacity=8e9,
-        num_sms=1,
-        sm_bandwidth=10e9,
-        fp8_flops=50e9,
-        bf16_flops=50e9,
-        bandwidth_efficiency=1.0,
-        gemm_efficiency=0.5,
-        dispatch_intercept=100e-6,
-        gpus_per_node=2,
-        nvlink_domain=2,
-    )
-    fit = CpuFit(attention=(50e-6, 2e-6, 1e-9), aux=(2e-3, 50e-6), kernel=kernel, hardware=hw)
-    path.write_text(json.dumps({"cpu": cpu_fit_to_dict(fit)}))
-    return fit
+    from vllm_afd.planner.cpu import cpu_fit_to_dict
+
+    path.write_text(json.dumps({"cpu": cpu_fit_to_dict(FIT)}))
+    return FIT
 
 
 def test_the_cpu_build_predicts_with_the_profile_s_cpu_step_model(
