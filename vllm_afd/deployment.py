@@ -405,9 +405,15 @@ def recommend(
         max_batch=vllm_config.scheduler_config.max_num_seqs,
         platform_is_cpu=current_platform.is_cpu(),
         draft_length=_draft_length(vllm_config),
-        microbatches=2 if vllm_config.parallel_config.enable_dbo else 1,
+        microbatches=_microbatches(vllm_config),
         what=what,
     )
+
+
+def _microbatches(vllm_config) -> int:
+    """``--afd-microbatches`` of this deployment: what the advisor plans with too."""
+    afd = AFDConfig.of(vllm_config)
+    return afd.microbatches if afd is not None else 1
 
 
 def _draft_length(vllm_config) -> int:

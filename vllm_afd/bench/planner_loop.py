@@ -50,8 +50,7 @@ class Load:
 
     def __init__(self, server: ServeProcess, clients: int, max_tokens: int) -> None:
         self.server, self.max_tokens = server, max_tokens
-        self.done = self.failed = 0
-        self.errors: list[str] = []
+        self.errors: list[str] = []  # of the requests that failed
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._loop, args=(c,), daemon=True) for c in range(clients)
@@ -67,10 +66,7 @@ class Load:
                 error = got.error
             except (OSError, ValueError) as exc:
                 ok, error = False, repr(exc)
-            if ok:
-                self.done += 1
-            else:
-                self.failed += 1
+            if not ok:
                 self.errors.append(error[:300])
                 time.sleep(0.5)
 
@@ -80,10 +76,12 @@ class Load:
             thread.join(timeout=300)
 
 
-def _advice_at(server: ServeProcess) -> float | None:
+def _status(server: ServeProcess) -> tuple[dict, float | None]:
+    """The full ``/afd/status`` and when its latest advice was published (``None``: none)."""
     status, body = http_request(server.url + "/afd/status", headers=server.admin_headers())
-    live = body.get("live") if status == 200 and isinstance(body, dict) else None
-    return live.get("at") if live else None
+    body = body if status == 200 and isinstance(body, dict) else {}
+    live = body.get("live")
+    return body, live.get("at") if live else None
 
 
 def next_window(server: ServeProcess, after: float | None, timeout_s: float = 60.0) -> dict:
@@ -91,9 +89,8 @@ def next_window(server: ServeProcess, after: float | None, timeout_s: float = 60
     ``/afd/status`` give it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        at = _advice_at(server)
+        body, at = _status(server)
         if at is not None and at != after:
-            status, body = http_request(server.url + "/afd/status", headers=server.admin_headers())
             metrics = parse_metrics(str(http_request(server.url + "/metrics")[1]), SERIES)
             return {"at": at, "status": body, "metrics": metrics}
         time.sleep(0.5)
@@ -130,14 +127,14 @@ def window_row(phase: str, window: dict) -> dict[str, Any]:
 
 def run(server: ServeProcess, args: argparse.Namespace, say: Callable[[str], None]) -> dict:
     rows: list[dict] = []
-    at = _advice_at(server)
+    at = _status(server)[1]
     load = None
-    failed = 0
+    errors: list[str] = []
     try:
         for batch in args.batches:
             if load is not None:
                 load.stop()
-                failed += load.failed
+                errors += load.errors
             load = Load(server, batch, args.max_tokens)
             at = next_window(server, at)["at"]  # settles: it may hold the previous load
             for _ in range(args.windows):
@@ -165,8 +162,8 @@ def run(server: ServeProcess, args: argparse.Namespace, say: Callable[[str], Non
     finally:
         if load is not None:
             load.stop()
-            failed += load.failed
-    return {"rows": rows, "failed_requests": failed}
+            errors += load.errors
+    return {"rows": rows, "failed_requests": len(errors), "errors": errors}
 
 
 def _row_text(row: dict) -> str:

@@ -342,23 +342,23 @@ STEP_LAYERS = tuple(range(128))
 
 
 def step_layers(
-    att, spec: TransportSpec, num_tokens: int, step_layers: tuple[int, ...] = STEP_LAYERS
+    att, spec: TransportSpec, num_tokens: int, layers: tuple[int, ...] = STEP_LAYERS
 ) -> Callable[[], int]:
     """``next_layer()``: the layer of the next round trip of up to ``num_tokens`` tokens (the
-    first of ``step_layers`` where the backend needs no steps; else the next of them in turn,
+    first of ``layers`` where the backend needs no steps; else the next of them in turn,
     announcing a step of them all whenever the last one was used), as a decode's steps visit
     the model's MoE layers."""
     if not transport_backend(spec.backend).needs_steps:
-        return lambda: step_layers[0]
-    layers: Iterator[int] = iter(())
+        return lambda: layers[0]
+    left: Iterator[int] = iter(())
 
     def next_layer() -> int:
-        nonlocal layers
-        layer = next(layers, None)
+        nonlocal left
+        layer = next(left, None)
         if layer is None:
-            att.begin_step(StepSchedule(att.step + 1, (num_tokens,), step_layers))
-            layers = iter(step_layers)
-            layer = next(layers)
+            att.begin_step(StepSchedule(att.step + 1, (num_tokens,), layers))
+            left = iter(layers)
+            layer = next(left)
         return layer
 
     return next_layer
