@@ -74,7 +74,8 @@ PYEOF
 
 step refuses-gpus-over-node 120 $PY - <<'PYEOF'
 import torch
-from vllm_afd.config import AFDConfig, AFDConfigError
+from vllm_afd.config import AFDConfig
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.deployment import check_devices
 gpus = torch.cuda.device_count()
 afd = AFDConfig.from_dict({"ratio": f"{gpus}:1", "transport": "slots", "ffn_device": "cuda"})

@@ -4,11 +4,11 @@ Start-up, in the front-end: ``config`` (``AFDConfig``: the flags, declared once;
 ``check_supported``) and ``envs`` (every ``VLLM_AFD_*`` variable) -> ``deployment`` (validate,
 then start the FFN group before vLLM's engines) -> ``placement`` (the FFN ranks as Ray actors).
 
-One token, on the data path: ``remote_experts`` (the hook at the routing boundary on attention
-ranks) -> ``microbatch`` (ping-pong overlap point) -> ``transport/`` (the ``endpoint``'s
-dispatch and combine over the slot plane, ``slots``/``slot_plane``, or ``tcp``) -> ``ffn/``
-(``executor`` serve loop and ``ExpertKernel``; ``weights`` at start-up) -> back through
-``transport/`` into the model.
+One token, on the data path: ``attention/`` (the worker's session, the step announced, the
+hook at the routing boundary, the round trip) -> ``microbatch`` (ping-pong overlap point) ->
+``transport/`` (the ``endpoint``'s dispatch and combine over the slot plane,
+``slots``/``slot_plane``, or ``tcp``) -> ``ffn/`` (``executor`` serve loop and
+``ExpertKernel``; ``weights`` at start-up) -> back through ``transport/`` into the model.
 ``metrics/`` is the sink both sides record into.
 
 Around it: ``patches/`` (every touch of a vLLM internal, by process, with its ledger),

@@ -57,8 +57,9 @@ def ffn_server(argv: list[str]) -> None:
 
     import vllm_afd
     from vllm_afd import placement
-    from vllm_afd.config import AFDConfig, AFDConfigError
+    from vllm_afd.config import AFDConfig
     from vllm_afd.deployment import checkpoint_dir
+    from vllm_afd.errors import AFDConfigError
     from vllm_afd.placement import scaling, shared
 
     vllm_afd.register()
@@ -91,8 +92,8 @@ def check_shared_transport(afd) -> None:
     """``AFDConfigError`` unless the transport lets front-ends that join separately share the
     group (``Feature.SHARED_GROUP``), ``auto`` and its settings resolved as the front-end
     would."""
-    from vllm_afd.config import AFDConfigError
     from vllm_afd.deployment import _resolve_transport
+    from vllm_afd.errors import AFDConfigError
     from vllm_afd.transport import Feature, backend
 
     afd = _resolve_transport(afd)
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run_user_facing(fn, argv: list[str]) -> None:
     """Run ``fn``; an AFD configuration error exits 2 with its one-line message."""
-    from vllm_afd.config import AFDConfigError
+    from vllm_afd.errors import AFDConfigError
 
     try:
         fn(argv)

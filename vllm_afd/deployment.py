@@ -22,13 +22,13 @@ from vllm_afd.config import (
     AUTO_TRANSPORT,
     EPLB_REFUSED,
     AFDConfig,
-    AFDConfigError,
     UnsetParallelSize,
     check_gpu_microbatches,
     check_supported,
     check_this_host,
     moe_model_info,
 )
+from vllm_afd.errors import AFDConfigError
 
 logger = logging.getLogger("vllm.afd")
 

@@ -61,7 +61,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from vllm_afd.config import AFDConfigError
+from vllm_afd.errors import AFDConfigError
 
 RUNTIME = "VLLM_AFD_RUNTIME"
 FFN_CPUS = "VLLM_AFD_FFN_CPUS"

@@ -35,7 +35,7 @@ model runner, and their ledger entries M1-M7, are in vllm_afd/patches/ (cpu_runn
 On GPUs, ``--afd-microbatches 2`` turns on vLLM's own DBO instead
 (``deployment._fit_gpu_engine_args``, the V2 model runner): ``current_microbatch`` is the
 ubatch id, and the op yields twice per MoE layer with a receive hook, as vLLM's own MoE kernels
-do (``remote_experts._dbo_exchange``).
+do (``attention.exchange.dbo_exchange``).
 
 Limits (CPU): V1 model runner only (the V2 runner is refused); no LoRA, multimodal or M-RoPE models,
 pooling models; with DP > 1 an idle rank's dummy batch vetoes microbatching for that step, and
@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,7 +197,7 @@ class PingPong:
             step.finished[index] = True
 
 
-def vllm_dbo():
+def vllm_dbo() -> types.ModuleType | None:
     """vLLM's ``ubatching`` module while its DBO runs a microbatched step (GPUs), else
     ``None`` (ledger G2)."""
     ubatching = sys.modules.get("vllm.v1.worker.ubatching")  # never imported: DBO is off

@@ -18,7 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_afd.config import AFDConfig, AFDConfigError, MoEModelInfo
+from vllm_afd.config import AFDConfig, MoEModelInfo
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.metrics import recorder
 from vllm_afd.metrics.blocks import AttentionStatsBlock, FFNStatsBlock
 from vllm_afd.patches.request_errors import decode_step

@@ -8,13 +8,13 @@ import pytest
 
 from vllm_afd.config import (
     AFDConfig,
-    AFDConfigError,
     add_afd_flags,
     check_supported,
     merge_afd_flags,
     moe_model_info,
     parse_ratio,
 )
+from vllm_afd.errors import AFDConfigError
 
 
 @pytest.mark.parametrize("text", ["7", "a:b", "0:1", "7:0", "-1:1", "1:2:3", ""])

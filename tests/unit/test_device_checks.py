@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from vllm_afd import placement
-from vllm_afd.config import AFDConfig, AFDConfigError, MoEModelInfo
+from vllm_afd.config import AFDConfig, MoEModelInfo
 from vllm_afd.deployment import check_devices
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.transport import TransportSpec
 
 # Qwen3-30B-A3B's shape: hidden 2048, 128 experts, top 8.
@@ -76,7 +77,8 @@ def test_auto_transport_picks_by_device_and_host(monkeypatch):
 
 
 def test_auto_transport_takes_no_backend_settings():
-    from vllm_afd.config import AFDConfig, AFDConfigError
+    from vllm_afd.config import AFDConfig
+    from vllm_afd.errors import AFDConfigError
 
     with pytest.raises(AFDConfigError, match="--afd-transport-config.*need a named backend"):
         AFDConfig(ratio=(1, 1), transport_config={"waits": "device"})

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from vllm_afd import envs
-from vllm_afd.config import AFDConfigError
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.host import bind_process
 
 PACKAGE = Path(envs.__file__).parent

@@ -13,8 +13,11 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.platforms import current_platform
 
 from tests.unit.ubatchlib import run_ubatch_threads
-from vllm_afd import remote_experts
-from vllm_afd.config import AFDConfigError, check_supported
+from vllm_afd.attention import session as sessions
+from vllm_afd.attention.layer import remote_experts_impl
+from vllm_afd.attention.steps import Steps
+from vllm_afd.config import check_supported
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.microbatch import current_microbatch, overlap_point
 from vllm_afd.transport import TransportSpec
 
@@ -176,6 +179,10 @@ class _Endpoint:
         self.step = schedule.step
 
 
+def _session(endpoint) -> sessions.AttentionSession:
+    return sessions.AttentionSession("test", endpoint, 0, 1, None, Steps(endpoint))
+
+
 def test_under_dbo_one_step_of_two_microbatches_is_announced_for_both_ubatches(monkeypatch):
     import vllm.forward_context as fc
 
@@ -183,10 +190,11 @@ def test_under_dbo_one_step_of_two_microbatches_is_announced_for_both_ubatches(m
     fake = FakeUbatching(contexts)
     monkeypatch.setitem(sys.modules, "vllm.v1.worker.ubatching", fake)
     monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
-    steps = remote_experts._Steps(_Endpoint())
+    session = _session(_Endpoint())
+    steps = session.steps
     for ubatch in (0, 1, 0, 1):  # two MoE layers, each ubatch in turn
         monkeypatch.setattr(fc, "get_forward_context", lambda u=ubatch: contexts[u])
-        steps.current(5)
+        session.before_dispatch(5)
     [schedule] = steps.endpoint.schedules
     # ubatch 0: its padded count across DP; ubatch 1 (no DP metadata): the spec's bound
     assert schedule.microbatch_tokens == (6, 64) and schedule.layers == (1, 3)
@@ -198,8 +206,9 @@ def test_a_replayed_full_cuda_graph_announces_its_step_first(monkeypatch):
     the FFN would compute every row twice)."""
     from vllm_afd.patches.gpu_runner import _replay_announces
 
-    steps = remote_experts._Steps(_Endpoint())
-    monkeypatch.setattr(remote_experts, "_SESSION", SimpleNamespace(steps=steps))
+    session = _session(_Endpoint())
+    steps = session.steps
+    monkeypatch.setattr(sessions, "_SESSION", session)
     order = []
 
     def run_fullgraph(self, desc):
@@ -254,8 +263,7 @@ def test_vllms_ubatch_threads_drive_the_afd_op_with_two_yields_and_receive_hooks
 
     monkeypatch.setattr(endpoint, "dispatch", recording_dispatch)
     monkeypatch.setattr(endpoint, "combine_hook", recording_combine_hook)
-    session = remote_experts._Session("test", endpoint, 0, 1, None, remote_experts._Steps(endpoint))
-    monkeypatch.setattr(remote_experts, "_SESSION", session)
+    monkeypatch.setattr(sessions, "_SESSION", _session(endpoint))
 
     def route(x):
         weights, ids = torch.softmax(x[:, :8], -1).topk(2, dim=-1)
@@ -271,7 +279,7 @@ def test_vllms_ubatch_threads_drive_the_afd_op_with_two_yields_and_receive_hooks
     def body(ubatch, x):
         for layer in layers:
             weights, ids = route(x)
-            x = x + remote_experts.remote_experts_impl(x, weights, ids, layer)
+            x = x + remote_experts_impl(x, weights, ids, layer)
         return x
 
     try:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from vllm_afd import envs, placement
-from vllm_afd.config import AFDConfig, AFDConfigError, MoEModelInfo
+from vllm_afd.config import AFDConfig, MoEModelInfo
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.host import process_start_time
 from vllm_afd.transport import TransportSpec
 

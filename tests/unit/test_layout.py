@@ -22,11 +22,29 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` outside ``if TYPE_CHECKING:`` blocks (a type-only import runs
+    nothing: it is a contract a type checker holds, not a tie)."""
+    nodes, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and ast.unparse(node.test) in (
+            "TYPE_CHECKING",
+            "typing.TYPE_CHECKING",
+        ):
+            todo.extend(node.orelse)
+            continue
+        nodes.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """vllm_afd modules ``name`` imports anywhere in its body (module level or lazily)."""
+    """vllm_afd modules ``name`` imports anywhere in its body (module level or lazily), type-only
+    imports aside."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -85,28 +103,102 @@ def test_no_import_circle():
     assert _cycles(graph) == []
 
 
-#: The attention side and the concrete backends: the FFN side reaches them only through the
-#: ``FFNTransport`` contract (``transport.base``) and the registry (``transport``).
-NOT_FOR_THE_FFN_SIDE = {
-    "vllm_afd.remote_experts",
+def _unit(module: str) -> str:
+    """The folder (``ffn``, ``attention``, ...) or root module (``config``, ``errors``, ...)
+    ``module`` belongs to; ``vllm_afd`` for the package's ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _unit_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        ties = graph.setdefault(_unit(name), set())
+        ties.update(_unit(t) for t in _imports(name, path, modules))
+    return {unit: ties - {unit} for unit, ties in graph.items()}
+
+
+#: Folder ties that must never exist. The FFN side reaches the attention side only through the
+#: transport's contract (``transport.base``) and registry; the transport knows neither side nor
+#: what places them; errors come from ``errors.py``, which needs nothing, and ``envs.py`` reads
+#: the environment needing only it.
+NEVER = {
+    "ffn": {"attention", "placement", "deployment", "cli", "bench"},
+    "attention": {"ffn", "placement", "deployment", "cli", "bench", "patches"},
+    "transport": {"attention", "ffn", "placement", "deployment", "patches", "config", "metrics"},
+    "placement": {"attention", "deployment", "cli", "bench"},
+    "errors": {"*"},
+    "envs": {"*"},
+}
+#: What ``envs`` may import.
+ENVS_NEEDS = {"errors"}
+
+
+def test_no_folder_imports_what_it_must_not():
+    graph = _unit_graph()
+    assert set(NEVER) <= set(graph) and "attention" in graph
+    found = {}
+    for unit, never in NEVER.items():
+        allowed = ENVS_NEEDS if unit == "envs" else set()
+        bad = graph[unit] - allowed if "*" in never else graph[unit] & never
+        if bad:
+            found[unit] = sorted(bad)
+    assert found == {}
+
+
+def test_no_two_folders_import_each_other():
+    graph = _unit_graph()
+    both = {(a, b) for a in graph for b in graph[a] if a < b and a in graph.get(b, set())}
+    assert both == set()
+
+
+def test_folders_form_no_circle_but_through_the_patches():
+    """``patches/`` is the one folder tied both ways: its wrappers run at vLLM's call sites
+    and call into the product (W4 opens the attention session, the engine-args wrapper starts
+    the deployment), and product modules call the patch helpers they need (``ffn/weights``:
+    F1-F3). Without it the folders form no circle."""
+    graph = _unit_graph()
+    without = {u: ties - {"patches"} for u, ties in graph.items() if u != "patches"}
+    assert _cycles(without) == []
+
+
+#: The concrete backends: the FFN side reaches them only through the registry (``transport``).
+CONCRETE_BACKENDS = {
     "vllm_afd.transport.endpoint",
-    "vllm_afd.testing.reference",
     "vllm_afd.transport.slot_plane",
     "vllm_afd.transport.slot_plane_cuda",
     "vllm_afd.transport.slots",
     "vllm_afd.transport.tcp",
+    "vllm_afd.testing.reference",
 }
 
 
-def test_the_ffn_side_imports_no_attention_side_and_no_concrete_backend():
+def test_the_ffn_side_imports_no_concrete_backend():
     modules = _modules()
-    assert NOT_FOR_THE_FFN_SIDE <= set(modules)  # each name is a module that exists
+    assert CONCRETE_BACKENDS <= set(modules)  # each name is a module that exists
     ties = {
-        name: sorted(_imports(name, path, modules) & NOT_FOR_THE_FFN_SIDE)
+        name: sorted(_imports(name, path, modules) & CONCRETE_BACKENDS)
         for name, path in modules.items()
-        if name == "vllm_afd.ffn" or name.startswith("vllm_afd.ffn.")
+        if _unit(name) == "ffn"
     }
     assert {name: found for name, found in ties.items() if found} == {}
+
+
+def test_errors_come_from_errors_py():
+    """Every import of a product error names ``vllm_afd.errors``, not a module that happens
+    to import it."""
+    import vllm_afd.errors as errors
+
+    names = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, Exception)}
+    found = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module not in (None, "vllm_afd.errors"):
+                found += [
+                    f"{name}: {a.name} from {node.module}" for a in node.names if a.name in names
+                ]
+    assert found == []
 
 
 def test_the_cycle_finder_finds_cycles():

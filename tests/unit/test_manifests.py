@@ -87,7 +87,7 @@ def test_a_data_parallel_size_of_1_given_is_kept_and_refused_by_the_ratio(
     2 naming both) instead of silently starting two engines."""
     import pytest
 
-    from vllm_afd.config import AFDConfigError
+    from vllm_afd.errors import AFDConfigError
 
     model = "Qwen/Qwen3-30B-A3B"
     args, afd = _checked(serve_parser, [model, "--afd-ratio", "2:1"], monkeypatch, total=3)

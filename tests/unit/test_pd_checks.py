@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_afd.config import AFDConfigError, check_supported, kv_connectors
+from vllm_afd.config import check_supported, kv_connectors
 from vllm_afd.deployment import log_kv_transfer_requirements
+from vllm_afd.errors import AFDConfigError
 
 
 def _kv(connector: str | None, role: str = "kv_consumer", **extra):

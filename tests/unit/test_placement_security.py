@@ -140,7 +140,7 @@ def test_the_admin_token_is_fresh_private_and_exported_or_the_operators_checked(
     """Without ``VLLM_AFD_ADMIN_TOKEN_FILE`` the front-end writes a fresh token only this user
     can read and exports its path for its API servers (restored at stop); a file the operator
     names is checked before anything starts, the variable named."""
-    from vllm_afd.config import AFDConfigError
+    from vllm_afd.errors import AFDConfigError
     from vllm_afd.placement.credentials import prepare_admin_token, read_admin_token
 
     monkeypatch.delenv(envs.ADMIN_TOKEN_FILE, raising=False)

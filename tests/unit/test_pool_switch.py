@@ -1,5 +1,5 @@
 """A live scale, attention side: the hook switches to a newly published FFN pool at a step
-boundary (``remote_experts._Session``), and its answers stay those of the old pool.
+boundary (``AttentionSession.switch_pending``), and its answers stay those of the old pool.
 
 Real FFN ranks (reference serve loops in threads, ``LocalMoE`` experts) on every backend that
 claims live scaling (the slot plane on host memory, tcp): pool 1 has one rank, pool 2 two (each
@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from vllm_afd import envs, remote_experts
+from vllm_afd import envs
+from vllm_afd.attention import session as sessions
+from vllm_afd.attention.layer import remote_experts_impl
 from vllm_afd.testing.ffn import serve_ffn
 from vllm_afd.testing.reference import LocalMoE, SiluMulExperts
 from vllm_afd.transport import TransportSpec, create_ffn_transport, directory
@@ -108,15 +110,15 @@ def pools(request, tmp_path, monkeypatch):
     monkeypatch.setenv(envs.RUNTIME, specs[0].to_json())
     for name in ("get_tp_group", "get_dp_group"):
         monkeypatch.setattr(parallel_state, name, _OneRank)
-    monkeypatch.setattr(remote_experts, "_SESSION", None)
-    session = remote_experts.connect()
+    monkeypatch.setattr(sessions, "_SESSION", None)
+    session = sessions.open_session()
     x = torch.randn(6, hidden, generator=gen)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(6)])
     routing = torch.softmax(torch.randn(6, 2, generator=gen), dim=-1)
     try:
         yield session, specs, ranks, (x, routing, ids.to(torch.int32)), layers
     finally:
-        remote_experts._SESSION.close()
+        sessions.close_session()
         for started in ranks:
             for rank in started:
                 rank.close()
@@ -128,17 +130,17 @@ def _served(rank: _Rank) -> int:
 
 def test_an_idle_rank_switches_to_a_new_pool_and_gets_the_same_answers(pools):
     session, specs, ranks, inputs, layers = pools
-    before = remote_experts.remote_experts_impl(*inputs, layers[0])
+    before = remote_experts_impl(*inputs, layers[0])
     assert _wait(lambda: _served(ranks[0][0]) == 1)
     directory.publish_pool(specs[0].directory, directory.Pool(2, specs[1].to_json()))
     # no step runs: the watcher switches by itself, and says so
     assert _wait(lambda: session.epoch == 2), "the idle rank did not switch"
-    # the switch is written just after the epoch changes (``_Session.switch_pending``)
+    # the switch is written just after the epoch changes (``AttentionSession.switch_pending``)
     assert _wait(lambda: directory.switches(specs[0].directory, range(1))[0] is not None)
     (switch,) = directory.switches(specs[0].directory, range(1))
     assert switch is not None and switch.epoch == 2 and switch.stall_s > 0
     assert session.endpoint.spec.num_ffn_ranks == 2
-    after = remote_experts.remote_experts_impl(*inputs, layers[0])
+    after = remote_experts_impl(*inputs, layers[0])
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
     # the new pool's two ranks served it (each owns half the experts), the old one did not
     assert _wait(lambda: all(_served(e) == 1 for e in ranks[1]))
@@ -147,18 +149,18 @@ def test_an_idle_rank_switches_to_a_new_pool_and_gets_the_same_answers(pools):
 
 def test_a_rank_inside_a_step_switches_before_its_next_step(pools):
     session, specs, ranks, inputs, layers = pools
-    before = remote_experts.remote_experts_impl(*inputs, layers[0])
-    with remote_experts.STEP_LOCK:  # as the runner holds it for a whole step (W1)
+    before = remote_experts_impl(*inputs, layers[0])
+    with session.step(None):  # as the runner holds it for a whole step (W1)
         directory.publish_pool(specs[0].directory, directory.Pool(2, specs[1].to_json()))
         assert _wait(lambda: session.pending is not None), "the watcher did not see the pool"
-        time.sleep(3 * remote_experts.POOL_POLL_S)
+        time.sleep(3 * sessions.POOL_POLL_S)
         assert session.epoch == 1  # not in the middle of the step
-        remote_experts.remote_experts_impl(*inputs, layers[1])
+        remote_experts_impl(*inputs, layers[1])
         assert session.epoch == 2  # the op's call began a new step: it switched first
     assert _wait(lambda: all(_served(e) == 1 for e in ranks[1]))
     assert _served(ranks[0][0]) == 1
     torch.testing.assert_close(
-        remote_experts.remote_experts_impl(*inputs, layers[0]), before, rtol=1e-5, atol=1e-6
+        remote_experts_impl(*inputs, layers[0]), before, rtol=1e-5, atol=1e-6
     )
 
 
@@ -170,5 +172,5 @@ def test_a_pool_that_cannot_be_reached_leaves_the_rank_on_its_own(pools, caplog)
     assert _wait(lambda: session.watcher.given_up == 2)
     assert session.epoch == 1 and "cannot switch to FFN pool 2" in caplog.text
     assert directory.switches(specs[0].directory, range(1)) == [None]
-    remote_experts.remote_experts_impl(*inputs, layers[0])  # still serves on pool 1
+    remote_experts_impl(*inputs, layers[0])  # still serves on pool 1
     assert _wait(lambda: _served(ranks[0][0]) == 1)

@@ -1,5 +1,5 @@
 """A request an FFN error follows fails alone: the attention-side hook sends a failed batch's
-requests again one by one (``remote_experts._isolate``), and the scheduler finishes the ones
+requests again one by one (``attention/failures.py``), and the scheduler finishes the ones
 that fail alone with vLLM's request error (patch W2, ``fail_requests``).
 
 The hook runs against a real FFN rank (an executor thread on the tiny Qwen3-MoE), on every
@@ -16,7 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_afd import envs, remote_experts
+from vllm_afd import envs
+from vllm_afd.attention import failures
+from vllm_afd.attention import session as sessions
+from vllm_afd.attention.layer import remote_experts_impl
 from vllm_afd.errors import FFNServeError
 from vllm_afd.patches.request_errors import fail_requests
 
@@ -71,21 +74,20 @@ def hook(request, tiny_qwen3, tmp_path, monkeypatch):
     monkeypatch.setenv(envs.RUNTIME, runtime.to_json())
     for name in ("get_tp_group", "get_dp_group"):
         monkeypatch.setattr(parallel_state, name, _OneRank)
-    monkeypatch.setattr(remote_experts, "_SESSION", None)
+    monkeypatch.setattr(sessions, "_SESSION", None)
     context = _Context()
-    monkeypatch.setattr(remote_experts, "_forward_context", lambda: context)
-    monkeypatch.setattr(remote_experts, "_RUNNER", _runner(BATCH))
-    remote_experts.connect()
+    monkeypatch.setattr(failures, "forward_context", lambda: context)
+    session = sessions.open_session()
+    session.runner = _runner(BATCH)  # as W1 sets it for each step
     gen = torch.Generator().manual_seed(0)
     n = sum(BATCH.values())
     x = torch.randn(n, spec.hidden_size, generator=gen)
     ids = torch.stack([torch.randperm(spec.num_experts, generator=gen)[:2] for _ in range(n)])
     weights = torch.softmax(torch.randn(n, 2, generator=gen), dim=-1)
     try:
-        yield fault, (x, weights, ids.to(torch.int32)), info.moe_layers
+        yield session, fault, (x, weights, ids.to(torch.int32)), info.moe_layers
     finally:
-        remote_experts.take_failed_requests()
-        remote_experts._SESSION.endpoint.close()
+        sessions.close_session()
         executor.stop()
 
 
@@ -95,17 +97,17 @@ def _reference(inputs, layer: int) -> torch.Tensor:
     out, start = torch.zeros_like(x), 0
     for n in BATCH.values():
         rows = slice(start, start + n)
-        out[rows] = remote_experts.remote_experts_impl(x[rows], weights[rows], ids[rows], layer)
+        out[rows] = remote_experts_impl(x[rows], weights[rows], ids[rows], layer)
         start += n
     return out
 
 
 def test_the_request_an_error_follows_fails_alone_and_the_rest_are_served(hook):
-    fault, inputs, layers = hook
+    session, fault, inputs, layers = hook
     first, second = layers[0], layers[1]
-    out_first = remote_experts.remote_experts_impl(*inputs, first)
-    out_second = remote_experts.remote_experts_impl(*inputs, second)  # b's rows not sent again
-    failed = remote_experts.take_failed_requests()
+    out_first = remote_experts_impl(*inputs, first)
+    out_second = remote_experts_impl(*inputs, second)  # b's rows not sent again
+    failed = session.take_failed_requests()
     assert list(failed) == ["b"], failed
     assert "injected fault" in failed["b"] and f"layer {first}" in failed["b"]
     b = slice(2, 8)
@@ -119,20 +121,20 @@ def test_the_request_an_error_follows_fails_alone_and_the_rest_are_served(hook):
 
 
 def test_a_batch_whose_requests_each_pass_alone_is_served_whole(hook):
-    fault, inputs, layers = hook
+    session, fault, inputs, layers = hook
     fault.write_text("once")
-    out = remote_experts.remote_experts_impl(*inputs, layers[0])
+    out = remote_experts_impl(*inputs, layers[0])
     assert not fault.exists(), "the fault did not fire"
-    assert remote_experts.take_failed_requests() == {}
+    assert session.take_failed_requests() == {}
     torch.testing.assert_close(out, _reference(inputs, layers[0]), rtol=1e-5, atol=1e-6)
 
 
 def test_without_the_batch_layout_the_ffn_error_fails_the_forward(hook, monkeypatch):
-    _, inputs, layers = hook
-    monkeypatch.setattr(remote_experts, "_RUNNER", None)
+    session, _, inputs, layers = hook
+    session.runner = None
     with pytest.raises(FFNServeError, match="injected fault"):
-        remote_experts.remote_experts_impl(*inputs, layers[0])
-    assert remote_experts.take_failed_requests() == {}
+        remote_experts_impl(*inputs, layers[0])
+    assert session.take_failed_requests() == {}
 
 
 class _KVCacheManager:

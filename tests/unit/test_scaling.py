@@ -272,7 +272,7 @@ def test_vllm_afd_scale_without_an_answer_withdraws_its_request(tmp_path):
     with pytest.raises(scaling.ScaleError, match="did not answer within 0.3s") as late:
         scaling.request_scale(path, 2, timeout_s=0.3)
     assert late.value.status == 504 and list(requests.iterdir()) == []
-    from vllm_afd.config import AFDConfigError
+    from vllm_afd.errors import AFDConfigError
 
     with pytest.raises(AFDConfigError, match="takes no scale requests"):
         scaling.request_scale(_group_file(tmp_path), 2, timeout_s=0.3)

@@ -1,21 +1,25 @@
 """One token's path through the package, measured: the files a routed token's code runs in.
 
 A profiler hook (``sys.setprofile``, on this thread and the FFN executors' threads) records the
-``vllm_afd`` files that run during one ``remote_experts_impl`` round trip of a real shm (the
-slot plane on host memory) deployment in this process (tiny Qwen3-MoE, 1 attention rank, 2 FFN
-ranks as executor threads), after ``connect()`` (done while a worker builds the model).
-docs/architecture.md lists these files; a change that sends a token through another module must
-update both.
+``vllm_afd`` files that run during one decode step (``remote_experts_impl`` for every MoE layer,
+under one forward) of a real slot-plane deployment in this process (tiny Qwen3-MoE, 1 attention
+rank, 2 FFN ranks as executor threads), after ``open_session()`` (done when a worker loads the
+model, patch W4), in both of the plane's serving modes: ``shm`` (host memory, requests served as
+they come) and ``slots`` with the device's waits (whole announced steps, what every GPU runs).
+docs/architecture.md lists these files, checked here; a change that sends a token through
+another module must update both.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import vllm_afd
@@ -23,7 +27,10 @@ import vllm_afd
 PACKAGE = Path(vllm_afd.__file__).parent
 #: The files of step 2-8 of docs/architecture.md section 1, with 2 FFN ranks.
 PATH = {
-    "remote_experts.py",
+    "attention/layer.py",  # the routing boundary
+    "attention/session.py",  # the worker's session: the step begun before the first dispatch
+    "attention/steps.py",  # ... and announced
+    "attention/exchange.py",  # the round trip
     "microbatch.py",
     "transport/endpoint.py",  # the attention endpoint, every backend's
     "transport/slots.py",  # the wire on the slot plane; its FFN side serving requests
@@ -44,18 +51,43 @@ class _OneRank:
     world_size, rank_in_group = 1, 0
 
 
-def test_a_token_crosses_the_documented_files(tiny_qwen3, monkeypatch):
+class _Forward:
+    """Stands for a forward's ``ForwardContext`` (identity only)."""
+
+
+def _documented() -> set[str]:
+    """The files docs/architecture.md's "What a token crosses" paragraph names."""
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    start = doc.index("**What a token crosses.**")
+    paragraph = doc[start : doc.index("\n\n", start)]
+    return set(re.findall(r"`([a-z_/]+\.py)`", paragraph)) - {"tests/unit/test_token_path.py"}
+
+
+def test_the_documented_files_are_the_measured_ones():
+    assert _documented() == PATH
+
+
+@pytest.mark.parametrize(
+    ("backend", "config"),
+    [("shm", {}), ("slots", {"waits": "device"})],
+    ids=["slot plane, requests as they come", "slot plane, whole steps (the GPU's mode)"],
+)
+def test_a_token_crosses_the_documented_files(tiny_qwen3, monkeypatch, backend, config):
     from transformers import AutoConfig
+    from vllm import forward_context
     from vllm.distributed import parallel_state
 
-    from vllm_afd import envs, remote_experts
+    from vllm_afd import envs
+    from vllm_afd.attention import session as sessions
+    from vllm_afd.attention.layer import remote_experts_impl
     from vllm_afd.config import moe_model_info
     from vllm_afd.ffn.executor import FFNExecutor
     from vllm_afd.transport import TransportSpec
 
     info = moe_model_info(AutoConfig.from_pretrained(tiny_qwen3))
     spec = TransportSpec(
-        backend="shm",
+        backend=backend,
+        config=config,
         num_attention_ranks=1,
         num_ffn_ranks=2,
         num_experts=info.num_experts,
@@ -83,18 +115,22 @@ def test_a_token_crosses_the_documented_files(tiny_qwen3, monkeypatch):
         monkeypatch.setenv(envs.RUNTIME, runtime.to_json())
         monkeypatch.setattr(parallel_state, "get_tp_group", _OneRank)
         monkeypatch.setattr(parallel_state, "get_dp_group", _OneRank)
-        monkeypatch.setattr(remote_experts, "_SESSION", None)
-        remote_experts.connect()
+        monkeypatch.setattr(sessions, "_SESSION", None)
+        sessions.open_session()
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(4, spec.hidden_size, generator=gen)
         ids = torch.stack([torch.randperm(spec.num_experts, generator=gen)[:2] for _ in range(4)])
         weights = torch.softmax(torch.randn(4, 2, generator=gen), dim=-1)
-        for _ in range(3):  # the first calls warm caches; the last one is measured
+        monkeypatch.setattr(forward_context, "is_forward_context_available", lambda: True)
+        for _ in range(3):  # the first steps warm caches; the last one is measured
             seen.clear()
+            step = _Forward()  # a forward: one step through every MoE layer
+            monkeypatch.setattr(forward_context, "get_forward_context", lambda s=step: s)
             time.sleep(0.05)  # the FFN threads are polling, between two layers
             sys.setprofile(profile)
             recording.set()
-            out = remote_experts.remote_experts_impl(x, weights, ids.to(torch.int32), 0)
+            for layer in info.moe_layers:
+                out = remote_experts_impl(x, weights, ids.to(torch.int32), layer)
             time.sleep(0.05)  # the FFN threads finish the loop iteration that served it
             recording.clear()
             sys.setprofile(None)
@@ -103,8 +139,6 @@ def test_a_token_crosses_the_documented_files(tiny_qwen3, monkeypatch):
     finally:
         threading.setprofile(None)
         sys.setprofile(None)
-        session = remote_experts._SESSION
-        if session is not None:
-            session.endpoint.close()
+        sessions.close_session()
         for executor in executors:
             executor.stop()

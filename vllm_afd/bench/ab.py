@@ -78,7 +78,8 @@ from vllm_afd.config import json_object_arg
 
 
 def _ratio(text: str) -> tuple[int, int]:
-    from vllm_afd.config import AFDConfigError, parse_ratio
+    from vllm_afd.config import parse_ratio
+    from vllm_afd.errors import AFDConfigError
 
     try:
         ratio = parse_ratio(text)

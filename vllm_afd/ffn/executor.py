@@ -37,8 +37,9 @@ import socket
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,7 +52,8 @@ from vllm_afd.transport.base import ServesRequests, ServesSteps, UseForward
 from vllm_afd.transport.control import Part, ScheduleChecker, Tag
 
 if TYPE_CHECKING:
-    from vllm_afd.ffn.weights import MoELayer
+    # a routed-experts layer as vLLM builds it (``ffn/weights.py``)
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts as MoELayer
 
 logger = logging.getLogger("vllm.afd")
 
@@ -147,7 +149,7 @@ class FFNStats:
     per_layer_calls: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     shared: FFNStatsBlock | None = field(default=None, repr=False, compare=False)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         return {
             "requests": self.requests,
             "later_microbatch_requests": self.later_microbatch_requests,
@@ -160,7 +162,7 @@ class FFNStats:
         }
 
 
-def _open_stats_block(address: str, rank: int, layers) -> FFNStatsBlock | None:
+def _open_stats_block(address: str, rank: int, layers: Iterable[int]) -> FFNStatsBlock | None:
     """This rank's shared stats block for /metrics, or None (logged) if it cannot be made:
     metrics never keep an FFN rank from serving."""
     try:
@@ -181,7 +183,7 @@ def _weights_report(layers: dict[int, MoELayer]) -> dict[str, list[str]]:
     }
 
 
-def _check_layers(spec: TransportSpec, rank: int, layers: dict) -> None:
+def _check_layers(spec: TransportSpec, rank: int, layers: dict[int, MoELayer]) -> None:
     """ValueError unless vLLM placed this rank's experts where the attention side sends them
     and there is a layer for every MoE layer of the spec."""
     want = list(spec.expert_range(rank))
@@ -199,7 +201,7 @@ def _check_layers(spec: TransportSpec, rank: int, layers: dict) -> None:
         )
 
 
-def _check_split_on_attention_ranks(model_dir: str, layers: dict) -> None:
+def _check_split_on_attention_ranks(model_dir: str, layers: dict[int, MoELayer]) -> None:
     """ValueError unless the attention ranks will hand these layers to the FFN group: vLLM
     builds the plugin's out-of-tree ``RoutedExperts`` (registered in its ``op_registry_oot``
     by patch P5) only where the model builds vLLM's ``RoutedExperts`` itself; a model class
@@ -528,7 +530,7 @@ class FFNExecutor:
         if self.stats.shared is not None:
             self.stats.shared.close()
 
-    def info(self) -> dict:
+    def info(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
             "pid": os.getpid(),

@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from vllm_afd.transport.control import StepShape
+
 
 class StepGraphs:
     """Whole FFN steps as CUDA graphs, one per step shape (``control.Step.shape``: the uses of
@@ -22,10 +24,10 @@ class StepGraphs:
 
     def __init__(self, limit: int = 32) -> None:
         self.limit = limit
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._seen: set[tuple] = set()
+        self._graphs: dict[StepShape, torch.cuda.CUDAGraph] = {}
+        self._seen: set[StepShape] = set()
 
-    def run(self, shape: tuple, step: Callable[[], None]) -> None:
+    def run(self, shape: StepShape, step: Callable[[], None]) -> None:
         graph = self._graphs.get(shape)
         if graph is None:
             if shape not in self._seen or len(self._graphs) >= self.limit:

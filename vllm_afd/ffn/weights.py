@@ -46,11 +46,14 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
     # a routed-experts layer as vLLM builds it
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts as MoELayer
 
@@ -63,7 +66,7 @@ _MAX_MODEL_LEN = 256
 _MAPPED_BYTES = 32 << 20
 
 
-def engine_config(model_dir: str | Path, dtype: torch.dtype):
+def engine_config(model_dir: str | Path, dtype: torch.dtype) -> VllmConfig:
     """The FFN rank's own vLLM config of the model: stock, no AFD (``additional_config`` has
     no ``afd``, so the plugin's ``RoutedExperts`` is vLLM's), eager."""
     from vllm.engine.arg_utils import EngineArgs
@@ -88,7 +91,8 @@ def _ensure_world() -> None:
     """
     from vllm.distributed import parallel_state
 
-    if parallel_state.model_parallel_is_initialized():
+    # vLLM leaves ``model_parallel_is_initialized`` unannotated
+    if parallel_state.model_parallel_is_initialized():  # type: ignore[no-untyped-call]
         return
     private = None
     if not torch.distributed.is_initialized():
@@ -164,7 +168,7 @@ def _checkpoint(model_dir: Path, local: set[int] | None) -> Iterator[tuple[str, 
                     done += 1
 
 
-def _check_loaded(name: str, layer) -> None:
+def _check_loaded(name: str, layer: MoELayer) -> None:
     """ValueError naming the layer and experts whose parameters the checkpoint left NaN."""
     local = layer.expert_map_manager.get_local_expert_ids()
     missing: dict[str, list[int]] = {}
@@ -210,8 +214,11 @@ def load_routed_experts(
     with set_current_vllm_config(vllm_config):
         _ensure_world()
         with expert_parallel_placement(vllm_config, rank, num_ranks, device):
-            # the serving dtype, as vLLM's own loader builds the model (else float32)
-            with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
+            # the serving dtype, as vLLM's own loader builds the model (else float32); vLLM
+            # annotates it ``ModelDType | torch.dtype``, but ``ModelConfig`` has resolved the
+            # name to a torch dtype by now
+            serving_dtype = cast("torch.dtype", vllm_config.model_config.dtype)
+            with set_default_torch_dtype(serving_dtype), torch.device("meta"):
                 model = initialize_model(vllm_config=vllm_config)
             named = {n: m for n, m in model.named_modules() if isinstance(m, RoutedExperts)}
             if not named:
@@ -240,7 +247,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, tor
 _UNQUANTIZED_PARAMS = ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
 
 
-def has_expert_kernel(method) -> bool:
+def has_expert_kernel(method: FusedMoEMethodBase) -> bool:
     """False when vLLM's MoE kernel oracle, run by the quant method's constructor, found no
     expert kernel class for this platform and format (``experts_cls`` left None)."""
     return getattr(method, "experts_cls", True) is not None

@@ -1,7 +1,7 @@
 """The attention side's recorder: one stats block per attention process, behind functions.
 
 An attention rank (a vLLM worker process) records each MoE round trip from the hook at the
-routing boundary (``remote_experts.py``): the hook takes its block once (``endpoint_block``)
+routing boundary (``attention/exchange.py``): the hook takes its block once (``endpoint_block``)
 and records each combine straight into it; ``record_error`` with ``error_kind`` counts a
 failure, ``record_step`` (patch W1) a decode step. The module owns the process's block,
 created for the deployment in ``VLLM_AFD_RUNTIME`` (or the endpoint's spec) and replaced when

@@ -100,7 +100,7 @@ P5 ``RoutedExperts`` out-of-tree replacement (``PluggableLayer.register_oot``).
    Upstream: none needed: a supported API, listed so every touch point is here.
    Remove when: never (the supported way to swap a layer).
 P7 ``RoutedExperts._get_quant_method``, overridden (private) by ``AFDRoutedExperts`` in
-   ``vllm_afd/remote_experts.py``.
+   ``vllm_afd/attention/layer.py``.
    Why: the quant method is what ``forward_modular`` calls at the routing boundary; AFD needs
    one that ships the tokens instead of running local experts, and vLLM picks it only here.
    How: with AFD on, return ``AFDRemoteExpertsMethod``; otherwise the stock method.
@@ -189,11 +189,11 @@ M7 ``SharedExperts.__init__`` wrapped, and its ``_output_idx`` property's getter
 G1 ``ModelCudaGraphManager.run_fullgraph`` (the V2 model runner's FULL CUDA-graph replay),
    wrapped; GPUs only. NOT YET RUN ON A GPU.
    Why: the AFD op announces each step to the FFN ranks from Python inside the forward
-   (``remote_experts._Steps``); a replayed graph runs its dispatch/combine kernels without
+   (``attention/steps.py``); a replayed graph runs its dispatch/combine kernels without
    that Python, so the FFN ranks would never learn the step the kernels' flags belong to.
    How: before the replay, announce a step of ``desc.num_ubatches`` microbatches, each with
    its tokens as vLLM's own ``maybe_create_ubatch_slices`` splits ``desc.num_tokens``
-   (``remote_experts.announce_replay``); nothing without an FFN group in the process.
+   (``AttentionSession.begin_step``); nothing without an FFN group in the process.
    Upstream: none; the peer plugin sends its control message from its own model runner.
    Remove when: AFD is upstream (RFC vllm-project/vllm#22799), or vLLM has a pre-forward
    hook that runs for graph replays too.
@@ -207,7 +207,7 @@ G2 ``vllm.v1.worker.ubatching``: ``dbo_enabled``, ``dbo_current_ubatch_id``, ``d
    receive hook; the first ubatch's first MoE layer announces the step with every ubatch's
    forward context, which only the ubatch contexts hold.
    How: read and called as they are (``microbatch.vllm_dbo`` and its callers,
-   ``remote_experts._dbo_ubatches``, ``remote_experts._dbo_exchange``).
+   ``attention.steps.dbo_ubatches``, ``attention.exchange.dbo_exchange``).
    Upstream: none; a public "ubatches of this step" accessor would do.
    Remove when: AFD is upstream.
 S1 ``CpuCommunicator.all_gatherv`` and ``CpuCommunicator.reduce_scatterv``, added.
@@ -258,13 +258,14 @@ W1 ``GPUModelRunner.execute_model`` and ``GPUModelRunner.sample_tokens`` (the V1
    the CPU runner inherits both), wrapped.
    Why: a request an FFN rank fails even alone must fail by itself, not kill the engine
    core (an exception in a forward is fatal to it). The attention-side hook needs the batch's
-   request ids and rows to find it (``remote_experts._isolate``), and the scheduler must learn
+   request ids and rows to find it (``attention/failures.py``), and the scheduler must learn
    which requests failed.
-   How: before the step, the runner becomes the hook's ``_RUNNER`` (it reads
-   ``input_batch.req_ids`` and ``query_start_loc`` when a batch fails); the step's
+   How: the step runs as the worker session's step (``AttentionSession.step``): the runner
+   becomes the session's (it reads ``input_batch.req_ids`` and ``query_start_loc`` when a
+   batch fails) and the step lock is held (W3 says why); the step's
    ``ModelRunnerOutput`` (or an async one's ``get_output``) gets an ``afd_failed_requests``
-   attribute, request id -> the FFN's error text, when the step failed any. The step runs
-   holding ``remote_experts.STEP_LOCK`` (W3 says why). A decode step's period (its start to
+   attribute, request id -> the FFN's error text, when the step failed any. A decode step's
+   period (its start to
    the next decode step's start) is recorded, with its requests and context tokens read from
    the ``SchedulerOutput``, into the rank's stats block (``recorder.record_step``): the
    measured load of the planner in the loop.
@@ -285,10 +286,20 @@ W3 ``GPUModelRunner._dummy_run`` (the CPU runner inherits it), wrapped.
    at a step boundary; an idle rank has none, so a thread of the worker switches it while no
    step runs. A forward is either a step (W1) or a dummy run (a DP rank's idle forward,
    profiling): both hold the step lock, so the thread never switches in the middle of one.
-   How: the call runs holding ``remote_experts.STEP_LOCK`` (reentrant).
+   How: the call runs holding the session's step lock (``AttentionSession.step``; reentrant).
    Upstream: none; vLLM's elastic EP reconfigures between steps from the engine core
    (``/scale_elastic_ep``), which knows nothing of an FFN pool.
    Remove when: vLLM has a between-steps hook for workers.
+W4 ``Worker.load_model`` (v1/worker/gpu_worker.py; the CPU worker inherits it), wrapped.
+   Why: an attention worker connects to the FFN group once, before any layer runs, and owns
+   that connection in one object (``attention/session.py``); vLLM has no worker-start hook for
+   a plugin, and a connection made as a side effect of building a layer (a quant method's
+   constructor) ran wherever a layer was built, tests and drafts included.
+   How: on an AFD worker (``AFDConfig.of(self.vllm_config)``) ``open_session()`` runs before
+   the stock call: the transport endpoint from ``VLLM_AFD_RUNTIME``, this rank's place from
+   vLLM's DP and TP groups (initialized in ``init_device``, before ``load_model``).
+   Upstream: none; a worker-start hook for general plugins would do.
+   Remove when: vLLM offers plugins a hook at worker start.
 
 Every process
 

@@ -73,7 +73,7 @@ MODEL_INPUTS = ("input_ids", "positions", "intermediate_tensors", "inputs_embeds
 
 _GPU_GRAPHS = "vllm.v1.worker.gpu.cudagraph_utils"
 _UBATCHING = "vllm.v1.worker.ubatching"
-#: What the AFD op reads of vLLM's DBO (``microbatch.py``, ``remote_experts._dbo_ubatches``).
+#: What the AFD op reads of vLLM's DBO (``microbatch.py``, ``attention.steps.dbo_ubatches``).
 _G2_NAMES = (
     "dbo_enabled",
     "dbo_current_ubatch_id",
@@ -257,6 +257,7 @@ TARGETS = (
     Target("W2", _KV_MANAGER, "KVCacheManager", "get_block_ids", ("request_id",), "used"),
     Target("W2", _KV_MANAGER, "KVCacheManager", "evict_blocks", ("block_ids",), "used"),
     Target("W3", _GPU_RUNNER, "GPUModelRunner", "_dummy_run", ("num_tokens",)),
+    Target("W4", "vllm.v1.worker.gpu_worker", "Worker", "load_model", ("load_dummy_weights",)),
     Target("E1", "vllm.envs", "", "environment_variables", kind="global"),
     Target("R1", "ray._private.worker", "", "print_to_stdstream", ("data", "ignore_prefix")),
     Target(

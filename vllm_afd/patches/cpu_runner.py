@@ -7,7 +7,7 @@ and ``should_ubatch`` is decided (M2): ``maybe_create_ubatch_slices`` and, throu
 stock ``_model_forward`` once per token slice, each on a ``vllm_afd.microbatch.PingPong`` thread
 with its own ``ForwardContext`` (written into vLLM's global at every hand-off, M5), and
 concatenates the outputs; first it announces the step's microbatches to the FFN ranks
-(``remote_experts.announce_microbatched_step``, the control plane). M3 keeps dummy runs whole. M7
+(``AttentionSession.begin_step``, the control plane). M3 keeps dummy runs whole. M7
 gives each microbatch its own shared-expert output slot; a server's engine core re-validates the
 config M1 changed, which M6 (``engine_args.py``, every platform) lets pass. The scheme itself, and
 which steps are split, is described in vllm_afd/microbatch.py.
@@ -140,7 +140,7 @@ def _forward_microbatches(runner, original, parent, arguments: dict) -> Any:
     import torch
     from vllm.forward_context import override_forward_context
 
-    from vllm_afd.remote_experts import announce_microbatched_step
+    from vllm_afd.attention.session import current
 
     inputs = {name: arguments.get(name) for name in MODEL_INPUTS}
     if arguments.get("model_kwargs"):
@@ -152,7 +152,9 @@ def _forward_microbatches(runner, original, parent, arguments: dict) -> Any:
         for s in slices
     ]
     contexts = [_slice_context(runner, parent, i, s) for i, s in enumerate(slices)]
-    announce_microbatched_step([s.num_tokens for s in slices], contexts)
+    session = current()
+    if session is not None:
+        session.begin_step([s.num_tokens for s in slices], contexts)
     resume = [functools.partial(_set_forward_context, c) for c in contexts]
     with override_forward_context(None):
         outputs = _pingpong(runner, len(slices)).run(jobs, resume)

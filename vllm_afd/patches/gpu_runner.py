@@ -10,9 +10,12 @@ from vllm_afd.patches.base import check_unwrapped, wrap
 
 def _replay_announces(run_fullgraph: Callable) -> Callable:
     def run(self, desc, *args, **kwargs):
-        from vllm_afd.remote_experts import announce_replay
+        from vllm_afd.attention.session import current
+        from vllm_afd.attention.steps import replay_ubatch_tokens
 
-        announce_replay(desc.num_tokens, desc.num_ubatches)
+        session = current()
+        if session is not None:  # its AFD kernels run without the op's Python: announce here
+            session.begin_step(replay_ubatch_tokens(desc.num_tokens, desc.num_ubatches), ())
         return run_fullgraph(self, desc, *args, **kwargs)
 
     return run

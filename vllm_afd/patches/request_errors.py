@@ -1,16 +1,17 @@
 """Worker W1 and engine core W2 (ledger in ``__init__``): a request an FFN error follows fails
 alone, with vLLM's own request-error path.
 
-The attention-side hook finds, within a forward, the requests whose rows an FFN rank fails
-even alone (``remote_experts._isolate``), serves the rest and records those. W1 gives the hook
-the model runner (the batch's request ids and rows) and carries the failed requests to the
+The attention side finds, within a forward, the requests whose rows an FFN rank fails even
+alone (``attention/failures.py``, where the whole story is told), serves the rest and records
+those. W1 gives the worker's session the model runner (the batch's request ids and rows) and
+carries the failed requests to the
 scheduler on the step's ``ModelRunnerOutput`` (an attribute, which survives the pickling of a
 multi-process executor). W2, in the scheduler, drops the step's token of each failed request,
 evicts its blocks from the prefix cache (their KV was computed without routed experts), and
 hands it to the set vLLM finishes with ``FINISHED_ERROR`` in ``update_from_output``: the
 client gets vLLM's error answer, the other requests go on.
 
-W1 and W3 also hold the attention hook's step lock (``remote_experts.STEP_LOCK``) for each
+W1 and W3 also hold the session's step lock (``AttentionSession.step``) for each
 step and dummy step (a DP rank's idle forward): a live scale switches an idle attention rank
 to the new FFN pool between steps only. W1 also times each decode step's period
 (``StepPeriods``), with its requests and their context, into the rank's stats block
@@ -31,19 +32,18 @@ logger = logging.getLogger("vllm.afd")
 FAILED_ATTRIBUTE = "afd_failed_requests"
 
 
-def _with_failures(output):
-    """``output`` carrying the requests failed since the last output (a step's output, or an
-    async one's ``get_output``); ``None`` and intermediate tensors carry none yet."""
-    from vllm_afd import remote_experts
-
-    if not remote_experts._FAILED_REQUESTS:
+def _with_failures(session, output):
+    """``output`` carrying the requests ``session`` failed since the last output (a step's
+    output, or an async one's ``get_output``); ``None`` and intermediate tensors carry none
+    yet."""
+    if not session.failures.requests:
         return output
     from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
     if isinstance(output, ModelRunnerOutput):
-        setattr(output, FAILED_ATTRIBUTE, remote_experts.take_failed_requests())
+        setattr(output, FAILED_ATTRIBUTE, session.take_failed_requests())
     elif isinstance(output, AsyncModelRunnerOutput):
-        failed, get_output = remote_experts.take_failed_requests(), output.get_output
+        failed, get_output = session.take_failed_requests(), output.get_output
 
         def get_output_with_failures():
             result = get_output()
@@ -56,14 +56,16 @@ def _with_failures(output):
 
 def _runner_step(original: Callable) -> Callable:
     def wrapper(self, *args, **kwargs):
-        from vllm_afd import remote_experts
+        from vllm_afd.attention.session import current
 
-        remote_experts._RUNNER = self
+        session = current()
+        if session is None:  # no FFN group in this process
+            return original(self, *args, **kwargs)
         scheduler_output = args[0] if args else kwargs.get("scheduler_output")
         if hasattr(scheduler_output, "total_num_scheduled_tokens"):  # not sample_tokens
             _STEPS.started(time.perf_counter(), decode_step(scheduler_output))
-        with remote_experts.STEP_LOCK:
-            return _with_failures(original(self, *args, **kwargs))
+        with session.step(self):
+            return _with_failures(session, original(self, *args, **kwargs))
 
     return wrapper
 
@@ -106,9 +108,12 @@ def decode_step(scheduler_output) -> tuple[int, int] | None:
 
 def _dummy_step(original: Callable) -> Callable:
     def wrapper(self, *args, **kwargs):
-        from vllm_afd import remote_experts
+        from vllm_afd.attention.session import current
 
-        with remote_experts.STEP_LOCK:
+        session = current()
+        if session is None:
+            return original(self, *args, **kwargs)
+        with session.step(None):
             return original(self, *args, **kwargs)
 
     return wrapper

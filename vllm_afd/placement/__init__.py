@@ -16,6 +16,7 @@ One module per job; a reader starting a deployment walks them in this order:
 This package's names are the ones the rest of the product and the tests use.
 """
 
+from vllm_afd.ffn.rank import FROZEN_TIMEOUT_S, HEARTBEAT_TIMEOUT_S
 from vllm_afd.placement.cluster import (
     START_TIMEOUT_S,
     FFNGroup,
@@ -36,8 +37,6 @@ from vllm_afd.placement.credentials import (
 )
 from vllm_afd.placement.failover import FAILOVER_MAX_DELAY_S, Supervisor, restart_delay
 from vllm_afd.placement.health import (
-    FROZEN_TIMEOUT_S,
-    HEARTBEAT_TIMEOUT_S,
     Problem,
     ffn_group_problems,
     reap_dead_deployments,

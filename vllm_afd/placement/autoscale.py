@@ -47,7 +47,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_afd import envs
-from vllm_afd.config import AFDConfig, AFDConfigError, MoEModelInfo
+from vllm_afd.config import AFDConfig, MoEModelInfo
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.metrics.blocks import (
     _A_ROUND_TRIPS,
     _A_SECONDS,

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_afd.config import AFDConfig, AFDConfigError, MoEModelInfo
+from vllm_afd.config import AFDConfig, MoEModelInfo
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.ffn.rank import FFNRank
 from vllm_afd.placement.credentials import (
     RAY_AUTH_MODE,

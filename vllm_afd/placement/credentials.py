@@ -42,7 +42,8 @@ import sys
 from collections.abc import Mapping
 
 from vllm_afd import envs
-from vllm_afd.config import AFDConfig, AFDConfigError
+from vllm_afd.config import AFDConfig
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.host import (
     private_dir,
     read_private_file,

@@ -16,13 +16,13 @@ import socket
 import threading
 import time
 
-from vllm_afd.ffn.rank import HEARTBEAT_INTERVAL_S
+from vllm_afd.ffn.rank import FROZEN_TIMEOUT_S, HEARTBEAT_INTERVAL_S
 from vllm_afd.host import (
     pid_alive,
 )
 from vllm_afd.patches import ray_errors
 from vllm_afd.placement.cluster import FFNGroup, log_rank_up
-from vllm_afd.placement.health import FROZEN_TIMEOUT_S, rank_problem, reap_dead_segments
+from vllm_afd.placement.health import rank_problem, reap_dead_segments
 from vllm_afd.transport import directory
 from vllm_afd.transport.directory import RankEntry
 
@@ -80,7 +80,7 @@ class RayWatch:
     the calls of an actor on a node that its GCS health check declared dead), or when no answer
     came for ``FROZEN_TIMEOUT_S`` (a node cut off, a stopped process: Ray answers
     ``ActorUnavailableError`` meanwhile, and is asked again). An answer is the rank's own view
-    of its stats block (``health.block_problem``: heartbeat, a wedged batch, failed requests).
+    of its stats block (``ffn.rank.block_problem``: heartbeat, a wedged batch, failed requests).
     """
 
     def __init__(self, group: FFNGroup) -> None:

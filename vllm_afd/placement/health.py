@@ -16,11 +16,10 @@ import os
 import socket
 import tempfile
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_afd import envs
+from vllm_afd.ffn.rank import block_problem
 from vllm_afd.host import (
     LEDGER,
     MP_SEGMENT_PREFIXES,
@@ -34,14 +33,6 @@ from vllm_afd.transport import TransportSpec, directory
 from vllm_afd.transport.directory import RankEntry
 
 logger = logging.getLogger("vllm.afd")
-#: How old an FFN rank's heartbeat (``ffn.rank.HEARTBEAT_INTERVAL_S``) may be before
-#: ``ffn_group_problems`` calls the rank stopped, when its process is stopped (SIGSTOP); and
-#: when it is not (frozen: a deadlock, a call that never returns). The second is longer: on a
-#: loaded host a running rank's heartbeat thread can go more than a second without the CPU
-#: (seen on 2 cores with three servers starting), and replacing a rank that was only slow
-#: costs a failover, or a server that had not finished starting.
-HEARTBEAT_TIMEOUT_S = 1.0
-FROZEN_TIMEOUT_S = 10.0
 #: How often the front-end's ``SegmentLedger`` looks at ``/dev/shm``.
 LEDGER_INTERVAL_S = 2.0
 
@@ -168,38 +159,6 @@ def rank_problem(entry: RankEntry, timeout_s: float) -> tuple[str | None, float]
     if not pid_alive(entry.pid):
         return f"{who} died", 0.0
     return block_problem(entry, timeout_s, lambda: process_stopped(entry.pid))
-
-
-def block_problem(
-    entry: RankEntry, timeout_s: float, stopped: Callable[[], bool]
-) -> tuple[str | None, float]:
-    """``rank_problem`` from the rank's stats block alone (read on the rank's host; ``stopped``
-    says whether its process is stopped): no heartbeat, a layer batch running past
-    ``timeout_s``; and the count of requests that failed on it."""
-    from vllm_afd.metrics.blocks import (
-        F_BUSY_SINCE,
-        F_FAILURES,
-        F_HEARTBEAT,
-        ffn_block_name,
-        read_block,
-    )
-
-    who = f"FFN rank {entry.rank} (pid {entry.pid})"
-    block = read_block(ffn_block_name(entry.address, entry.rank))
-    if block is None:
-        return None, 0.0
-    now = time.monotonic()
-    beat, busy, failures = (block.scalars[i] for i in (F_HEARTBEAT, F_BUSY_SINCE, F_FAILURES))
-    age = now - beat if beat else 0.0
-    if age > FROZEN_TIMEOUT_S or (age > HEARTBEAT_TIMEOUT_S and stopped()):
-        return f"{who} stopped: no heartbeat for {age:.1f}s", failures
-    if busy and now - busy > timeout_s:
-        return (
-            f"{who} wedged: one layer batch running for {now - busy:.1f}s "
-            f"(timeout_s={timeout_s:g})",
-            failures,
-        )
-    return None, failures
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,11 @@ everything they hold (KV cache, scheduler, requests in flight); only the FFN poo
 2. the front-end adopts it as its group (``lifecycle.adopt``: refused when the front-end
    stopped meanwhile, and the scale stops it, 503) and publishes it as the next *epoch* of
    the deployment's pool (``directory.Pool``);
-3. every attention rank switches to it at a step boundary (``remote_experts._Session``): the
-   steps before run entirely on the old pool, the steps after entirely on the new one, so a
-   request in flight gets the tokens it would have had (same experts, same inputs; only the
-   order of the sum over FFN ranks changes, as between two ratios);
+3. every attention rank switches to it at a step boundary (``AttentionSession.switch_pending``,
+   attention/session.py): the steps before run entirely on the old pool, the steps after
+   entirely on the new one, so a request in flight gets the tokens it would have had (same
+   experts, same inputs; only the order of the sum over FFN ranks changes, as between two
+   ratios);
 4. once every attention rank said so (``directory.Switch``), the old pool drains (nothing is
    in flight on it any more) and stops.
 
@@ -47,14 +48,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_afd.config import AFDConfigError
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.placement import lifecycle, shared
 from vllm_afd.placement.cluster import FFNGroup
 from vllm_afd.transport import Feature, TransportSpec, backend, directory
 
 logger = logging.getLogger("vllm.afd")
 #: How long a scale waits for every attention rank to switch to the new pool (a rank switches
-#: before its next step; an idle one within ``remote_experts.POOL_POLL_S``).
+#: before its next step; an idle one within ``attention.session.POOL_POLL_S``).
 SWITCH_TIMEOUT_S = 60.0
 
 

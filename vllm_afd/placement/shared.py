@@ -17,7 +17,8 @@ import os
 import socket
 
 from vllm_afd import envs
-from vllm_afd.config import AUTO_TRANSPORT, AFDConfigError
+from vllm_afd.config import AUTO_TRANSPORT
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.host import (
     process_start_time,
     write_private_file,

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm_afd import envs
-from vllm_afd.config import AFDConfigError, MoEModelInfo, ffn_ranks_problem
+from vllm_afd.config import MoEModelInfo, ffn_ranks_problem
+from vllm_afd.errors import AFDConfigError
 
 if TYPE_CHECKING:
     from vllm_afd.planner.cpu import CpuFit

@@ -501,7 +501,8 @@ def run_peer_death(kind: str, dtype: torch.dtype) -> dict:
     """One step served, then the FFN child killed 0.5 s into the next (it serves one step
     only): seconds from the kill to the end of that step's waits, and what the next
     announcement raised."""
-    from vllm_afd.transport import FFNRankLost, create_attention_transport
+    from vllm_afd.errors import FFNRankLost
+    from vllm_afd.transport import create_attention_transport
     from vllm_afd.transport.control import StepSchedule
 
     child, to_attention, done = _start_slots_child(kind, dtype, 1)

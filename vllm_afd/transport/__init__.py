@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import importlib
 
+from vllm_afd.errors import FFNRankLost, FFNServeError, FFNTimeout, ProtocolError, TransportError
 from vllm_afd.transport.base import (
     AttentionTransport,
     Backend,
     DispatchHandle,
     Feature,
-    FFNRankLost,
     FFNRequest,
-    FFNServeError,
-    FFNTimeout,
     FFNTransport,
-    ProtocolError,
-    TransportError,
     TransportSpec,
 )
 

@@ -234,7 +234,7 @@ class AttentionTransport(abc.ABC):
         self.redispatched = 0
         #: With failover, a request an FFN rank failed goes once more, to its replacement;
         #: ``False`` fails it at once (the attention side is finding the request an error
-        #: follows: ``remote_experts._isolate``).
+        #: follows: ``attention/failures.py``).
         self.retry_serve_errors = True
 
     def begin_step(self, schedule: StepSchedule) -> None:
@@ -257,7 +257,7 @@ class AttentionTransport(abc.ABC):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         microbatch: int = 0,
-    ) -> DispatchHandle:
+    ) -> DispatchHandle[Any]:
         """Send tokens to the FFN ranks owning their experts; returns without waiting.
 
         The requests are tagged (``self.step``, ``layer``, ``microbatch``).
@@ -275,7 +275,7 @@ class AttentionTransport(abc.ABC):
         """
 
     @abc.abstractmethod
-    def combine(self, handle: DispatchHandle) -> torch.Tensor:
+    def combine(self, handle: DispatchHandle[Any]) -> torch.Tensor:
         """Wait for the answers of ``handle`` and return ``[T, H]`` in the original order.
 
         Row ``t`` is ``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])``.
@@ -285,13 +285,13 @@ class AttentionTransport(abc.ABC):
         """
 
     def combine_hook(
-        self, handle: DispatchHandle
+        self, handle: DispatchHandle[Any]
     ) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
         """``combine`` in two parts, as DeepEP's ``return_recv_hook=True`` splits it:
         ``hook()`` waits for the answers (on a device, it queues the waits), ``receive()``
         returns ``combine``'s result. Under vLLM's DBO the hook is registered with
         ``dbo_register_recv_hook`` for the other microbatch to run before its next send, and
-        ``receive`` runs after the yield (``remote_experts._round_trip``). By default the hook
+        ``receive`` runs after the yield (``attention.exchange.round_trip``). By default the hook
         does nothing and ``receive`` is ``combine``."""
         return (lambda: None), (lambda: self.combine(handle))
 
@@ -474,7 +474,7 @@ class Backend:
         return None
 
     @classmethod
-    def resolve_settings(cls, settings: Mapping[str, Any], attention_device: str) -> dict:
+    def resolve_settings(cls, settings: Mapping[str, Any], attention_device: str) -> dict[str, Any]:
         """``settings`` as this backend runs them with attention ranks on
         ``attention_device`` (``"cpu"``, ``"cuda"``); the front-end writes them back before any
         worker starts, so every process gets the same."""

@@ -187,6 +187,9 @@ class Part:
 
 #: One use of a slot in a step served whole: ``(layer, slot, parts)``.
 Use = tuple[int, int, tuple[Part, ...]]
+#: What a CUDA graph of a whole step is keyed by (``Step.shape``): the answer buffers mapped,
+#: then the step's uses.
+StepShape = tuple[int | Use, ...]
 
 
 @dataclass
@@ -204,7 +207,7 @@ class Step:
     dropped: set[int] = field(default_factory=set)
 
     @property
-    def shape(self) -> tuple:
+    def shape(self) -> StepShape:
         """What a CUDA graph of the whole step is keyed by (the step number is not in it: it
         is a device word the graph reads)."""
         return (self.buffers, *self.uses)

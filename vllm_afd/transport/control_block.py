@@ -52,7 +52,7 @@ class ControlBlock:
         self.name, self.mm, self.layout, self.words_per = name, mm, layout, words_per
         self.words = memoryview(mm).cast("q")
         #: Unlinks the block at its creator's exit (``create``); attached blocks have none.
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[[str, int], ControlBlock] | None = None
 
     @staticmethod
     def size(layout: PlaneLayout, words_per: int) -> int:

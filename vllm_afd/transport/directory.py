@@ -29,6 +29,7 @@ import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 UP, RECOVERING, FAILED = "up", "recovering", "failed"
 #: How often a waiting attention rank reads the directory again.
@@ -125,7 +126,7 @@ class Pool:
 
     epoch: int
     spec: str
-    events: tuple[dict, ...] = ()
+    events: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ class Switch:
     stall_s: float = 0.0
 
 
-def _write(path: str, data: dict) -> None:
+def _write(path: str, data: dict[str, Any]) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as fh:
@@ -146,10 +147,11 @@ def _write(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def _read(path: str) -> dict | None:
+def _read(path: str) -> dict[str, Any] | None:
     try:
         with open(path) as fh:
-            return json.load(fh)
+            data: dict[str, Any] = json.load(fh)
+            return data
     except (OSError, ValueError):
         return None
 
@@ -225,10 +227,10 @@ def _advice_path(ffn_directory: str) -> str:
     return os.path.join(os.path.dirname(ffn_directory), "advice.json")
 
 
-def publish_advice(ffn_directory: str, advice: dict) -> None:
+def publish_advice(ffn_directory: str, advice: dict[str, Any]) -> None:
     _write(_advice_path(ffn_directory), advice)
 
 
-def read_advice(ffn_directory: str) -> dict | None:
+def read_advice(ffn_directory: str) -> dict[str, Any] | None:
     """The latest advice (``None``: none yet, or a directory-less spec)."""
     return _read(_advice_path(ffn_directory)) if ffn_directory else None

@@ -50,15 +50,13 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_afd.errors import FFNRankLost, FFNServeError, ProtocolError, TransportError
 from vllm_afd.transport import directory
 from vllm_afd.transport.base import (
     AttentionTransport,
     DispatchHandle,
-    FFNRankLost,
-    FFNServeError,
-    ProtocolError,
     Reconnects,
-    TransportError,
+    StateT,
     TransportSpec,
 )
 from vllm_afd.transport.control import StepSchedule, Tag
@@ -99,7 +97,9 @@ def split_by_ffn_rank(
     return split
 
 
-def combine_partials(handle: DispatchHandle, partials: dict[int, torch.Tensor]) -> torch.Tensor:
+def combine_partials(
+    handle: DispatchHandle[StateT], partials: dict[int, torch.Tensor]
+) -> torch.Tensor:
     """Sum per-FFN-rank partial answers into the original token order.
 
     Args:
@@ -231,7 +231,7 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         microbatch: int = 0,
-    ) -> DispatchHandle:
+    ) -> DispatchHandle[SendState]:
         """See ``AttentionTransport.dispatch``. Returns once every request is handed to the wire;
         the handle keeps ``x``, ``topk_ids`` and ``topk_weights`` for failover (leave them
         unchanged until ``combine``). A failed send frees the slot and raises."""
@@ -273,7 +273,7 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
             layer, num_tokens, spec.hidden_size, spec.dtype, split, state, step, microbatch
         )
 
-    def combine(self, handle: DispatchHandle) -> torch.Tensor:
+    def combine(self, handle: DispatchHandle[SendState]) -> torch.Tensor:
         """See ``AttentionTransport.combine``: ``[T, H]`` ``spec.dtype``, original order.
 
         Raises:
@@ -290,7 +290,7 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
             self._release_slot(state.slot)
 
     def combine_hook(
-        self, handle: DispatchHandle
+        self, handle: DispatchHandle[SendState]
     ) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
         """See ``AttentionTransport.combine_hook``: ``hook()`` waits for every FFN rank's answer
         (on devices with streams, queues the waits), ``receive()`` sums them. The slot is
@@ -316,14 +316,16 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         return hook, receive
 
     @staticmethod
-    def _take_state(handle: DispatchHandle) -> SendState:
+    def _take_state(handle: DispatchHandle[SendState]) -> SendState:
         state: SendState | None = handle.state
         if state is None:
             raise ValueError(f"handle of layer {handle.layer} was already combined")
         handle.state = None
         return state
 
-    def _answers(self, handle: DispatchHandle, state: SendState) -> dict[int, torch.Tensor]:
+    def _answers(
+        self, handle: DispatchHandle[SendState], state: SendState
+    ) -> dict[int, torch.Tensor]:
         """Every FFN rank's answer to ``state``'s requests, awaited until one deadline."""
         deadline = time.perf_counter() + self.spec.timeout_s
         replaced_at, sent, seqs = self._replaced_at, state.sent, state.seqs

@@ -105,13 +105,14 @@ from typing import Protocol
 
 import torch
 
+from vllm_afd.errors import FFNTimeout, TransportError
 from vllm_afd.host import (
     SHM_DIR,
     map_segment,
     shm_platform_problem,
     unlink_segment,
 )
-from vllm_afd.transport.base import FFNTimeout, TransportError, TransportSpec
+from vllm_afd.transport.base import TransportSpec
 from vllm_afd.transport.control import Part
 from vllm_afd.transport.wait import Backoff, ViewCache, WaitPolicy
 
@@ -571,7 +572,8 @@ class FFNPlane:
         for i, gathered in enumerate((x, ids, weights)):
             torch.cat([p[i] for p in parts], out=gathered)
         forward(x, ids, weights, out)
-        torch._foreach_copy_(outs, list(out.split(list(rows))))
+        # ``Tensor.split`` (torch/_tensor.py) has no annotations
+        torch._foreach_copy_(outs, list(out.split(list(rows))))  # type: ignore[no-untyped-call]
 
 
 class RecordedWaits:

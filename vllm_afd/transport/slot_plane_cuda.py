@@ -43,13 +43,19 @@ def _kernels() -> tuple[Any, Any]:
     import triton
     import triton.language as tl
 
+    # Triton kernels stay unannotated: Triton reads a kernel's parameter annotations (its
+    # argument types and specialisation), so typing them for mypy would change the kernels.
     @triton.jit
-    def signal_kernel(flag_ptr, step_ptr, offset, sign):
+    def signal_kernel(  # type: ignore[no-untyped-def]
+        flag_ptr, step_ptr, offset, sign
+    ):
         value = (tl.load(step_ptr) + offset) * sign
         tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
 
     @triton.jit
-    def wait_kernel(flag_ptr, step_ptr, offset, error_ptr, abort_ptr, max_spins):
+    def wait_kernel(  # type: ignore[no-untyped-def]
+        flag_ptr, step_ptr, offset, error_ptr, abort_ptr, max_spins
+    ):
         want = tl.load(step_ptr) + offset
         seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
         spins = 0
@@ -88,8 +94,9 @@ class CudaPlaneMemory(RecordedWaits):
     def create(self, nbytes: int) -> tuple[torch.Tensor, str]:
         buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         self._keep.append(buffer)
+        # torch's ``_share_cuda_`` (its C binding) has no annotations
         device, handle, size, offset, ref_handle, ref_offset, event, sync = (
-            buffer.untyped_storage()._share_cuda_()
+            buffer.untyped_storage()._share_cuda_()  # type: ignore[no-untyped-call]
         )
         fields = [device, _hex(handle), size, offset, _hex(ref_handle), ref_offset, _hex(event)]
         return buffer, json.dumps([*fields, bool(sync), nbytes])
@@ -100,7 +107,7 @@ class CudaPlaneMemory(RecordedWaits):
         _, ipc, size, offset, ref_handle, ref_offset, event, sync, length = json.loads(handle)
         if length != nbytes:
             raise ValueError(f"plane buffer of {length} bytes, the layout needs {nbytes}")
-        torch.cuda._lazy_init()
+        torch.cuda._lazy_init()  # type: ignore[no-untyped-call]  # torch internal, unannotated
         storage = torch.UntypedStorage._new_shared_cuda(
             self.device.index,
             _bytes(ipc),

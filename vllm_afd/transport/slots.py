@@ -37,19 +37,15 @@ from typing import Any, ClassVar, cast
 
 import torch
 
+from vllm_afd.errors import FFNRankLost, FFNServeError, FFNTimeout, ProtocolError, TransportError
 from vllm_afd.host import Creator, UnsafeFileError, shm_platform_problem
 from vllm_afd.transport.base import (
     AttentionTransport,
     Backend,
-    FFNRankLost,
     FFNRequest,
-    FFNServeError,
-    FFNTimeout,
     FFNTransport,
-    ProtocolError,
     ServesRequests,
     ServesSteps,
-    TransportError,
     TransportSpec,
     UseForward,
 )
@@ -79,7 +75,8 @@ WAITS = ("host", "device")
 
 def device_waits(settings: Mapping[str, Any]) -> bool:
     """The plane's waits are the device's (``waits: device``; set on GPUs)."""
-    return settings.get("waits", "host") == "device"
+    waits: object = settings.get("waits", "host")
+    return waits == "device"
 
 
 def plane_memory(spec: TransportSpec, prefix: str = PLANE_PREFIX + "data_") -> PlaneMemory:
@@ -432,7 +429,9 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
             requests.sort(key=lambda r: (r.src_rank, _reply_key(r)[1], r.microbatch))
         return requests
 
-    def _request(self, i: int, a: int, slot: int, view, value: int, rows: int) -> FFNRequest | None:
+    def _request(
+        self, i: int, a: int, slot: int, view: SlotViews, value: int, rows: int
+    ) -> FFNRequest | None:
         """The request of value ``value`` in channel ``i``, or ``None`` when it is refused with
         an error answer (a row count out of range, a use its sender's schedule does not have),
         stale (its sender already announced a newer step: nobody waits for it) or without an
@@ -596,7 +595,7 @@ class SlotsBackend(Backend):
         return problem
 
     @classmethod
-    def resolve_settings(cls, settings: Mapping[str, Any], attention_device: str) -> dict:
+    def resolve_settings(cls, settings: Mapping[str, Any], attention_device: str) -> dict[str, Any]:
         """On GPUs waits are the device's (a kernel cannot raise)."""
         if attention_device == "cpu":
             return dict(settings)
@@ -634,7 +633,7 @@ class ShmBackend(SlotsBackend):
     settings: ClassVar[Mapping[str, type]] = {}
 
     @classmethod
-    def resolve_settings(cls, settings: Mapping[str, Any], attention_device: str) -> dict:
+    def resolve_settings(cls, settings: Mapping[str, Any], attention_device: str) -> dict[str, Any]:
         return dict(settings)  # host waits on host memory, whatever the device
 
     @classmethod

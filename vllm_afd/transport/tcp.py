@@ -78,20 +78,17 @@ from typing import cast
 
 import torch
 
-from vllm_afd.errors import AFDConfigError
-from vllm_afd.host import LOOPBACK, parse_address
-from vllm_afd.transport import auth
-from vllm_afd.transport.base import (
-    Backend,
+from vllm_afd.errors import (
+    AFDConfigError,
     FFNRankLost,
-    FFNRequest,
     FFNServeError,
     FFNTimeout,
     ProtocolError,
-    ServesRequests,
     TransportError,
-    TransportSpec,
 )
+from vllm_afd.host import LOOPBACK, parse_address
+from vllm_afd.transport import auth
+from vllm_afd.transport.base import Backend, FFNRequest, ServesRequests, TransportSpec
 from vllm_afd.transport.control import StepSchedule, Tag, answer_mismatch, schedule_words
 from vllm_afd.transport.endpoint import AttentionEndpoint
 from vllm_afd.transport.wait import Backoff, RowViews, WaitPolicy
@@ -100,6 +97,8 @@ DEFAULT_HOST = LOOPBACK
 
 # magic, kind, slot, layer, num_tokens, seq, step, microbatch
 _HEADER = struct.Struct("<IHHiiqqH6x")
+#: A frame header as ``_HEADER.unpack`` returns it (its eight integers).
+_Header = tuple[int, int, int, int, int, int, int, int]
 # version, rank, A, slots, max_tokens, hidden, top_k, itemsize, schedule words
 _HELLO = struct.Struct("<9q")
 _MAGIC = 0x41464454  # "AFDT"
@@ -215,14 +214,14 @@ class _FrameReader:
     def __init__(
         self,
         sock: socket.socket,
-        targets: Callable[[tuple], list[memoryview]],
-        on_frame: Callable[[tuple], None],
+        targets: Callable[[_Header], list[memoryview]],
+        on_frame: Callable[[_Header], None],
     ) -> None:
         self.sock = sock
         self.targets = targets
         self.on_frame = on_frame
         self._head = bytearray(_HEADER.size)
-        self._header: tuple | None = None
+        self._header: _Header | None = None
         self._parts: deque[memoryview] = deque()
         self._want = memoryview(self._head)
 
@@ -311,7 +310,7 @@ class _FFNPeer:
             buffers = self._x[slot] = _Buffers(self._max_tokens, self._hidden, self._dtype)
         return buffers
 
-    def _targets(self, header: tuple) -> list[memoryview]:
+    def _targets(self, header: _Header) -> list[memoryview]:
         _, kind, slot, _, n, _, _, _ = header
         if kind in (_REJECT, _ERROR) and 0 <= n <= MAX_TEXT_BYTES and slot < len(self.out):
             self._text = bytearray(n)
@@ -320,7 +319,7 @@ class _FFNPeer:
             raise ConnectionError(f"protocol error: unexpected frame {header}")
         return [self.out[slot].wire(n)]
 
-    def _on_frame(self, header: tuple) -> None:
+    def _on_frame(self, header: _Header) -> None:
         _, kind, slot, layer, n, seq, step, microbatch = header
         if kind == _REJECT:
             reason = self._text.decode(errors="replace")
@@ -577,7 +576,7 @@ class _AttentionPeer:
         self.ids = [_Buffers(rows, top_k, torch.int32) for _ in slots]
         self.weights = [_Buffers(rows, top_k, torch.float32) for _ in slots]
 
-    def _targets(self, header: tuple) -> list[memoryview]:
+    def _targets(self, header: _Header) -> list[memoryview]:
         _, kind, slot, _, n, _, _, _ = header
         if self.rank is None:  # before authentication: one HELLO of the exact size, nothing else
             if kind == _HELLO_KIND and n == _HELLO_BODY:
@@ -591,7 +590,7 @@ class _AttentionPeer:
             raise ConnectionError(f"protocol error: {n} tokens > max_tokens")
         return [self.x[slot].wire(n), self.ids[slot].wire(n), self.weights[slot].wire(n)]
 
-    def _on_frame(self, header: tuple) -> None:
+    def _on_frame(self, header: _Header) -> None:
         _, kind, slot, layer, n, seq, step, microbatch = header
         if kind == _HELLO_KIND:
             self.on_hello(self)
@@ -676,7 +675,9 @@ class TcpFFNTransport(ServesRequests):
                 return requests  # timed out
             wait = 0.0 if backoff.poll_pause() else deadline - now
 
-    def _on_event(self, key: selectors.SelectorKey, events: int, requests: list) -> None:
+    def _on_event(
+        self, key: selectors.SelectorKey, events: int, requests: list[FFNRequest]
+    ) -> None:
         peer: _AttentionPeer | None = key.data
         if peer is None:
             self._accept()

@@ -69,7 +69,8 @@ class RowViews(ViewCache[torch.Tensor]):
 
 def _poll_window_s() -> float:
     """``VLLM_AFD_POLL_MS`` in seconds (raises ``AFDConfigError`` naming it on a bad value)."""
-    return envs.VLLM_AFD_POLL_MS * 1e-3
+    poll_ms: float = envs.VLLM_AFD_POLL_MS  # ``envs``' module ``__getattr__`` returns Any
+    return poll_ms * 1e-3
 
 
 @dataclass(frozen=True)

@@ -96,8 +96,8 @@ def test_a_failing_layer_fails_its_request_and_the_rank_serves_on(
     """The injected fault (``VLLM_AFD_FAULT_FILE``) raises in the serve loop: the attention
     rank's combine fails at once with the FFN's text, the failure is counted in the rank's block
     (``/health`` reads it), and the serve loop is still alive for the next request."""
+    from vllm_afd.errors import FFNServeError
     from vllm_afd.metrics.blocks import F_FAILURES, F_HEARTBEAT
-    from vllm_afd.transport import FFNServeError
 
     fault = tmp_path / "fault"
     monkeypatch.setenv("VLLM_AFD_FAULT_FILE", str(fault))
@@ -151,7 +151,7 @@ def test_the_ffn_rank_refuses_a_request_its_schedule_does_not_have(tiny_qwen3):
     """The control plane on a real FFN rank: requests that fit the announced step are served;
     one tagged with a microbatch the step does not have fails on the attention rank with the
     FFN rank's reason, naming both sides."""
-    from vllm_afd.transport import FFNServeError
+    from vllm_afd.errors import FFNServeError
     from vllm_afd.transport.control import StepSchedule
 
     spec = TransportSpec(
@@ -255,7 +255,7 @@ def test_with_device_waits_the_executor_serves_whole_steps_and_fails_what_it_can
     answers are exactly that kernel's, the stats count every use; a use that raises (the
     injected fault) is answered with the error together with the rest of its step, which the
     attention rank sees at its next announcement, and the next step is served."""
-    from vllm_afd.transport import FFNTimeout
+    from vllm_afd.errors import FFNTimeout
     from vllm_afd.transport.control import StepSchedule
 
     fault = tmp_path / "fault"

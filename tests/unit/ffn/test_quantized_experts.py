@@ -104,11 +104,10 @@ def test_placeholders_of_a_quantized_layer_hold_no_memory(fp8_pair):
     """Every parameter vLLM's FP8 method creates (weights and block scales) gets a zero-size
     placeholder with its dtype and loader attributes; the model's own loader finds every
     expert name of the FP8 checkpoint and the placeholders discard the tensors."""
-    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
+    from vllm_afd.attention.layer import AFDRemoteExpertsMethod
     from vllm_afd.ffn.weights import _checkpoint
-    from vllm_afd.remote_experts import AFDRemoteExpertsMethod
 
     fp8, _ = fp8_pair
     with _meta_model(fp8) as model:
@@ -119,8 +118,7 @@ def test_placeholders_of_a_quantized_layer_hold_no_memory(fp8_pair):
         for layer in layers:
             for name in list(dict(layer.named_parameters(recurse=False))):
                 delattr(layer, name)
-            method = AFDRemoteExpertsMethod.__new__(AFDRemoteExpertsMethod)
-            FusedMoEMethodBase.__init__(method, layer.moe_config)  # no FFN group to connect
+            method = AFDRemoteExpertsMethod(layer.moe_config, layer.layer_name)  # no FFN group
             method.create_weights(
                 layer,
                 num_experts=layer.local_num_experts,

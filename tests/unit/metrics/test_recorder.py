@@ -77,7 +77,7 @@ def test_record_combine_takes_tokens_and_bytes_from_handle_and_endpoint():
 
 
 def test_error_kind():
-    from vllm_afd.transport import FFNServeError, FFNTimeout, TransportError
+    from vllm_afd.errors import FFNServeError, FFNTimeout, TransportError
 
     assert recorder.error_kind(FFNTimeout("FFN rank 0 (pid 1) did not answer")) == "timeout"
     # by type, not by words: a message that mentions a timeout is not one

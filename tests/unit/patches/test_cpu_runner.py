@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_afd.config import AFDConfigError
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.patches import cpu_runner
 
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from vllm_afd.config import AFDConfigError, MoEModelInfo
+from vllm_afd.config import MoEModelInfo
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.planner.auto_ratio import candidate_ffn_ranks, recommend_for_deployment
 
 INFO = MoEModelInfo("Qwen3MoeForCausalLM", 2, 8, 2, 128, 64, (0, 1))

@@ -8,7 +8,7 @@ import torch
 from transport_testlib import make_spec, routing
 
 from vllm_afd import envs
-from vllm_afd.config import AFDConfigError
+from vllm_afd.errors import AFDConfigError
 from vllm_afd.testing.reference import (
     LocalMoE,
     ScaleExperts,

@@ -9,8 +9,9 @@ import pytest
 import torch
 from transport_testlib import EXPERTS, expected, make_spec, recv_all, routing
 
+from vllm_afd.errors import ProtocolError
 from vllm_afd.testing.reference import LocalMoE
-from vllm_afd.transport import ProtocolError, create_attention_transport, create_ffn_transport
+from vllm_afd.transport import create_attention_transport, create_ffn_transport
 from vllm_afd.transport.control import (
     WIRE_MICROBATCHES,
     Mode,

@@ -18,9 +18,9 @@ import pytest
 import torch
 from transport_testlib import make_spec, routing
 
+from vllm_afd.errors import FFNRankLost, FFNServeError, TransportError
 from vllm_afd.testing.ffn import DelayedForward, FailingForward
 from vllm_afd.testing.reference import LocalMoE, ScaleExperts, reference_moe_combine
-from vllm_afd.transport import FFNRankLost, FFNServeError, TransportError
 from vllm_afd.transport import directory as ffn_directory
 from vllm_afd.transport.control import Mode, StepSchedule
 from vllm_afd.transport.directory import FAILED, RECOVERING, UP, RankEntry

@@ -13,13 +13,9 @@ import pytest
 import torch
 from transport_testlib import EXPERTS, expected, make_spec, recv_all, routing
 
+from vllm_afd.errors import FFNServeError, FFNTimeout, TransportError
 from vllm_afd.testing.reference import LocalMoE
-from vllm_afd.transport import (
-    FFNServeError,
-    FFNTimeout,
-    TransportError,
-    create_attention_transport,
-)
+from vllm_afd.transport import create_attention_transport
 
 pytestmark = pytest.mark.timeout(60)
 #: ... and an out-of-tree one: shm's endpoints, counting their rounds (``COUNTING``).

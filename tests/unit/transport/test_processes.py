@@ -15,6 +15,7 @@ import pytest
 import torch
 from transport_testlib import attach_and_exit, leftover_segments, make_spec, routing
 
+from vllm_afd.errors import FFNTimeout, TransportError
 from vllm_afd.testing.ffn import DelayedForward
 from vllm_afd.testing.reference import (
     LocalMoE,
@@ -22,7 +23,6 @@ from vllm_afd.testing.reference import (
     SiluMulExperts,
     reference_moe_combine,
 )
-from vllm_afd.transport import FFNTimeout, TransportError
 
 pytestmark = pytest.mark.timeout(60)
 BACKENDS = ["slots", "tcp", "counting"]

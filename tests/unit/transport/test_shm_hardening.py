@@ -11,16 +11,9 @@ import torch
 from transport_testlib import SHM_PREFIX, expected, make_spec, recv_all, routing
 
 from vllm_afd import host
-from vllm_afd.config import AFDConfig, AFDConfigError, check_this_host
-from vllm_afd.transport import (
-    FFNServeError,
-    FFNTimeout,
-    ProtocolError,
-    TransportError,
-    create_attention_transport,
-    create_ffn_transport,
-    slot_plane,
-)
+from vllm_afd.config import AFDConfig, check_this_host
+from vllm_afd.errors import AFDConfigError, FFNServeError, FFNTimeout, ProtocolError, TransportError
+from vllm_afd.transport import create_attention_transport, create_ffn_transport, slot_plane
 from vllm_afd.transport.base import DispatchHandle
 from vllm_afd.transport.control_block import reap_stale_control_blocks
 from vllm_afd.transport.endpoint import combine_partials

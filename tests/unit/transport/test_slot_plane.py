@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.unit.ubatchlib import run_ubatch_threads
+from vllm_afd.errors import FFNTimeout
 from vllm_afd.testing import slot_plane_check
 from vllm_afd.testing.reference import (
     LocalMoE,
@@ -21,7 +22,7 @@ from vllm_afd.testing.reference import (
     reference_moe_combine,
 )
 from vllm_afd.testing.slot_plane_check import combine, dispatch
-from vllm_afd.transport.base import FFNTimeout, TransportSpec
+from vllm_afd.transport.base import TransportSpec
 from vllm_afd.transport.slot_plane import (
     LINE,
     AnswerViews,

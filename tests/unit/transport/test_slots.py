@@ -16,14 +16,11 @@ import pytest
 import torch
 from transport_testlib import EXPERTS, expected, routing
 
+from vllm_afd.errors import FFNRankLost, FFNServeError, FFNTimeout, ProtocolError
 from vllm_afd.testing.ffn import DelayedForward, serve_ffn
 from vllm_afd.testing.reference import LocalMoE
 from vllm_afd.transport import (
     Feature,
-    FFNRankLost,
-    FFNServeError,
-    FFNTimeout,
-    ProtocolError,
     TransportSpec,
     backend,
     create_attention_transport,

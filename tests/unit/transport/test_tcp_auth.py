@@ -13,8 +13,9 @@ import pytest
 import torch
 from transport_testlib import expected, make_spec, routing
 
+from vllm_afd.errors import TransportError
 from vllm_afd.host import write_private_file
-from vllm_afd.transport import TransportError, auth, tcp
+from vllm_afd.transport import auth, tcp
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,0 +1,246 @@
+"""One attention worker's connection to the FFN group, and all the state that lives with it.
+
+nano-vllm keeps a step's state in one context object its model runner sets and resets; here that
+object is ``AttentionSession``, one per attention worker, opened explicitly when vLLM's worker
+loads the model (patch W4: ``open_session``), before any layer runs. It owns
+
+* the transport endpoint (``transport/endpoint.py``) and this rank's /metrics block,
+* the step announcer (``attention/steps.py``) and the step lock the runner holds for a step,
+* the model runner of the current step and the requests an FFN error failed
+  (``attention/failures.py``),
+* on a live-scaling deployment, the pool watcher and the switch to a new FFN pool at a step
+  boundary (``PoolWatcher``, ``switch_pending``).
+
+Patches and the routing-boundary op reach it through ``current()`` and call its methods; no
+other module writes its state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+from vllm_afd import envs
+from vllm_afd.attention.failures import Failures
+from vllm_afd.attention.steps import Steps, dbo_ubatches, forward_context
+from vllm_afd.metrics import recorder
+from vllm_afd.metrics.blocks import AttentionStatsBlock
+from vllm_afd.transport import (
+    AttentionTransport,
+    Feature,
+    TransportSpec,
+    backend,
+    create_attention_transport,
+    directory,
+)
+
+logger = logging.getLogger("vllm.afd")
+
+#: How often an attention rank looks for a new FFN pool (``pool.json``; a ``stat`` call).
+POOL_POLL_S = 0.05
+
+
+@dataclasses.dataclass
+class AttentionSession:
+    """An attention worker's connection to the FFN group (see the module docstring)."""
+
+    #: The ``VLLM_AFD_RUNTIME`` text it was opened from (the running group).
+    key: str
+    endpoint: AttentionTransport
+    tp_rank: int
+    tp_size: int
+    #: This rank's /metrics block (None if it could not be created: metrics never break serving).
+    stats: AttentionStatsBlock | None
+    steps: Steps
+    failures: Failures = dataclasses.field(default_factory=Failures)
+    #: The model runner of the step running (W1): a failed batch's requests and rows.
+    runner: object | None = None
+    #: Held by the model runner for a whole step or dummy run (W1, W3): a live scale switches
+    #: an idle rank between steps only. Reentrant: a dummy run may run inside a runner call.
+    step_lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
+    #: The FFN pool it serves on (1: the one the front-end started).
+    epoch: int = 1
+    #: A newer pool to switch to at the next step boundary (set by ``PoolWatcher``).
+    pending: directory.Pool | None = None
+    watcher: PoolWatcher | None = None
+    _switching: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    # -- steps ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step(self, runner: object | None) -> Iterator[None]:
+        """A runner step (W1; ``runner`` None for a dummy run, W3): the lock held throughout."""
+        with self.step_lock:
+            if runner is not None:
+                self.runner = runner
+            yield
+
+    def begin_step(self, microbatch_tokens: Sequence[int], contexts: Sequence[object]) -> None:
+        """Begin a step (a step boundary: a pending pool switch happens first)."""
+        if self.pending is not None:
+            self.switch_pending()
+        self.steps.begin(microbatch_tokens, contexts)
+
+    def before_dispatch(self, num_tokens: int) -> None:
+        """Before a layer's dispatch: begin a step unless this forward's step was begun (by a
+        runner patch, or by an earlier layer)."""
+        context = forward_context()
+        if self.steps.runs_under(context):
+            return
+        ubatches = dbo_ubatches(self.endpoint.spec.max_tokens)
+        if ubatches is not None and any(c is context for c in ubatches[1]):
+            self.begin_step(*ubatches)  # the first MoE layer of vLLM's first ubatch (GPUs)
+        else:
+            self.begin_step((num_tokens,), () if context is None else (context,))
+
+    def take_failed_requests(self) -> dict[str, str]:
+        """W1: the requests failed since the last call, with the FFN's error text."""
+        return self.failures.take()
+
+    # -- live scaling ---------------------------------------------------------------------
+
+    def switch_pending(self) -> None:
+        """At a step boundary (no dispatch outstanding): serve on the pending pool from now on,
+        and say so (``directory.publish_switch``). A pool whose ranks cannot be reached is
+        logged and not retried: this rank stays on its pool, and the scale that published it
+        times out naming this rank."""
+        with self._switching:
+            pool, self.pending = self.pending, None
+            if pool is None or pool.epoch <= self.epoch:
+                return
+            start = time.perf_counter()
+            old = self.endpoint
+            spec = dataclasses.replace(
+                TransportSpec.from_json(pool.spec),
+                attention_rank_offset=old.spec.attention_rank_offset,
+            )
+            try:
+                endpoint = create_attention_transport(spec, old.rank)
+            except Exception:  # noqa: BLE001 - serving goes on on the old pool
+                logger.exception(
+                    "AFD: attention rank %d cannot switch to FFN pool %d", old.rank, pool.epoch
+                )
+                if self.watcher is not None:
+                    self.watcher.given_up = pool.epoch
+                return
+            endpoint.step = old.step  # step numbers keep increasing across pools
+            if self.stats is not None:
+                self.stats.close()
+            self.stats = recorder.endpoint_block(endpoint)
+            self.endpoint = self.steps.endpoint = endpoint
+            self.epoch = pool.epoch
+            old.close()
+            stall = time.perf_counter() - start
+            directory.publish_switch(spec.directory, directory.Switch(old.rank, pool.epoch, stall))
+            logger.info(
+                "AFD: attention rank %d serves on FFN pool %d (%d FFN rank(s)) after a %.1f ms "
+                "switch",
+                old.rank,
+                pool.epoch,
+                spec.num_ffn_ranks,
+                stall * 1e3,
+            )
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.endpoint.close()
+
+
+class PoolWatcher:
+    """A thread of the attention worker that looks for a new FFN pool every ``POOL_POLL_S``
+    (a ``stat`` of ``pool.json``), hands it to the session for its next step boundary, and
+    switches an idle rank itself (one not inside a step: the step lock is free), so that a
+    scale completes on a server with no traffic too."""
+
+    def __init__(self, session: AttentionSession) -> None:
+        self.session = session
+        self.path = directory.pool_path(session.endpoint.spec.directory)
+        #: An epoch this rank could not switch to (not tried again).
+        self.given_up = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="afd-pool-watcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        session, seen = self.session, None
+        while not self._stop.wait(POOL_POLL_S):
+            try:
+                mtime = os.stat(self.path).st_mtime_ns
+            except OSError:
+                continue
+            if mtime == seen:
+                continue
+            pool = directory.read_pool(session.endpoint.spec.directory)
+            if pool is None or pool.epoch <= max(session.epoch, self.given_up):
+                seen = mtime
+                continue
+            session.pending = pool
+            if session.step_lock.acquire(timeout=POOL_POLL_S):  # idle: no step runs
+                try:
+                    session.switch_pending()
+                finally:
+                    session.step_lock.release()
+            if session.pending is None:
+                seen = mtime
+
+
+# --------------------------------------------------------------------------------------------
+# This process's session: opened by the worker (W4), read by everything else.
+# --------------------------------------------------------------------------------------------
+
+_LOCK = threading.Lock()
+_SESSION: AttentionSession | None = None
+
+
+def current() -> AttentionSession | None:
+    """This process's attention session; ``None`` in a process without an FFN group."""
+    return _SESSION
+
+
+def open_session() -> AttentionSession:
+    """Connect this worker to the deployment's running FFN group (``VLLM_AFD_RUNTIME``).
+
+    Called when the worker loads the model (W4), so a token never pays for it: once per
+    process, and again only when the running group changed (another deployment built in the
+    same process). Needs vLLM's distributed groups (this rank's place: DP x TP).
+    """
+    global _SESSION
+    key = envs.runtime_json()
+    from vllm.distributed.parallel_state import get_dp_group, get_tp_group
+
+    with _LOCK:
+        if _SESSION is not None and _SESSION.key == key:
+            return _SESSION
+        if _SESSION is not None:
+            _SESSION.close()
+            _SESSION = None
+        tp = get_tp_group()
+        spec = TransportSpec.from_json(key)
+        local = get_dp_group().rank_in_group * tp.world_size + tp.rank_in_group
+        endpoint = create_attention_transport(spec, spec.attention_rank_offset + local)
+        stats = recorder.endpoint_block(endpoint)
+        steps = Steps(endpoint, tp.rank_in_group, tp.world_size)
+        session = AttentionSession(key, endpoint, tp.rank_in_group, tp.world_size, stats, steps)
+        if spec.directory and Feature.LIVE_SCALING in backend(spec.backend).features(spec.config):
+            session.epoch = directory.epoch_of(spec.directory)
+            session.watcher = PoolWatcher(session)
+        _SESSION = session
+        return session
+
+
+def close_session() -> None:
+    """Close this process's session, if any (its endpoint and pool watcher)."""
+    global _SESSION
+    with _LOCK:
+        if _SESSION is not None:
+            _SESSION.close()
+            _SESSION = None
