@@ -21,6 +21,9 @@ $(BIN)/.installed: pyproject.toml
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break transformers' imports
 	# next to the CPU torch; triton has no CPU backend. None of them is used.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	# The GPU machine's Triton, off the import path (vLLM's CPU build must not see it): the slot
+	# plane's kernels run under its interpreter (tests/unit/transport/test_triton_interpreted.py).
+	$(BIN)/pip install -q --no-deps --target $(VENV)/triton triton==3.6.0
 	touch $@
 
 venv: $(BIN)/.installed

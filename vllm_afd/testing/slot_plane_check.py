@@ -11,8 +11,15 @@ each (the whole well under 5 minutes):
   (in one process, taking turns) whose rows the FFN rank serves in one forward, two
   microbatches in vLLM's DBO call order (D0, D1, C0, D0', C1, ...), float32, identical to the
   reference.
+* ``cuda-ipc-probe``: CUDA IPC alone, before any protocol: a child process creates a device
+  buffer, fills it and hands its IPC handle over (``CudaPlaneMemory.create``); this process maps
+  it (``attach``), reads the pattern, writes another the child reads back. A FAIL here says
+  "CUDA IPC refused here" (a container without the IPC it needs, a driver), not a protocol bug.
 * ``cuda-plane``: the same through device memory shared by CUDA IPC on GPU 0 (both processes on
   one GPU), bfloat16, at bf16 tolerance.
+* ``cuda-two-gpus``: ``cuda-plane`` with the FFN process on GPU 1, its ``CUDA_VISIBLE_DEVICES``
+  narrowed to that GPU as placement narrows an FFN rank's (its device is its own 0), the
+  buffers reached over NVLink (SKIP with one GPU).
 * ``cuda-graphs``: both sides' whole step captured as one CUDA graph each, then 3 replays with
   fresh inputs, each against the reference: each side sets its step word before a replay and
   the flag values the kernels compute from it carry the protocol, with no Python on the token
@@ -40,6 +47,7 @@ masked SiLU-gated experts on the FFN side (capturable: no data-dependent shapes)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -48,7 +56,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -59,17 +67,19 @@ from vllm_afd.transport.slot_plane import AttentionPlane, FFNPlane, PlaneLayout
 
 LAYERS, EXPERTS, TOP_K, HIDDEN, INTER, TOKENS = 4, 8, 2, 256, 128, 16
 SKIP = 77
-#: (step, timeout in seconds): 300 s in all.
+#: (step, timeout in seconds): 300 s in all, so the whole check fits the device budget.
 STEPS = (
-    ("probe", 15),
-    ("host-plane", 40),
-    ("host-slots", 30),
-    ("cuda-plane", 50),
-    ("cuda-graphs", 60),
-    ("cuda-slots", 45),
-    ("cuda-round-trip", 60),
-    ("host-peer-death", 40),
-    ("cuda-peer-death", 45),
+    ("probe", 10),
+    ("host-plane", 25),
+    ("host-slots", 25),
+    ("cuda-ipc-probe", 20),
+    ("cuda-plane", 30),
+    ("cuda-two-gpus", 30),
+    ("cuda-graphs", 35),
+    ("cuda-slots", 30),
+    ("cuda-round-trip", 40),
+    ("host-peer-death", 25),
+    ("cuda-peer-death", 30),
 )
 
 
@@ -201,10 +211,38 @@ def _memory(kind: str):
         from vllm_afd.transport.slot_plane import HostPlaneMemory
 
         return HostPlaneMemory(timeout_s=30.0)
+    if kind == "interpreted":
+        return interpreted_memory()
     from vllm_afd.transport.slot_plane_cuda import CudaPlaneMemory
 
     torch.cuda.set_device(0)
-    return CudaPlaneMemory(0, max_spins=1 << 24)  # a bound well inside the step's timeout
+    return CudaPlaneMemory(0, timeout_s=10.0)  # a deadline well inside the step's timeout
+
+
+#: Polls an interpreted wait makes before it gives up (about 0.25 ms each: Python runs the
+#: kernel), a bound well above a toy step's wait.
+INTERPRETED_MAX_SPINS = 40_000
+
+
+def interpreted_memory():
+    """Host shared memory whose flags are published and awaited by the CUDA layer's own Triton
+    kernels (``slot_plane_cuda.TritonWaits``), run by Triton's interpreter
+    (``TRITON_INTERPRET=1``, set before Triton is imported): the GPU path's signal and wait,
+    release/acquire at system scope and the abort word, tested between two processes on a CPU.
+    The attention side's sends store their flag through the host words (``AttentionPlane.send``
+    on host memory); every other flag goes through the kernels."""
+    from vllm_afd.transport.slot_plane import HostPlaneMemory
+    from vllm_afd.transport.slot_plane_cuda import TritonWaits
+
+    class InterpretedPlaneMemory(TritonWaits, HostPlaneMemory):
+        def __init__(self) -> None:
+            HostPlaneMemory.__init__(self, timeout_s=30.0, device_waits=True)
+            self.max_spins = INTERPRETED_MAX_SPINS
+            self.bound = f"{INTERPRETED_MAX_SPINS} polls"
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the interpreted plane needs TRITON_INTERPRET=1 before Triton loads")
+    return InterpretedPlaneMemory()
 
 
 def _ffn_main(kind, dtype, layout_args, plan, to_attention, from_attention) -> None:
@@ -258,10 +296,11 @@ def run_pair(
     graphs: bool = False,
     echo: bool = False,
     attention_ranks: int = 1,
+    ffn_gpu: int | None = None,
 ) -> dict:
     """Run ``steps`` steps between this process (``attention_ranks`` attention ranks) and an
-    FFN child; returns the largest deviation from the reference, and for ``echo`` the seconds
-    per step."""
+    FFN child (``ffn_gpu``: on that GPU, which is all its ``CUDA_VISIBLE_DEVICES`` shows it);
+    returns the largest deviation from the reference, and for ``echo`` the seconds per step."""
     ctx = mp.get_context("spawn")
     to_attention, from_attention = ctx.Queue(), ctx.Queue()
     layout_args = (attention_ranks, microbatches, rows, HIDDEN, TOP_K, dtype)
@@ -272,7 +311,8 @@ def run_pair(
         args=(kind, dtype, layout_args, plan, to_attention, from_attention),
         daemon=True,
     )
-    child.start()
+    with _visible_devices(None if ffn_gpu is None else str(ffn_gpu)):
+        child.start()  # a spawned child takes the environment as it is now
     try:
         memory = _memory(kind)
         layout = PlaneLayout(*layout_args)
@@ -567,6 +607,78 @@ def step_cuda_slots() -> dict:
     if result["ffn_graphs"] != 1:
         raise AssertionError(f"the FFN steps were not captured as one CUDA graph: {result}")
     return result
+
+
+@contextlib.contextmanager
+def _visible_devices(devices: str | None) -> Iterator[None]:
+    """``CUDA_VISIBLE_DEVICES`` set to ``devices`` (unchanged for ``None``), restored after."""
+    if devices is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+def _ipc_child(to_parent, from_parent) -> None:
+    """``cuda-ipc-probe``'s child: a device buffer filled with 1..n, its handle to the parent;
+    then what the parent wrote into it (its sum) back."""
+    from vllm_afd.transport.slot_plane_cuda import CudaPlaneMemory
+
+    torch.cuda.set_device(0)
+    memory = CudaPlaneMemory(0)
+    buffer, handle = memory.create(4096)
+    buffer.view(torch.int32).copy_(torch.arange(1, 1025, dtype=torch.int32))
+    torch.cuda.synchronize()
+    to_parent.put(handle)
+    from_parent.get(timeout=30)  # the parent wrote its pattern
+    to_parent.put(int(buffer.view(torch.int32).sum()))
+    memory.close()
+
+
+def step_cuda_ipc_probe() -> dict:
+    _require_cuda()
+    from vllm_afd.transport.slot_plane_cuda import CudaPlaneMemory
+
+    ctx = mp.get_context("spawn")
+    to_parent, from_parent = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_ipc_child, args=(to_parent, from_parent), daemon=True)
+    child.start()
+    try:
+        handle = to_parent.get(timeout=60)
+        torch.cuda.set_device(0)
+        try:
+            mapped = CudaPlaneMemory(0).attach(handle, 4096).view(torch.int32)
+            seen = int(mapped.sum())
+        except RuntimeError as exc:
+            raise RuntimeError(f"CUDA IPC refused here (not a protocol bug): {exc}") from exc
+        if seen != 1024 * 1025 // 2:
+            raise AssertionError(f"CUDA IPC mapped other bytes: sum {seen}, wrote 1..1024")
+        mapped.fill_(2)
+        torch.cuda.synchronize()
+        from_parent.put("written")
+        back = to_parent.get(timeout=30)
+        if back != 2 * 1024:
+            raise AssertionError(f"the creator read {back} after the peer wrote 2s (2048)")
+        child.join(30)
+        return {"read": seen, "written_read_back": back}
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+
+
+def step_cuda_two_gpus() -> dict:
+    _require_cuda()
+    if torch.cuda.device_count() < 2:
+        raise _Skip(f"one GPU here ({torch.cuda.device_count()}): no second GPU for the FFN")
+    return _bf16_close(run_pair("cuda", torch.bfloat16, steps=2, attention_ranks=2, ffn_gpu=1))
 
 
 def step_host_plane() -> dict:

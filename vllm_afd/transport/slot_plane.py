@@ -60,7 +60,11 @@ whose host code does not run, uses the step announced before it::
                                 p)); sum the FFN ranks' answers
 
 A signal is a store ordered after the payload (release); a wait returns once the flag reaches
-the awaited value (acquire), so the reader never sees a half-written payload. The FFN side
+the awaited value (acquire), so the reader never sees a half-written payload. A send is one
+``publish`` (payload, then flag: on a device one kernel, ``slot_plane_cuda``), so a use is one
+operation per side and direction around the MoE kernel: the attention rank publishes and
+waits, the FFN rank waits and answers (a signal after experts that wrote in place, or a
+publish of its share of a gathered forward). The FFN side
 serves the plane in one of two ways, from the same flags:
 
 * what is pending (``FFNPlane`` read by ``slots.PlaneFFN``, host memory): it scans the request
@@ -85,9 +89,10 @@ experts it does not hold.
 Failure. A host wait raises ``FFNTimeout`` after its deadline and reports a flag that moved
 past the awaited value to its caller; its ``watch`` callback (every ``WATCH_INTERVAL_S``) lets
 the caller end it early (the FFN process died, the sender announced a newer step). A device
-wait gives up after its spin budget, or on an error answer, a peer that moved on or an abort
-word a host watchdog sets when the peer dies (``RecordedWaits.abort``: the step's later waits
-end at once), records it in a device word and lets the stream go on (a kernel cannot raise);
+wait gives up at its deadline (the GPU's global timer), or on an error answer, a peer that
+moved on or an abort word a host watchdog sets when the peer dies (``RecordedWaits.abort``: the
+step's later waits end at once), records it in a device word and lets the stream go on (a
+kernel cannot raise);
 ``check()`` reads that word on the host (at step boundaries, where the host looks anyway) and
 raises.
 """
@@ -329,6 +334,10 @@ class PlaneMemory(Protocol):
     device: torch.device
     #: Its waits record where they fail, ``check`` raises (``RecordedWaits``); else they raise.
     records_waits: bool
+    #: The plane may store a request's flag line itself through host words after copying its
+    #: payload (host memory, plain stores under x86-64 store order: the CPU's hot path);
+    #: otherwise every send is one ``publish``.
+    stores_on_host: bool
 
     def create(self, nbytes: int) -> tuple[torch.Tensor, str]:
         """A zeroed ``uint8`` buffer of ``nbytes`` and the text peers attach it by."""
@@ -341,6 +350,17 @@ class PlaneMemory(Protocol):
     ) -> None:
         """Store the use's value (negated when ``failed``) into ``flag`` after every earlier
         write (release)."""
+
+    def publish(
+        self,
+        dsts: Sequence[torch.Tensor],
+        srcs: Sequence[torch.Tensor],
+        flag: torch.Tensor,
+        step: torch.Tensor,
+        position: int,
+    ) -> None:
+        """One use's payload and flag: copy each of ``srcs`` into its ``dsts`` (the same
+        shapes; converted to the destination's dtype), then ``signal`` ``flag`` after them."""
 
     def wait(
         self,
@@ -398,9 +418,10 @@ class AttentionPlane:
             self.answers.append([AnswerViews(buffer, layout, s) for s in range(layout.num_slots)])
             self.answer_handles.append(handle)
         self.step = step_word(memory.device)
-        #: On host memory the step word as a memoryview: ``send`` stores flags through the
-        #: request line's words (the hot path), as ``HostPlaneMemory.signal`` would.
-        self._host_step = _words(self.step) if memory.device.type == "cpu" else None
+        #: Where the memory lets the plane store flags (``stores_on_host``): the step word as
+        #: a memoryview, ``send`` stores flags through the request line's words (the hot
+        #: path), as ``HostPlaneMemory.signal`` would.
+        self._host_step = _words(self.step) if memory.stores_on_host else None
 
     def _map(self, handle: str) -> list[SlotViews]:
         buffer = self.memory.attach(handle, self.layout.total_bytes)
@@ -442,6 +463,14 @@ class AttentionPlane:
         the FFN rank's wait ends."""
         rows = x.shape[0] if index is None else index.shape[0]
         view = self.slots[ffn_rank][slot]
+        words = view.request_words
+        if words is None or self._host_step is None:  # one operation: payload, then flag
+            sources: tuple[torch.Tensor, ...] = (x, topk_ids, topk_weights)
+            if index is not None:
+                sources = tuple(t.index_select(0, index) for t in sources)
+            dsts = view.rows(rows) if rows else ()
+            self.memory.publish(dsts, sources if rows else (), view.request, self.step, position)
+            return
         if rows:
             dst_x, dst_ids, dst_weights = view.rows(rows)
             if index is None:  # one call for the three (it converts the ids to int32)
@@ -450,10 +479,6 @@ class AttentionPlane:
                 torch.index_select(x, 0, index, out=dst_x)
                 dst_ids.copy_(topk_ids.index_select(0, index))
                 dst_weights.copy_(topk_weights.index_select(0, index))
-        words = view.request_words
-        if words is None or self._host_step is None:
-            self.memory.signal(view.request, self.step, position)
-            return
         # a use sent again (to a replacement) must not find its last answer: cleared first
         self.answers[ffn_rank][slot].response_words[0] = 0  # type: ignore[index]
         words[ROWS_WORD], words[CPU_WORD] = rows, cpu
@@ -550,22 +575,21 @@ class FFNPlane:
         views = [self.take(slot, part) for part in parts]
         rows = [part.rows for part in parts]
         outs = [self.answers[part.attention_rank][slot].rows(part.rows) for part in parts]
-        if len(views) == 1:
+        if len(views) == 1:  # the experts write the answer in place: then its flag
             forward(*views[0].rows(rows[0]), outs[0])
-        else:
-            self._serve_gathered(views, rows, outs, forward)
-        for part in parts:
-            self.answer(slot, part)
+            self.answer(slot, parts[0])
+            return
+        answers = self._serve_gathered(views, rows, forward)
+        for part, out, answer in zip(parts, outs, answers, strict=True):
+            a = part.attention_rank
+            flag = self.answers[a][slot].response
+            self.memory.publish((out,), (answer,), flag, self.steps[a], part.position)
 
     def _serve_gathered(
-        self,
-        views: list[SlotViews],
-        rows: Sequence[int],
-        outs: list[torch.Tensor],
-        forward: Forward,
-    ) -> None:
-        """One forward over the attention ranks' rows: gathered by one ``cat`` per part, the
-        answers scattered into ``outs`` by one ``_foreach_copy_``."""
+        self, views: list[SlotViews], rows: Sequence[int], forward: Forward
+    ) -> list[torch.Tensor]:
+        """One forward over the attention ranks' rows, gathered by one ``cat`` per part;
+        returns each part's answer (views of the gathered output)."""
         total = sum(rows)
         x, ids, weights, out = (t[:total] for t in self._gathered)
         parts = [v.rows(n) for v, n in zip(views, rows, strict=True)]
@@ -573,7 +597,7 @@ class FFNPlane:
             torch.cat([p[i] for p in parts], out=gathered)
         forward(x, ids, weights, out)
         # ``Tensor.split`` (torch/_tensor.py) has no annotations
-        torch._foreach_copy_(outs, list(out.split(list(rows))))  # type: ignore[no-untyped-call]
+        return list(out.split(list(rows)))  # type: ignore[no-untyped-call]
 
 
 class RecordedWaits:
@@ -664,6 +688,7 @@ class HostPlaneMemory(RecordedWaits):
     where they fail; the CPU stand-in of ``CudaPlaneMemory``'s host-side logic."""
 
     device = torch.device("cpu")
+    stores_on_host = True
 
     def __init__(
         self,
@@ -719,6 +744,18 @@ class HostPlaneMemory(RecordedWaits):
     ) -> None:
         value = self.word(step)[0] + position + 1
         self.word(flag)[0] = -value if failed else value  # after the payload (x86-64 TSO)
+
+    def publish(
+        self,
+        dsts: Sequence[torch.Tensor],
+        srcs: Sequence[torch.Tensor],
+        flag: torch.Tensor,
+        step: torch.Tensor,
+        position: int,
+    ) -> None:
+        if dsts:
+            torch._foreach_copy_(list(dsts), list(srcs))
+        self.signal(flag, step, position)
 
     def wait(
         self,

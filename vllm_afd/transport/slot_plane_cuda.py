@@ -1,17 +1,25 @@
 """The slot plane's device layer (``slot_plane.py``): buffers in device memory shared by CUDA
-IPC, and a publish/wait pair of one-thread Triton kernels. Everything else is the shared
-protocol. PyTorch and Triton only (the GPU machine this project is lent has no vLLM or DeepEP).
+IPC, and three Triton kernels: publish, signal and wait. Everything else is the shared protocol.
+PyTorch and Triton only (the GPU machine this project is lent has no vLLM or DeepEP).
 
-Why these primitives. ``signal`` is an ``atomic_xchg`` with release semantics at system scope:
-the payload copies queued before it on the stream have finished (stream order) and their
-stores are visible to any peer that acquires the flag. The value it stores is computed on the
-device from the sender's step word (``slot_plane``: the use's value), so a captured graph publishes
-the right value on every replay without Python. ``wait`` spins on an acquire load
-(``atomic_add(flag, 0)``) at system scope until ``|flag|`` reaches the awaited value. A kernel
-cannot raise: a wait that gives up after ``max_spins`` polls, or ends on another value than
-its own (an error answer, a peer that moved on), or that a host watchdog aborted (a word in
-pinned host memory it polls), is counted in a device word (``slot_plane.RecordedWaits``), and
-``check()`` reads that word on the host at a step boundary.
+Why these primitives. ``publish`` is a use's whole send in one kernel (issue 41: one operation
+per side and direction, against a copy-engine copy per part plus a signal before): one program
+copies the parts word by word into the peer's slot, a CTA barrier orders its threads' stores,
+then the flag is stored with release semantics at system scope (a store, not a remote atomic
+read-modify-write, which PCIe peers lack); a part that needs a dtype conversion, or a use over
+``FUSED_MAX_BYTES`` (a prefill chunk), goes by the copy engines and ``signal``. ``signal`` is an
+``atomic_xchg`` with release semantics at system scope: the payload copies queued before it on
+the stream have finished (stream order) and their stores are visible to any peer that acquires
+the flag. The value either stores is computed on the device from the sender's step word
+(``slot_plane``: the use's value), so a captured graph publishes the right value on every
+replay without Python. ``wait`` spins on an acquire load (``atomic_add(flag, 0)``) at system
+scope until ``|flag|`` reaches the awaited value. A kernel cannot raise: a wait that gives up
+at its deadline (the GPU's ``%globaltimer`` against the transport's ``timeout_s``: a dead peer
+costs a wait seconds, not a poll budget of minutes), or ends on another value than its own (an
+error answer, a peer that moved on), or that a host watchdog aborted (a word in pinned host
+memory it polls), is counted in a device word (``slot_plane.RecordedWaits``), and ``check()``
+reads that word on the host at a step boundary. Under Triton's interpreter (the suite: no
+device clock) a wait is bounded by a number of polls instead.
 
 CUDA IPC, not PyTorch symmetric memory: it needs no process-group rendezvous (NCCL refuses two
 ranks on one GPU) and works for two processes sharing a device. The handle peers attach by is
@@ -26,6 +34,7 @@ NOT YET RUN ON A GPU unless the closing note of issue 19 says otherwise.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
@@ -33,13 +42,21 @@ import torch
 
 from vllm_afd.transport.slot_plane import RecordedWaits, Watch
 
-#: Polls a device wait makes before it gives up (about 1 us each at system scope on an H200,
-#: more when two processes time-slice one GPU): a bound, not a deadline.
+#: Polls a wait makes before it gives up where there is no device clock to bound it by (the
+#: interpreter in the suite); on a GPU a wait is bounded by time (``CudaPlaneMemory``).
 DEFAULT_MAX_SPINS = 1 << 26
 
 
+#: A use's payload up to this size goes in one fused kernel with its flag (``publish``): one
+#: program copies it word by word, then publishes (a decode use: 16 tokens x 7168 x bf16 is
+#: 224 KiB). A larger one (a prefill chunk) is copied by the copy engines, then signalled.
+FUSED_MAX_BYTES = 1 << 20
+#: Words each step of the fused copy moves (int32: 16 KiB per step).
+_FUSED_BLOCK = 4096
+
+
 @cache
-def _kernels() -> tuple[Any, Any]:
+def _kernels() -> tuple[Any, Any, Any]:
     import triton
     import triton.language as tl
 
@@ -52,22 +69,75 @@ def _kernels() -> tuple[Any, Any]:
         value = (tl.load(step_ptr) + offset) * sign
         tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
 
-    @triton.jit
+    @triton.jit  # type: ignore[untyped-decorator]
     def wait_kernel(  # type: ignore[no-untyped-def]
-        flag_ptr, step_ptr, offset, error_ptr, abort_ptr, max_spins
+        flag_ptr, step_ptr, offset, error_ptr, abort_ptr, bound, TIMED: tl.constexpr
     ):
+        # bound: nanoseconds of the GPU's global timer (TIMED), else polls (the interpreter,
+        # which has no device clock)
         want = tl.load(step_ptr) + offset
         seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        spins = 0
         aborted = tl.load(abort_ptr, volatile=True)
-        while (seen < want) & (seen > -want) & (spins < max_spins) & (aborted == 0):
+        spins = 0
+        if TIMED:
+            start = tl.extra.cuda.globaltimer()
+        within = spins < bound
+        while (seen < want) & (seen > -want) & within & (aborted == 0):
             seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
             aborted = tl.load(abort_ptr, volatile=True)
             spins += 1
+            if TIMED:
+                within = tl.extra.cuda.globaltimer() - start < bound
+            else:
+                within = spins < bound
         if seen != want:
             tl.atomic_add(error_ptr, 1)
 
-    return signal_kernel, wait_kernel
+    @triton.jit  # type: ignore[untyped-decorator]
+    def publish_kernel(  # type: ignore[no-untyped-def]
+        d0, s0, n0, d1, s1, n1, d2, s2, n2, flag_ptr, step_ptr, offset, BLOCK: tl.constexpr
+    ):
+        # one program: every int32 word of up to three parts into the peer's slot, the CTA's
+        # stores ordered before the flag (barrier, then a release store at system scope)
+        for start in range(0, n0, BLOCK):
+            at = start + tl.arange(0, BLOCK)
+            tl.store(d0 + at, tl.load(s0 + at, mask=at < n0), mask=at < n0)
+        for start in range(0, n1, BLOCK):
+            at = start + tl.arange(0, BLOCK)
+            tl.store(d1 + at, tl.load(s1 + at, mask=at < n1), mask=at < n1)
+        for start in range(0, n2, BLOCK):
+            at = start + tl.arange(0, BLOCK)
+            tl.store(d2 + at, tl.load(s2 + at, mask=at < n2), mask=at < n2)
+        tl.debug_barrier()
+        value = tl.load(step_ptr) + offset
+        tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
+
+    return signal_kernel, wait_kernel, publish_kernel
+
+
+def _words(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as int32 words, when a plain word copy can move it (contiguous, whole words)."""
+    if not t.is_contiguous() or (t.numel() * t.element_size()) % 4:
+        return None
+    return t.reshape(-1).view(torch.int32)
+
+
+def _fusable(
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The parts as (destination, source) int32 words, or ``None`` where one kernel cannot
+    copy them (more than three parts, a dtype to convert, a strided tensor, too many bytes)."""
+    if len(dsts) > 3 or sum(d.numel() * d.element_size() for d in dsts) > FUSED_MAX_BYTES:
+        return None
+    parts = []
+    for dst, src in zip(dsts, srcs, strict=True):
+        if dst.dtype != src.dtype or dst.shape != src.shape:
+            return None
+        d, s = _words(dst), _words(src)
+        if d is None or s is None:
+            return None
+        parts.append((d, s))
+    return parts
 
 
 def _hex(data: bytes | None) -> str | None:
@@ -78,17 +148,70 @@ def _bytes(text: str | None) -> bytes | None:
     return None if text is None else bytes.fromhex(text)
 
 
-class CudaPlaneMemory(RecordedWaits):
+class TritonWaits(RecordedWaits):
+    """``signal`` and ``wait`` as the Triton kernels above, on whatever memory holds the flags:
+    device memory here (``CudaPlaneMemory``), host memory under Triton's interpreter in the
+    suite (``testing.slot_plane_check.InterpretedPlaneMemory``: the same kernels, run on every
+    push). ``errors`` must be on the memory's device, ``aborted`` readable by it."""
+
+    #: A wait's bound: nanoseconds of the device's global timer (``%globaltimer``) where the
+    #: device has one, else this many polls.
+    deadline_ns: int | None = None
+    max_spins: int = DEFAULT_MAX_SPINS
+    stores_on_host = False
+
+    def signal(
+        self, flag: torch.Tensor, step: torch.Tensor, position: int, failed: bool = False
+    ) -> None:
+        _kernels()[0][(1,)](flag, step, position + 1, -1 if failed else 1, num_warps=1)
+
+    def publish(
+        self,
+        dsts: Sequence[torch.Tensor],
+        srcs: Sequence[torch.Tensor],
+        flag: torch.Tensor,
+        step: torch.Tensor,
+        position: int,
+    ) -> None:
+        """One kernel for a use up to ``FUSED_MAX_BYTES`` whose parts need no conversion;
+        otherwise the copies, then ``signal``."""
+        parts = _fusable(dsts, srcs)
+        if parts is None:
+            torch._foreach_copy_(list(dsts), list(srcs))
+            self.signal(flag, step, position)
+            return
+        args: list[Any] = []
+        for d, s in parts:
+            args += [d, s, d.numel()]
+        args += [flag, flag, 0] * (3 - len(parts))  # absent parts: no words to copy
+        _kernels()[2][(1,)](*args, flag, step, position + 1, BLOCK=_FUSED_BLOCK, num_warps=4)
+
+    def wait(
+        self,
+        flag: torch.Tensor,
+        step: torch.Tensor,
+        position: int,
+        what: str,
+        watch: Watch | None = None,
+    ) -> None:
+        timed = self.deadline_ns is not None
+        bound = self.deadline_ns if timed else self.max_spins
+        _kernels()[1][(1,)](
+            flag, step, position + 1, self.errors, self.aborted, bound, TIMED=timed, num_warps=1
+        )
+
+
+class CudaPlaneMemory(TritonWaits):
     """Device memory of ``device`` for the slot plane (``slot_plane.PlaneMemory``)."""
 
-    def __init__(self, device: torch.device | int = 0, max_spins: int = DEFAULT_MAX_SPINS):
+    def __init__(self, device: torch.device | int = 0, timeout_s: float = 30.0):
         self.device = torch.device("cuda", device) if isinstance(device, int) else device
-        self.max_spins = max_spins
+        self.deadline_ns = int(timeout_s * 1e9)
         self.errors = torch.zeros(1, dtype=torch.int64, device=self.device)
         # pinned host memory, which the device reads through the same address (UVA), as NCCL
         # polls its abort flag: set by a host watchdog while a wait spins (``abort``)
         self.aborted = torch.zeros(1, dtype=torch.int64).pin_memory()
-        self.bound = f"{max_spins} polls"
+        self.bound = f"{timeout_s:g} s"
         self._keep: list[torch.Tensor] = []  # created buffers: peers map them
 
     def create(self, nbytes: int) -> tuple[torch.Tensor, str]:
@@ -120,23 +243,6 @@ class CudaPlaneMemory(RecordedWaits):
         )
         return torch.empty(0, dtype=torch.uint8, device=self.device).set_(
             storage, 0, (nbytes,), (1,)
-        )
-
-    def signal(
-        self, flag: torch.Tensor, step: torch.Tensor, position: int, failed: bool = False
-    ) -> None:
-        _kernels()[0][(1,)](flag, step, position + 1, -1 if failed else 1, num_warps=1)
-
-    def wait(
-        self,
-        flag: torch.Tensor,
-        step: torch.Tensor,
-        position: int,
-        what: str,
-        watch: Watch | None = None,
-    ) -> None:
-        _kernels()[1][(1,)](
-            flag, step, position + 1, self.errors, self.aborted, self.max_spins, num_warps=1
         )
 
     def close(self) -> None:

@@ -87,7 +87,7 @@ def plane_memory(spec: TransportSpec, prefix: str = PLANE_PREFIX + "data_") -> P
     if waits and torch.cuda.is_available():
         from vllm_afd.transport.slot_plane_cuda import CudaPlaneMemory
 
-        return CudaPlaneMemory(torch.cuda.current_device())
+        return CudaPlaneMemory(torch.cuda.current_device(), spec.timeout_s)
     return HostPlaneMemory(spec.timeout_s, prefix, device_waits=waits)
 
 

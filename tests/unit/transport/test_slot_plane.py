@@ -182,6 +182,10 @@ def test_a_combine_nobody_answers_fails_within_the_timeout_naming_the_flag():
         dispatch(attention, 0, 0, *_routing(7, seed=2))
 
 
+def test_the_device_check_fits_five_minutes():
+    assert sum(limit for _, limit in slot_plane_check.STEPS) <= 300
+
+
 def test_the_device_check_runs_on_cpu_with_its_device_steps_skipped(tmp_path):
     out = tmp_path / "check.json"
     assert slot_plane_check.main(["--json", str(out)]) == 0
@@ -193,8 +197,17 @@ def test_the_device_check_runs_on_cpu_with_its_device_steps_skipped(tmp_path):
     assert death["status"] == "PASS" and "died" in death["result"]["raised"]
     assert death["result"]["waits_ended_s"] <= slot_plane_check.PEER_DEATH_BOUND_S
     device = "PASS" if torch.cuda.is_available() else "SKIP"
-    cuda = ("cuda-plane", "cuda-graphs", "cuda-slots", "cuda-round-trip", "cuda-peer-death")
+    cuda = (
+        "cuda-ipc-probe",
+        "cuda-plane",
+        "cuda-graphs",
+        "cuda-slots",
+        "cuda-round-trip",
+        "cuda-peer-death",
+    )
     assert {report[s]["status"] for s in cuda} == {device}
+    two = "PASS" if torch.cuda.device_count() > 1 else "SKIP"
+    assert report["cuda-two-gpus"]["status"] == two
 
 
 def _run_ubatches(monkeypatch, layers: int, moe_layer) -> tuple[list, dict, list, object]:
@@ -244,3 +257,79 @@ def test_vllms_own_ubatch_threads_drive_the_plane_in_dbo_order(monkeypatch):
     assert calls == slot_plane_check.dbo_order(3)
     for mb, x0 in enumerate(inputs):
         assert torch.equal(results[mb], model.reference(x0))
+
+
+class _CountingMemory(HostPlaneMemory):
+    """Host memory with the device's waits that publishes every send (as device memory
+    does, ``stores_on_host`` off) and counts each protocol operation by the thread calling it."""
+
+    stores_on_host = False
+
+    def __init__(self) -> None:
+        super().__init__(timeout_s=10.0, device_waits=True)
+        self.calls: dict[tuple[str, str], int] = {}
+        self._inside = threading.local()
+
+    def _count(self, operation: str) -> None:
+        if getattr(self._inside, "publish", False):
+            return  # host memory's publish signals: one operation, counted once
+        key = (threading.current_thread().name, operation)
+        self.calls[key] = self.calls.get(key, 0) + 1
+
+    def publish(self, dsts, srcs, flag, step, position) -> None:
+        self._count("publish")
+        self._inside.publish = True
+        try:
+            super().publish(dsts, srcs, flag, step, position)
+        finally:
+            self._inside.publish = False
+
+    def signal(self, flag, step, position, failed=False) -> None:
+        self._count("signal")
+        super().signal(flag, step, position, failed)
+
+    def wait(self, flag, step, position, what, watch=None):
+        self._count("wait")
+        return super().wait(flag, step, position, what, watch)
+
+
+@pytest.mark.parametrize("attention_ranks", [1, 2])
+def test_a_use_is_one_protocol_operation_per_side_and_direction(attention_ranks):
+    """Through the memory interface, one use (a layer of one microbatch, fixed shapes, one FFN
+    rank) is, per attention rank, one ``publish`` (payload and flag: one kernel on a device)
+    and one ``wait``; on the FFN rank one ``wait`` per attention rank and one answer each (a
+    ``signal`` after experts that wrote in place, or a ``publish`` of its share of a gathered
+    forward), around the MoE kernel. A publish is one operation, not a signal as well."""
+    memory = _CountingMemory()
+    spec = _spec(attention=attention_ranks, ffn=1)
+    layout = PlaneLayout.of(spec)
+    ffn = FFNPlane(layout, memory, 0)
+    planes = _link([ffn], layout, memory, attention_ranks)
+    experts = ScaleExperts(torch.arange(1.0, 9.0) / 4)
+    local = LocalMoE.for_rank(experts, spec, 0)
+    parts = [Part(a, 3, 0) for a in range(attention_ranks)]
+    server = threading.Thread(target=ffn.serve, args=(0, parts, local), name="ffn")
+    for a in range(attention_ranks):
+        ffn.begin(a, 1)
+    for plane in planes:
+        plane.begin(1)
+    server.start()
+    handles, inputs = [], []
+    for plane in planes:
+        x, ids, weights = _routing(3, seed=plane.rank)
+        inputs.append((x, ids, weights))
+        handles.append(dispatch(plane, 0, 0, x, ids, weights))
+    outs = [combine(plane, handle) for plane, handle in zip(planes, handles, strict=True)]
+    server.join(10)
+    memory.check()
+    for out, (x, ids, weights) in zip(outs, inputs, strict=True):
+        assert torch.equal(out, reference_moe_combine(x, ids, weights, experts, 8, 1))
+    me = threading.current_thread().name
+    answer = "signal" if attention_ranks == 1 else "publish"
+    assert memory.calls == {
+        (me, "publish"): attention_ranks,
+        (me, "wait"): attention_ranks,
+        ("ffn", "wait"): attention_ranks,
+        ("ffn", answer): attention_ranks,
+    }
+    memory.close()

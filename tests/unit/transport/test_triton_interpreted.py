@@ -1,0 +1,82 @@
+"""The slot plane's Triton kernels (``slot_plane_cuda``: a use's payload and flag published by
+one kernel, the signal, the wait with its abort word) run on every push: under Triton's
+interpreter (``TRITON_INTERPRET=1``) on host shared memory, in a child process, so that the
+main environment keeps vLLM's CPU build without Triton.
+
+Triton comes from ``.venv/triton`` (``make venv`` installs the GPU machine's version there, off
+the venv's import path: vLLM's CPU build must not see it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+TRITON = Path(sys.prefix) / "triton"
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, threading, time
+    import torch
+    from vllm_afd.errors import FFNRankLost
+    from vllm_afd.testing import slot_plane_check
+    from vllm_afd.transport.slot_plane import step_word
+    from vllm_afd.transport.slot_plane_cuda import TritonWaits
+
+    if __name__ == "__main__":
+        out = {}
+        memory = slot_plane_check.interpreted_memory()
+        kind = type(memory)
+        out["kernels"] = [
+            kind.signal is TritonWaits.signal,
+            kind.wait is TritonWaits.wait,
+            kind.publish is TritonWaits.publish and not memory.stores_on_host,
+        ]
+        # two processes, two attention ranks (the FFN rank gathers their rows and publishes
+        # each share), the toy model's 4 layers x 2 microbatches x 2 steps, vLLM's DBO order
+        out["pair"] = slot_plane_check.run_pair(
+            "interpreted", torch.float32, steps=2, attention_ranks=2
+        )
+        # a wait nobody answers, aborted by a watchdog 0.3 s in: it ends at once, check raises
+        buffer, _ = memory.create(64)
+        flag, step = buffer[:8].view(torch.int64), step_word(memory.device)
+        step.fill_(7 << 16)
+        start = time.perf_counter()
+        threading.Timer(0.3, memory.abort, (FFNRankLost(0, "FFN rank 0 died"),)).start()
+        memory.wait(flag, step, 0, "a flag nobody signals")
+        out["aborted_after_s"] = time.perf_counter() - start
+        try:
+            memory.check()
+        except FFNRankLost as exc:
+            out["raised"] = str(exc)
+        # an answered use: the signal kernel's value is the use's, the wait ends clean
+        memory.signal(flag, step, 2)
+        memory.wait(flag, step, 2, "a signalled flag")
+        memory.check()
+        out["flag"] = int(flag)
+        memory.close()
+        print(json.dumps(out))
+    """
+)
+
+
+def test_the_triton_kernels_carry_the_protocol_between_two_processes(tmp_path):
+    assert (TRITON / "triton").is_dir(), f"no Triton in {TRITON}: run `make venv`"
+    script = tmp_path / "interpreted.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TRITON), env.get("PYTHONPATH")) if p)
+    run = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["kernels"] == [True, True, True]
+    assert out["pair"] == {"max_abs_error": 0.0, "steps_checked": 2}
+    assert out["aborted_after_s"] < 2.0  # the bound would be 40,000 polls (~10 s)
+    assert out["raised"] == "FFN rank 0 died"
+    assert out["flag"] == (7 << 16) + 3
