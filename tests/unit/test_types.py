@@ -1,6 +1,7 @@
 """The type checker holds the data path's contracts (``make lint``; pyproject's ``[tool.mypy]``):
-the packages it lists (``transport/``, ``ffn/``, the planner, the metrics) check clean, and a
-call of a method the ``FFNTransport`` contract does not declare is an error."""
+the packages it lists (``attention/``, ``transport/`` and ``ffn/`` strict; the planner, the
+metrics) check clean, and a call of a method the ``FFNTransport`` contract does not declare is
+an error."""
 
 from __future__ import annotations
 
