@@ -20,7 +20,6 @@ import pytest
 
 from vllm_afd.config import AFDConfig, MoEModelInfo
 from vllm_afd.errors import AFDConfigError
-from vllm_afd.metrics import recorder
 from vllm_afd.metrics.blocks import AttentionStatsBlock, FFNStatsBlock
 from vllm_afd.patches.request_errors import decode_step
 from vllm_afd.placement import autoscale, scaling
@@ -248,23 +247,27 @@ def test_too_few_steps_is_no_window_and_a_scale_or_a_failover_is_marked(deployme
     assert window.ffn_ms == pytest.approx(0.2)  # the restarted counters, from 0
 
 
-def test_a_decode_step_is_recorded_in_the_hooks_block(deployment, monkeypatch):
-    _, attention, _ = deployment
-    monkeypatch.setattr(recorder, "_LAST_ENDPOINT", (object(), attention[1]))
-    recorder.record_step(0.02, 3, 300)
-    spec = deployment[0]
+def test_a_decode_step_is_recorded_in_the_sessions_block(deployment):
+    """W1 gives the worker's session each step's start; the session records a decode step's
+    period into its rank's block, which the planner in the loop reads."""
+    from vllm_afd.attention.session import AttentionSession
+
+    spec, attention, _ = deployment
+    session = AttentionSession("test", None, 0, 1, attention[1], None)
+    session.periods.started(5.0, (3, 300))
+    session.periods.started(5.02, (3, 303))
     totals = autoscale.read_totals(spec)
-    assert (totals.steps, totals.step_s, totals.requests, totals.context) == (1, 0.02, 3, 300)
+    assert (totals.steps, totals.requests, totals.context) == (1, 3, 300)
+    assert totals.step_s == pytest.approx(0.02)
 
 
-def test_a_decode_step_is_timed_from_its_start_to_the_next_one(monkeypatch):
+def test_a_decode_step_is_timed_from_its_start_to_the_next_one():
     """W1 records a decode step's period (the engine's whole loop), once the next step starts
     and decodes too; a step that adds requests (after an idle engine) records none."""
-    from vllm_afd.patches.request_errors import StepPeriods
+    from vllm_afd.attention.session import StepPeriods
 
     recorded = []
-    monkeypatch.setattr(recorder, "record_step", lambda *a: recorded.append(a))
-    periods = StepPeriods()
+    periods = StepPeriods(lambda *a: recorded.append(a))
     periods.started(10.0, (2, 200))
     periods.started(10.5, (2, 202))  # records the first: 0.5 s
     periods.started(11.25, None)  # a prefill (the engine may have idled before it): nothing

@@ -5,7 +5,8 @@ object is ``AttentionSession``, one per attention worker, opened explicitly when
 loads the model (patch W4: ``open_session``), before any layer runs. It owns
 
 * the transport endpoint (``transport/endpoint.py``) and this rank's /metrics block,
-* the step announcer (``attention/steps.py``) and the step lock the runner holds for a step,
+* the step announcer (``attention/steps.py``), the step lock the runner holds for a step and
+  the decode step periods it times (``StepPeriods``),
 * the model runner of the current step and the requests an FFN error failed
   (``attention/failures.py``),
 * on a live-scaling deployment, the pool watcher and the switch to a new FFN pool at a step
@@ -23,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from vllm_afd import envs
 from vllm_afd.attention.failures import Failures
@@ -43,6 +44,26 @@ logger = logging.getLogger("vllm.afd")
 
 #: How often an attention rank looks for a new FFN pool (``pool.json``; a ``stat`` call).
 POOL_POLL_S = 0.05
+
+
+class StepPeriods:
+    """The period of each decode step, from its start to the next step's start (the engine's
+    whole loop: schedule, forward, sampling, output), recorded when that next step decodes too
+    (the engine ran on without a pause: only a step that adds requests follows an idle
+    engine). The planner's CPU step model predicts this period (``vllm-afd profile`` fits it
+    from the engine's step times); the planner in the loop reads it (``placement.autoscale``)."""
+
+    def __init__(self, record: Callable[[float, int, int], None]) -> None:
+        #: ``record(seconds, requests, context tokens)`` of each period.
+        self.record = record
+        self._last: tuple[float, tuple[int, int] | None] = (0.0, None)
+
+    def started(self, at: float, decode: tuple[int, int] | None) -> None:
+        """A step started at ``at`` (``time.perf_counter()``); ``decode``: its requests and
+        context tokens if it only decodes (``None``: a prefill, a mixed or an empty step)."""
+        (then, previous), self._last = self._last, (at, decode)
+        if previous is not None and decode is not None:
+            self.record(at - then, *previous)
 
 
 @dataclasses.dataclass
@@ -69,6 +90,14 @@ class AttentionSession:
     pending: directory.Pool | None = None
     watcher: PoolWatcher | None = None
     _switching: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        #: Decode step periods, into this rank's block (W1: ``step_started``).
+        self.periods = StepPeriods(self._record_step)
+
+    def _record_step(self, seconds: float, requests: int, context_tokens: int) -> None:
+        if self.stats is not None:
+            self.stats.record_step(seconds, requests, context_tokens)
 
     # -- steps ----------------------------------------------------------------------------
 

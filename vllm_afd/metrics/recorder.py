@@ -2,11 +2,11 @@
 
 An attention rank (a vLLM worker process) records each MoE round trip from the hook at the
 routing boundary (``attention/exchange.py``): the hook takes its block once (``endpoint_block``)
-and records each combine straight into it; ``record_error`` with ``error_kind`` counts a
-failure, ``record_step`` (patch W1) a decode step. The module owns the process's block,
-created for the deployment in ``VLLM_AFD_RUNTIME`` (or the endpoint's spec) and replaced when
-the FFN group restarts; a block that cannot be created disables the metrics of this process
-(logged), never serving.
+and records each combine straight into it, and its session times decode steps into it
+(``attention.session.StepPeriods``); ``record_error`` with ``error_kind`` counts a failure. The
+module owns the process's block, created for the deployment in ``VLLM_AFD_RUNTIME`` (or the
+endpoint's spec) and replaced when the FFN group restarts; a block that cannot be created
+disables the metrics of this process (logged), never serving.
 """
 
 from __future__ import annotations
@@ -84,14 +84,6 @@ def endpoint_block(endpoint) -> AttentionStatsBlock | None:
             block.bytes_per_token = backend(spec.backend).round_trip_bytes(spec, 1)
         last = _LAST_ENDPOINT = (endpoint, block)
     return last[1]
-
-
-def record_step(seconds: float, requests: int, context_tokens: int) -> None:
-    """A decode step of this attention process (patch W1), into the block of the endpoint
-    the hook took last (``endpoint_block``; a step before any round trip is not counted)."""
-    last = _LAST_ENDPOINT
-    if last is not None and last[1] is not None:
-        last[1].record_step(seconds, requests, context_tokens)
 
 
 def record_error(kind: str, rank: int) -> None:

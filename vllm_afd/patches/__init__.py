@@ -265,10 +265,9 @@ W1 ``GPUModelRunner.execute_model`` and ``GPUModelRunner.sample_tokens`` (the V1
    batch fails) and the step lock is held (W3 says why); the step's
    ``ModelRunnerOutput`` (or an async one's ``get_output``) gets an ``afd_failed_requests``
    attribute, request id -> the FFN's error text, when the step failed any. A decode step's
-   period (its start to
-   the next decode step's start) is recorded, with its requests and context tokens read from
-   the ``SchedulerOutput``, into the rank's stats block (``recorder.record_step``): the
-   measured load of the planner in the loop.
+   period (its start to the next decode step's start) is recorded, with its requests and
+   context tokens read from the ``SchedulerOutput``, into the rank's stats block
+   (``AttentionSession.periods``): the measured load of the planner in the loop.
    Upstream: none; vLLM has no per-request error a model's layer can raise.
    Remove when: vLLM lets a forward fail some of its requests.
 W2 ``Scheduler.update_from_output``, wrapped; ``KVCacheManager.get_block_ids`` and

@@ -13,9 +13,9 @@ client gets vLLM's error answer, the other requests go on.
 
 W1 and W3 also hold the session's step lock (``AttentionSession.step``) for each
 step and dummy step (a DP rank's idle forward): a live scale switches an idle attention rank
-to the new FFN pool between steps only. W1 also times each decode step's period
-(``StepPeriods``), with its requests and their context, into the rank's stats block
-(``recorder.record_step``): what the planner in the loop reads (``placement.autoscale``).
+to the new FFN pool between steps only. W1 also gives the session each step's start, with its
+requests and their context (``decode_step``): it times the decode steps' periods into the
+rank's stats block (``attention.session.StepPeriods``), what the planner in the loop reads.
 """
 
 from __future__ import annotations
@@ -63,32 +63,11 @@ def _runner_step(original: Callable) -> Callable:
             return original(self, *args, **kwargs)
         scheduler_output = args[0] if args else kwargs.get("scheduler_output")
         if hasattr(scheduler_output, "total_num_scheduled_tokens"):  # not sample_tokens
-            _STEPS.started(time.perf_counter(), decode_step(scheduler_output))
+            session.periods.started(time.perf_counter(), decode_step(scheduler_output))
         with session.step(self):
             return _with_failures(session, original(self, *args, **kwargs))
 
     return wrapper
-
-
-class StepPeriods:
-    """W1's decode step timing: the period of a decode step is from its start to the next
-    step's start (the engine's whole loop: schedule, forward, sampling, output), recorded when
-    that next step decodes too (the engine ran on without a pause: only a step that adds
-    requests follows an idle engine). The planner's CPU step model predicts this period
-    (``vllm-afd profile`` fits it from the engine's step times)."""
-
-    def __init__(self) -> None:
-        self._last: tuple[float, tuple[int, int] | None] = (0.0, None)
-
-    def started(self, at: float, decode: tuple[int, int] | None) -> None:
-        (then, previous), self._last = self._last, (at, decode)
-        if previous is not None and decode is not None:
-            from vllm_afd.metrics.recorder import record_step
-
-            record_step(at - then, *previous)
-
-
-_STEPS = StepPeriods()
 
 
 def decode_step(scheduler_output) -> tuple[int, int] | None:
