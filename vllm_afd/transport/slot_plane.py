@@ -63,8 +63,9 @@ A signal is a store ordered after the payload (release); a wait returns once the
 the awaited value (acquire), so the reader never sees a half-written payload. A send is one
 ``publish`` (payload, then flag: on a device one kernel, ``slot_plane_cuda``), so a use is one
 operation per side and direction around the MoE kernel: the attention rank publishes and
-waits, the FFN rank waits and answers (a signal after experts that wrote in place, or a
-publish of its share of a gathered forward). The FFN side
+waits, the FFN rank waits for every attention rank's request at once (``wait_all``) and answers
+each (a signal after experts that wrote in place, or a publish of its share of a gathered
+forward). The FFN side
 serves the plane in one of two ways, from the same flags:
 
 * what is pending (``FFNPlane`` read by ``slots.PlaneFFN``, host memory): it scans the request
@@ -375,6 +376,18 @@ class PlaneMemory(Protocol):
         answer and a peer that moved on apart); ``None`` where the wait only records a
         failure (``check``)."""
 
+    def wait_all(
+        self,
+        flags: Sequence[torch.Tensor],
+        steps: Sequence[torch.Tensor],
+        position: int,
+        what: Callable[[int], str],
+    ) -> list[int | None]:
+        """``wait`` for every flag ``flags[i]`` (its sender's step word ``steps[i]``), each for
+        the use at ``position``; ``what(i)`` names flag ``i`` in errors. On a device one
+        operation where the flags lie evenly spaced in one buffer and the step words side by
+        side (an FFN rank's request flags of one slot, from every attention rank)."""
+
     def check(self) -> None:
         """Raise if a wait failed since the last check (where waits only record it)."""
 
@@ -521,7 +534,10 @@ class FFNPlane:
         ]
         #: Per attention rank, the slots of its answer buffer for this FFN rank (once mapped).
         self.answers: list[list[AnswerViews]] = [[] for _ in attention]
-        self.steps = [step_word(memory.device) for _ in attention]
+        #: Per attention rank its step word: views of one tensor (``wait_all`` reads them
+        #: side by side).
+        words = torch.zeros(len(attention), dtype=torch.int64, device=memory.device)
+        self.steps = [words[a : a + 1] for a in attention]
         rows = layout.num_attention_ranks * layout.max_tokens
         #: Every attention rank's rows gathered for one forward (``serve``).
         self._gathered = (
@@ -548,13 +564,40 @@ class FFNPlane:
         moved past this use."""
         a = part.attention_rank
         view = self.slots[slot][a]
-        what = f"request of attention rank {a} to FFN rank {self.rank}, slot {slot}"
+        what = self._request_name(a, slot)
         found = self.memory.wait(view.request, self.steps[a], part.position, what, watch)
-        if found is not None:
-            want = int(self.steps[a]) + part.position + 1
-            if found != want:
-                raise PlaneError(f"{what} carries {found:#x}, awaited {want:#x}", found)
+        self._check_taken(part, slot, found)
         return view
+
+    def take_all(self, slot: int, parts: Sequence[Part]) -> list[SlotViews]:
+        """``take`` of every part, as one ``wait_all`` where they are the same use (the same
+        position in each sender's step: one operation on a device)."""
+        position = parts[0].position
+        if len(parts) == 1 or any(p.position != position for p in parts):
+            return [self.take(slot, part) for part in parts]
+        views = [self.slots[slot][p.attention_rank] for p in parts]
+        steps = [self.steps[p.attention_rank] for p in parts]
+        found = self.memory.wait_all(
+            [v.request for v in views],
+            steps,
+            position,
+            lambda i: self._request_name(parts[i].attention_rank, slot),
+        )
+        for part, value in zip(parts, found, strict=True):
+            self._check_taken(part, slot, value)
+        return views
+
+    def _request_name(self, attention_rank: int, slot: int) -> str:
+        return f"request of attention rank {attention_rank} to FFN rank {self.rank}, slot {slot}"
+
+    def _check_taken(self, part: Part, slot: int, found: int | None) -> None:
+        """On the host (``found`` read): ``PlaneError`` unless the flag carries the use."""
+        if found is None:
+            return
+        want = int(self.steps[part.attention_rank]) + part.position + 1
+        if found != want:
+            what = self._request_name(part.attention_rank, slot)
+            raise PlaneError(f"{what} carries {found:#x}, awaited {want:#x}", found)
 
     def answer(self, slot: int, part: Part) -> None:
         """Publish ``part``'s answer, already in its attention rank's ``out`` of ``slot``."""
@@ -572,7 +615,7 @@ class FFNPlane:
         """One use of ``slot``, whole and in stream order (a step served whole, a captured FFN
         step): wait for every part's request, run ``forward`` once over all their rows and
         publish each answer."""
-        views = [self.take(slot, part) for part in parts]
+        views = self.take_all(slot, parts)
         rows = [part.rows for part in parts]
         outs = [self.answers[part.attention_rank][slot].rows(part.rows) for part in parts]
         if len(views) == 1:  # the experts write the answer in place: then its flag
@@ -786,6 +829,16 @@ class HostPlaneMemory(RecordedWaits):
         if seen != want:
             self.errors += 1
         return None
+
+    def wait_all(
+        self,
+        flags: Sequence[torch.Tensor],
+        steps: Sequence[torch.Tensor],
+        position: int,
+        what: Callable[[int], str],
+    ) -> list[int | None]:
+        pairs = enumerate(zip(flags, steps, strict=True))
+        return [self.wait(flag, step, position, what(i)) for i, (flag, step) in pairs]
 
     def _watch_abort(self) -> None:
         if self.word(self.aborted)[0]:

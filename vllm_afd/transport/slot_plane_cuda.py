@@ -13,7 +13,9 @@ the stream have finished (stream order) and their stores are visible to any peer
 the flag. The value either stores is computed on the device from the sender's step word
 (``slot_plane``: the use's value), so a captured graph publishes the right value on every
 replay without Python. ``wait`` spins on an acquire load (``atomic_add(flag, 0)``) at system
-scope until ``|flag|`` reaches the awaited value. A kernel cannot raise: a wait that gives up
+scope until ``|flag|`` reaches the awaited value, for one flag or, in the same kernel, for each
+of several evenly spaced in one buffer (``wait_all``: an FFN rank's request flags of a slot,
+from every attention rank, each at its sender's step). A kernel cannot raise: a wait that gives up
 at its deadline (the GPU's ``%globaltimer`` against the transport's ``timeout_s``: a dead peer
 costs a wait seconds, not a poll budget of minutes), or ends on another value than its own (an
 error answer, a peer that moved on), or that a host watchdog aborted (a word in pinned host
@@ -34,7 +36,7 @@ NOT YET RUN ON A GPU unless the closing note of issue 19 says otherwise.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
 
@@ -71,27 +73,39 @@ def _kernels() -> tuple[Any, Any, Any]:
 
     @triton.jit  # type: ignore[untyped-decorator]
     def wait_kernel(  # type: ignore[no-untyped-def]
-        flag_ptr, step_ptr, offset, error_ptr, abort_ptr, bound, TIMED: tl.constexpr
+        flag_ptr,
+        flag_stride,
+        count,
+        step_ptr,
+        offset,
+        error_ptr,
+        abort_ptr,
+        bound,
+        TIMED: tl.constexpr,
     ):
-        # bound: nanoseconds of the GPU's global timer (TIMED), else polls (the interpreter,
-        # which has no device clock)
-        want = tl.load(step_ptr) + offset
-        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        aborted = tl.load(abort_ptr, volatile=True)
-        spins = 0
+        # ``count`` flags ``flag_stride`` words apart, flag i awaited at its own step word
+        # ``step_ptr[i]`` (one FFN rank's request flags of a slot, from every attention rank);
+        # bound: nanoseconds of the GPU's global timer for them all (TIMED), else polls each
+        # (the interpreter, which has no device clock)
         if TIMED:
             start = tl.extra.cuda.globaltimer()
-        within = spins < bound
-        while (seen < want) & (seen > -want) & within & (aborted == 0):
-            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        for i in range(count):
+            flag = flag_ptr + i * flag_stride
+            want = tl.load(step_ptr + i) + offset
+            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
             aborted = tl.load(abort_ptr, volatile=True)
-            spins += 1
-            if TIMED:
-                within = tl.extra.cuda.globaltimer() - start < bound
-            else:
-                within = spins < bound
-        if seen != want:
-            tl.atomic_add(error_ptr, 1)
+            spins = 0
+            within = spins < bound
+            while (seen < want) & (seen > -want) & within & (aborted == 0):
+                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                aborted = tl.load(abort_ptr, volatile=True)
+                spins += 1
+                if TIMED:
+                    within = tl.extra.cuda.globaltimer() - start < bound
+                else:
+                    within = spins < bound
+            if seen != want:
+                tl.atomic_add(error_ptr, 1)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def publish_kernel(  # type: ignore[no-untyped-def]
@@ -138,6 +152,18 @@ def _fusable(
             return None
         parts.append((d, s))
     return parts
+
+
+def _even_stride(words: Sequence[torch.Tensor]) -> int | None:
+    """The distance in int64 words between consecutive ``words`` (one-word views of one
+    buffer), or ``None`` where it is not one constant distance."""
+    if len(words) < 2:
+        return 0
+    at = [w.data_ptr() for w in words]
+    stride, rest = divmod(at[1] - at[0], 8)
+    if rest or any(b - a != stride * 8 for a, b in zip(at, at[1:], strict=False)):
+        return None
+    return stride
 
 
 def _hex(data: bytes | None) -> str | None:
@@ -194,10 +220,41 @@ class TritonWaits(RecordedWaits):
         what: str,
         watch: Watch | None = None,
     ) -> None:
+        self._wait(flag, 0, 1, step, position)
+
+    def wait_all(
+        self,
+        flags: Sequence[torch.Tensor],
+        steps: Sequence[torch.Tensor],
+        position: int,
+        what: Callable[[int], str],
+    ) -> list[int | None]:
+        """One kernel where the flags lie evenly spaced and the step words side by side;
+        otherwise one wait each."""
+        stride = _even_stride(flags)
+        if stride is None or _even_stride(steps) != 1:
+            for flag, step in zip(flags, steps, strict=True):
+                self._wait(flag, 0, 1, step, position)
+        else:
+            self._wait(flags[0], stride, len(flags), steps[0], position)
+        return [None] * len(flags)
+
+    def _wait(
+        self, flag: torch.Tensor, stride: int, count: int, step: torch.Tensor, position: int
+    ) -> None:
         timed = self.deadline_ns is not None
         bound = self.deadline_ns if timed else self.max_spins
         _kernels()[1][(1,)](
-            flag, step, position + 1, self.errors, self.aborted, bound, TIMED=timed, num_warps=1
+            flag,
+            stride,
+            count,
+            step,
+            position + 1,
+            self.errors,
+            self.aborted,
+            bound,
+            TIMED=timed,
+            num_warps=1,
         )
 
 

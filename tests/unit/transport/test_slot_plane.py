@@ -271,18 +271,29 @@ class _CountingMemory(HostPlaneMemory):
         self._inside = threading.local()
 
     def _count(self, operation: str) -> None:
-        if getattr(self._inside, "publish", False):
-            return  # host memory's publish signals: one operation, counted once
+        if getattr(self._inside, "operation", False):
+            return  # host memory's publish signals, its wait_all waits: one operation each
         key = (threading.current_thread().name, operation)
         self.calls[key] = self.calls.get(key, 0) + 1
 
-    def publish(self, dsts, srcs, flag, step, position) -> None:
-        self._count("publish")
-        self._inside.publish = True
+    def _one(self, operation: str, run):
+        self._count(operation)
+        self._inside.operation = True
         try:
-            super().publish(dsts, srcs, flag, step, position)
+            return run()
         finally:
-            self._inside.publish = False
+            self._inside.operation = False
+
+    def publish(self, dsts, srcs, flag, step, position) -> None:
+        self._one(
+            "publish",
+            lambda: super(_CountingMemory, self).publish(dsts, srcs, flag, step, position),
+        )
+
+    def wait_all(self, flags, steps, position, what):
+        return self._one(
+            "wait_all", lambda: super(_CountingMemory, self).wait_all(flags, steps, position, what)
+        )
 
     def signal(self, flag, step, position, failed=False) -> None:
         self._count("signal")
@@ -297,9 +308,9 @@ class _CountingMemory(HostPlaneMemory):
 def test_a_use_is_one_protocol_operation_per_side_and_direction(attention_ranks):
     """Through the memory interface, one use (a layer of one microbatch, fixed shapes, one FFN
     rank) is, per attention rank, one ``publish`` (payload and flag: one kernel on a device)
-    and one ``wait``; on the FFN rank one ``wait`` per attention rank and one answer each (a
-    ``signal`` after experts that wrote in place, or a ``publish`` of its share of a gathered
-    forward), around the MoE kernel. A publish is one operation, not a signal as well."""
+    and one ``wait``; on the FFN rank one wait for every attention rank's request (``wait_all``:
+    one kernel on a device) and one answer each (a ``signal`` after experts that wrote in
+    place, or a ``publish`` of its share of a gathered forward), around the MoE kernel."""
     memory = _CountingMemory()
     spec = _spec(attention=attention_ranks, ffn=1)
     layout = PlaneLayout.of(spec)
@@ -325,11 +336,11 @@ def test_a_use_is_one_protocol_operation_per_side_and_direction(attention_ranks)
     for out, (x, ids, weights) in zip(outs, inputs, strict=True):
         assert torch.equal(out, reference_moe_combine(x, ids, weights, experts, 8, 1))
     me = threading.current_thread().name
-    answer = "signal" if attention_ranks == 1 else "publish"
+    alone = attention_ranks == 1
     assert memory.calls == {
         (me, "publish"): attention_ranks,
         (me, "wait"): attention_ranks,
-        ("ffn", "wait"): attention_ranks,
-        ("ffn", answer): attention_ranks,
+        ("ffn", "wait" if alone else "wait_all"): 1,
+        ("ffn", "signal" if alone else "publish"): attention_ranks,
     }
     memory.close()
