@@ -4,24 +4,25 @@ PyTorch and Triton only (the GPU machine this project is lent has no vLLM or Dee
 
 Why these primitives. ``publish`` is a use's whole send in one kernel (issue 41: one operation
 per side and direction, against a copy-engine copy per part plus a signal before): one program
-copies the parts word by word into the peer's slot, a CTA barrier orders its threads' stores,
-then the flag is stored with release semantics at system scope (a store, not a remote atomic
-read-modify-write, which PCIe peers lack); a part that needs a dtype conversion, or a use over
-``FUSED_MAX_BYTES`` (a prefill chunk), goes by the copy engines and ``signal``. ``signal`` is an
-``atomic_xchg`` with release semantics at system scope: the payload copies queued before it on
-the stream have finished (stream order) and their stores are visible to any peer that acquires
-the flag. The value either stores is computed on the device from the sender's step word
-(``slot_plane``: the use's value), so a captured graph publishes the right value on every
-replay without Python. ``wait`` spins on an acquire load (``atomic_add(flag, 0)``) at system
-scope until ``|flag|`` reaches the awaited value, for one flag or, in the same kernel, for each
-of several evenly spaced in one buffer (``wait_all``: an FFN rank's request flags of a slot,
-from every attention rank, each at its sender's step). A kernel cannot raise: a wait that gives up
-at its deadline (the GPU's ``%globaltimer`` against the transport's ``timeout_s``: a dead peer
-costs a wait seconds, not a poll budget of minutes), or ends on another value than its own (an
-error answer, a peer that moved on), or that a host watchdog aborted (a word in pinned host
-memory it polls), is counted in a device word (``slot_plane.RecordedWaits``), and ``check()``
-reads that word on the host at a step boundary. Under Triton's interpreter (the suite: no
-device clock) a wait is bounded by a number of polls instead.
+copies the parts element by element into the peer's slot (the expert ids converted to the
+slot's int32), a CTA barrier orders its threads' stores, then the flag is stored with release
+semantics at system scope (a store, not a remote atomic read-modify-write, which PCIe peers
+lack); a strided part, or a use over ``FUSED_MAX_BYTES`` (a prefill chunk), goes by the copy
+engines and ``signal``. ``signal`` is an ``atomic_xchg`` with release semantics at system
+scope: the payload copies queued before it on the stream have finished (stream order) and
+their stores are visible to any peer that acquires the flag. The value either stores is
+computed on the device from the sender's step word (``slot_plane``: the use's value), so a
+captured graph publishes the right value on every replay without Python. ``wait`` spins on an
+acquire load (``atomic_add(flag, 0)``) at system scope until ``|flag|`` reaches the awaited
+value, for one flag or, in the same kernel, for each of several evenly spaced in one buffer
+(``wait_all``: an FFN rank's request flags of a slot, from every attention rank, each at its
+sender's step). A kernel cannot raise: a wait that gives up at its deadline (the GPU's
+``%globaltimer`` against the transport's ``timeout_s``: a dead peer costs a wait seconds, not a
+poll budget of minutes), or ends on another value than its own (an error answer, a peer that
+moved on), or that a host watchdog aborted (a word in pinned host memory it polls), is counted
+in a device word (``slot_plane.RecordedWaits``), and ``check()`` reads that word on the host at a
+step boundary. Under Triton's interpreter (the suite: no device clock) a wait is bounded by a
+number of polls instead.
 
 CUDA IPC, not PyTorch symmetric memory: it needs no process-group rendezvous (NCCL refuses two
 ranks on one GPU) and works for two processes sharing a device. The handle peers attach by is
@@ -53,7 +54,7 @@ DEFAULT_MAX_SPINS = 1 << 26
 #: program copies it word by word, then publishes (a decode use: 16 tokens x 7168 x bf16 is
 #: 224 KiB). A larger one (a prefill chunk) is copied by the copy engines, then signalled.
 FUSED_MAX_BYTES = 1 << 20
-#: Words each step of the fused copy moves (int32: 16 KiB per step).
+#: Elements each step of the fused copy moves.
 _FUSED_BLOCK = 4096
 
 
@@ -111,17 +112,21 @@ def _kernels() -> tuple[Any, Any, Any]:
     def publish_kernel(  # type: ignore[no-untyped-def]
         d0, s0, n0, d1, s1, n1, d2, s2, n2, flag_ptr, step_ptr, offset, BLOCK: tl.constexpr
     ):
-        # one program: every int32 word of up to three parts into the peer's slot, the CTA's
+        # one program: every element of up to three parts into the peer's slot, converted to
+        # the destination's type (vLLM's int64 expert ids to the slot's int32), the CTA's
         # stores ordered before the flag (barrier, then a release store at system scope)
         for start in range(0, n0, BLOCK):
             at = start + tl.arange(0, BLOCK)
-            tl.store(d0 + at, tl.load(s0 + at, mask=at < n0), mask=at < n0)
+            part = tl.load(s0 + at, mask=at < n0).to(d0.dtype.element_ty)
+            tl.store(d0 + at, part, mask=at < n0)
         for start in range(0, n1, BLOCK):
             at = start + tl.arange(0, BLOCK)
-            tl.store(d1 + at, tl.load(s1 + at, mask=at < n1), mask=at < n1)
+            part = tl.load(s1 + at, mask=at < n1).to(d1.dtype.element_ty)
+            tl.store(d1 + at, part, mask=at < n1)
         for start in range(0, n2, BLOCK):
             at = start + tl.arange(0, BLOCK)
-            tl.store(d2 + at, tl.load(s2 + at, mask=at < n2), mask=at < n2)
+            part = tl.load(s2 + at, mask=at < n2).to(d2.dtype.element_ty)
+            tl.store(d2 + at, part, mask=at < n2)
         tl.debug_barrier()
         value = tl.load(step_ptr) + offset
         tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
@@ -129,28 +134,17 @@ def _kernels() -> tuple[Any, Any, Any]:
     return signal_kernel, wait_kernel, publish_kernel
 
 
-def _words(t: torch.Tensor) -> torch.Tensor | None:
-    """``t`` as int32 words, when a plain word copy can move it (contiguous, whole words)."""
-    if not t.is_contiguous() or (t.numel() * t.element_size()) % 4:
-        return None
-    return t.reshape(-1).view(torch.int32)
-
-
 def _fusable(
     dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
 ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """The parts as (destination, source) int32 words, or ``None`` where one kernel cannot
-    copy them (more than three parts, a dtype to convert, a strided tensor, too many bytes)."""
+    """The parts as (destination, source) pairs one kernel can copy, or ``None`` (more than
+    three parts, a strided tensor, too many bytes)."""
     if len(dsts) > 3 or sum(d.numel() * d.element_size() for d in dsts) > FUSED_MAX_BYTES:
         return None
-    parts = []
-    for dst, src in zip(dsts, srcs, strict=True):
-        if dst.dtype != src.dtype or dst.shape != src.shape:
+    parts = list(zip(dsts, srcs, strict=True))
+    for dst, src in parts:
+        if dst.shape != src.shape or not (dst.is_contiguous() and src.is_contiguous()):
             return None
-        d, s = _words(dst), _words(src)
-        if d is None or s is None:
-            return None
-        parts.append((d, s))
     return parts
 
 
@@ -199,8 +193,8 @@ class TritonWaits(RecordedWaits):
         step: torch.Tensor,
         position: int,
     ) -> None:
-        """One kernel for a use up to ``FUSED_MAX_BYTES`` whose parts need no conversion;
-        otherwise the copies, then ``signal``."""
+        """One kernel for a use up to ``FUSED_MAX_BYTES`` of contiguous parts; otherwise the
+        copies, then ``signal``."""
         parts = _fusable(dsts, srcs)
         if parts is None:
             torch._foreach_copy_(list(dsts), list(srcs))
