@@ -92,7 +92,7 @@ class AttentionSession:
     _switching: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        #: Decode step periods, into this rank's block (W1: ``step_started``).
+        #: Decode step periods, into this rank's block (W1 calls ``periods.started``).
         self.periods = StepPeriods(self._record_step)
 
     def _record_step(self, seconds: float, requests: int, context_tokens: int) -> None:
