@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -278,7 +279,11 @@ def _attention_device() -> str:
 
 
 def check_devices(
-    afd: AFDConfig, ranks: int, attention_device: str, gpus_on_node: int | None = None
+    afd: AFDConfig,
+    ranks: int,
+    attention_device: str,
+    gpus_on_node: int | None = None,
+    peer_access: Callable[[int, int], bool] | None = None,
 ) -> None:
     """Refuse, before anything starts, a deployment its devices cannot run (the GPU path):
 
@@ -287,9 +292,13 @@ def check_devices(
       two kinds of memory);
     - with a local Ray instance, attention ranks and FFN ranks on GPUs that do not fit the
       node's GPUs side by side (``A + F``: the FFN ranks get GPUs of their own,
-      ``placement.ffn_gpu``).
+      ``placement.ffn_gpu``), and for a transport that maps the peer's device memory
+      (``Backend.maps_peer_gpu_memory``: the slot plane) an attention GPU without peer access
+      to an FFN GPU (no NVLink or PCIe P2P between them: CUDA IPC would fail at the first
+      step, or not at all and crawl through host memory).
 
-    ``gpus_on_node`` defaults to this machine's (tests pass it).
+    ``gpus_on_node`` and ``peer_access(a, b)`` default to this machine's (tests pass them;
+    without CUDA there is no peer access to check).
     """
     from vllm_afd.transport import backend
 
@@ -311,6 +320,29 @@ def check_devices(
                 f"{gpus_on_node}; use fewer ranks, or --afd-ray-address to place the FFN ranks "
                 "on other nodes"
             )
+        if attention_device == "cuda" and transport.maps_peer_gpu_memory:
+            _check_peer_access(afd, ranks, num_ffn, peer_access)
+
+
+def _check_peer_access(
+    afd: AFDConfig, ranks: int, num_ffn: int, peer_access: Callable[[int, int], bool] | None
+) -> None:
+    """``check_devices``: every attention GPU (``0..A-1``) reaches every FFN GPU (``A + r``)."""
+    if peer_access is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        peer_access = torch.cuda.can_device_access_peer
+    for a in range(ranks):
+        for f in range(ranks, ranks + num_ffn):
+            if not peer_access(a, f):
+                raise AFDConfigError(
+                    f"--afd-transport (additional_config.afd.transport) {afd.transport}: "
+                    f"attention GPU {a} has no peer access to FFN GPU {f} (no NVLink or PCIe "
+                    "P2P between them), and the slot plane maps each side's device memory into "
+                    "the other's; enable P2P (nvidia-smi topo -p2p r), or use fewer ranks"
+                )
 
 
 def check_settings(afd: AFDConfig, info, ranks: int) -> None:

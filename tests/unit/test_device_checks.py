@@ -97,3 +97,25 @@ def test_engine_args_get_the_resolved_transport(monkeypatch):
     )
     deployment.prepare_engine_args(cpu, UsageContext.LLM_CLASS)
     assert cpu.additional_config["afd"]["transport"] == "shm"
+
+
+def test_the_slot_plane_needs_peer_access_between_attention_and_ffn_gpus():
+    """Each side maps the other's device memory: an attention GPU without peer access to an
+    FFN GPU is refused before anything starts, naming both; host-memory transports and FFN
+    ranks on a given cluster (other nodes) are not asked."""
+    asked = []
+
+    def no_p2p_between_2_and_7(a: int, b: int) -> bool:
+        asked.append((a, b))
+        return (a, b) != (2, 7)
+
+    def check(afd):
+        check_devices(afd, 7, "cuda", gpus_on_node=8, peer_access=no_p2p_between_2_and_7)
+
+    with pytest.raises(AFDConfigError, match="attention GPU 2 has no peer access to FFN GPU 7"):
+        check(_afd(transport="slots"))
+    assert asked == [(0, 7), (1, 7), (2, 7)]
+    check_devices(_afd(transport="slots"), 7, "cuda", gpus_on_node=8, peer_access=lambda a, b: True)
+    asked.clear()
+    check(_afd(transport="slots", ray_address="10.0.0.1:6379"))
+    assert asked == []

@@ -430,6 +430,10 @@ class Backend:
     #: side learns what to serve from the schedules (``slots``). A producer that drives
     #: endpoints directly (a benchmark) announces steps for it.
     needs_steps: ClassVar[bool] = False
+    #: With attention and FFN ranks on GPUs of one node, each side maps the other's device
+    #: memory (CUDA IPC): every attention GPU needs peer access to every FFN GPU, checked
+    #: before anything starts (``deployment.check_devices``).
+    maps_peer_gpu_memory: ClassVar[bool] = False
     #: The settings it takes in ``--afd-transport-config`` (its endpoints read them from
     #: ``TransportSpec.config``): name -> type of the JSON value. Empty: none.
     settings: ClassVar[Mapping[str, type]] = {}

@@ -577,6 +577,7 @@ class SlotsBackend(Backend):
     attention = PlaneAttentionTransport
     ffn = PlaneFFN
     needs_steps = True
+    maps_peer_gpu_memory = True
     settings: ClassVar[Mapping[str, type]] = {"waits": str}
 
     @classmethod
@@ -630,6 +631,7 @@ class ShmBackend(SlotsBackend):
     """One CPU host: the slot plane on host memory, FFN ranks serving requests as they come."""
 
     name = "shm"
+    maps_peer_gpu_memory = False  # host memory only
     settings: ClassVar[Mapping[str, type]] = {}
 
     @classmethod
