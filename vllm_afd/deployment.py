@@ -297,8 +297,8 @@ def check_devices(
       to an FFN GPU (no NVLink or PCIe P2P between them: CUDA IPC would fail at the first
       step, or not at all and crawl through host memory).
 
-    ``gpus_on_node`` and ``peer_access(a, b)`` default to this machine's (tests pass them;
-    without CUDA there is no peer access to check).
+    ``gpus_on_node`` and ``peer_access(a, b)`` default to this machine's (NVML's answer; tests
+    pass them; without CUDA there is no peer access to check).
     """
     from vllm_afd.transport import backend
 
@@ -333,7 +333,7 @@ def _check_peer_access(
 
         if not torch.cuda.is_available():
             return
-        peer_access = torch.cuda.can_device_access_peer
+        peer_access = _nvml_peer_access
     for a in range(ranks):
         for f in range(ranks, ranks + num_ffn):
             if not peer_access(a, f):
@@ -343,6 +343,25 @@ def _check_peer_access(
                     "P2P between them), and the slot plane maps each side's device memory into "
                     "the other's; enable P2P (nvidia-smi topo -p2p r), or use fewer ranks"
                 )
+
+
+def _nvml_peer_access(a: int, b: int) -> bool:
+    """Whether GPU ``a`` reads GPU ``b``'s memory directly (NVLink or PCIe P2P), asked of NVML
+    as vLLM asks it for its custom all-reduce: the front-end creates no CUDA context (which
+    ``torch.cuda.can_device_access_peer`` would, on both GPUs, before vLLM's engines)."""
+    import pynvml
+    from vllm.platforms import current_platform
+
+    pynvml.nvmlInit()
+    try:
+        handles = [
+            pynvml.nvmlDeviceGetHandleByIndex(current_platform.device_id_to_physical_device_id(i))
+            for i in (a, b)
+        ]
+        status = pynvml.nvmlDeviceGetP2PStatus(*handles, pynvml.NVML_P2P_CAPS_INDEX_READ)
+        return bool(status == pynvml.NVML_P2P_STATUS_OK)
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def check_settings(afd: AFDConfig, info, ranks: int) -> None:
