@@ -395,6 +395,21 @@ class PlaneMemory(Protocol):
         """Release what ``create`` and ``attach`` mapped (the creator's buffers go)."""
 
 
+def publish_by_copies(
+    signal: Callable[[torch.Tensor, torch.Tensor, int], None],
+    dsts: Sequence[torch.Tensor],
+    srcs: Sequence[torch.Tensor],
+    flag: torch.Tensor,
+    step: torch.Tensor,
+    position: int,
+) -> None:
+    """``publish`` as separate operations: the copies, then the memory's ``signal`` (host
+    memory; on a device, a use its fused kernel does not take)."""
+    if dsts:
+        torch._foreach_copy_(list(dsts), list(srcs))
+    signal(flag, step, position)
+
+
 def step_word(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int64, device=device)
 
@@ -796,9 +811,7 @@ class HostPlaneMemory(RecordedWaits):
         step: torch.Tensor,
         position: int,
     ) -> None:
-        if dsts:
-            torch._foreach_copy_(list(dsts), list(srcs))
-        self.signal(flag, step, position)
+        publish_by_copies(self.signal, dsts, srcs, flag, step, position)
 
     def wait(
         self,
@@ -872,4 +885,5 @@ __all__ = [
     "PlaneMemory",
     "RecordedWaits",
     "SlotViews",
+    "publish_by_copies",
 ]

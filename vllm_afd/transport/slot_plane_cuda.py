@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from vllm_afd.transport.slot_plane import RecordedWaits, Watch
+from vllm_afd.transport.slot_plane import RecordedWaits, Watch, publish_by_copies
 
 #: Polls a wait makes before it gives up where there is no device clock to bound it by (the
 #: interpreter in the suite); on a GPU a wait is bounded by time (``CudaPlaneMemory``).
@@ -197,8 +197,7 @@ class TritonWaits(RecordedWaits):
         copies, then ``signal``."""
         parts = _fusable(dsts, srcs)
         if parts is None:
-            torch._foreach_copy_(list(dsts), list(srcs))
-            self.signal(flag, step, position)
+            publish_by_copies(self.signal, dsts, srcs, flag, step, position)
             return
         args: list[Any] = []
         for d, s in parts:
