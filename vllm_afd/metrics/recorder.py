@@ -26,8 +26,6 @@ logger = logging.getLogger("vllm.afd")
 _ATTENTION: tuple[tuple[str, ...], int, AttentionStatsBlock | None] | None = None
 #: (VLLM_AFD_RUNTIME text, its addresses) last parsed by ``attention_block``.
 _RUNTIME: tuple[str, tuple[str, ...]] | None = None
-#: (endpoint, its block) last returned by ``endpoint_block``.
-_LAST_ENDPOINT: tuple[object, AttentionStatsBlock | None] | None = None
 
 
 def attention_block_for(addresses: Sequence[str], rank: int) -> AttentionStatsBlock | None:
@@ -70,20 +68,16 @@ def attention_block(rank: int) -> AttentionStatsBlock | None:
 
 def endpoint_block(endpoint) -> AttentionStatsBlock | None:
     """This process's block for ``endpoint`` (an ``AttentionTransport``), with the wire bytes
-    per token of its spec: the hook takes it once when it connects and records each combine
-    straight into it. A new endpoint (the FFN group restarted) gets the new deployment's block.
-    """
-    global _LAST_ENDPOINT
-    last = _LAST_ENDPOINT
-    if last is None or last[0] is not endpoint:
-        from vllm_afd.transport import backend
+    per token of its spec: the session takes it when it connects (and again after a switch to
+    a new FFN pool) and records each combine straight into it. A new endpoint (the FFN group
+    restarted) gets the new deployment's block."""
+    from vllm_afd.transport import backend
 
-        spec = endpoint.spec
-        block = attention_block_for(spec.addresses, endpoint.rank)
-        if block is not None:
-            block.bytes_per_token = backend(spec.backend).round_trip_bytes(spec, 1)
-        last = _LAST_ENDPOINT = (endpoint, block)
-    return last[1]
+    spec = endpoint.spec
+    block = attention_block_for(spec.addresses, endpoint.rank)
+    if block is not None:
+        block.bytes_per_token = backend(spec.backend).round_trip_bytes(spec, 1)
+    return block
 
 
 def record_error(kind: str, rank: int) -> None:
@@ -108,8 +102,8 @@ def error_kind(exc: BaseException) -> str:
 
 def close_attention_block() -> None:
     """Close (and unlink) this process's attention block, if any."""
-    global _ATTENTION, _LAST_ENDPOINT
-    current, _ATTENTION, _LAST_ENDPOINT = _ATTENTION, None, None
+    global _ATTENTION
+    current, _ATTENTION = _ATTENTION, None
     if current is not None and current[2] is not None:
         current[2].close()
 
