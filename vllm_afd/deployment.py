@@ -188,7 +188,7 @@ def _resolve_transport(afd: AFDConfig) -> AFDConfig:
     name = afd.transport
     if name == AUTO_TRANSPORT:
         try:
-            name = auto_backend(attention, ffn)
+            name = auto_backend(attention, ffn, across_hosts=not afd.ray_is_local)
         except ValueError as exc:
             raise AFDConfigError(
                 f"--afd-transport (additional_config.afd.transport) auto: {exc}"

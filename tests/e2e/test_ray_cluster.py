@@ -2,7 +2,10 @@
 head without CPUs, two nodes of one CPU each: three raylets), with token authentication whose
 token the user passes through (``RAY_AUTH_TOKEN_PATH``).
 
-Under six streams of 300 tokens the node holding the FFN rank dies (every process of that
+The FFN ranks may run on other hosts, so ``--afd-transport auto`` takes the slot plane over NIXL,
+with UCX kept on its tcp transport (``UCX_TLS=tcp,self``, as between two hosts): the data plane
+across Ray nodes is what the suite runs. Under six streams of 300 tokens the node holding the
+FFN rank dies (every process of that
 node's session killed: its raylet and the rank): the supervisor sees the loss (the pid, and
 through Ray: ``failover.RayWatch``), Ray places the rank's bundle on the other node, the
 replacement starts there, and every stream ends with colocated's text. Stopping the server
@@ -25,6 +28,8 @@ from serverlib import Server, session_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
+#: UCX on its tcp transport alone, as between two hosts (the nodes' FFN ranks and the server).
+UCX_TCP = {"UCX_TLS": "tcp,self"}
 #: The cluster's GCS declares a node dead after 4 missed health checks 0.5 s apart (Ray's
 #: defaults take about 15 s), so that its bundles are placed again soon.
 HEALTH_CHECKS = {
@@ -51,7 +56,13 @@ def ray_token(tmp_path) -> str:
 
 def _ray_start(log: Path, token: str, *args: str) -> subprocess.Popen:
     """``ray start ... --block``: one node, in a session of its own (its raylet and workers)."""
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token, **HEALTH_CHECKS}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": token,
+        **UCX_TCP,
+        **HEALTH_CHECKS,
+    }
     return subprocess.Popen(
         [str(Path(sys.executable).with_name("ray")), "start", *args, "--block"],
         env=env,
@@ -139,11 +150,12 @@ def test_a_node_holding_the_ffn_rank_dies_under_streams_and_nothing_is_lost(
         tmp_path / "server.log",
         extra=("--afd-ratio", "1:1", "--afd-ray-address", address),
         # the user's token, passed through (RAY_AUTH_MODE defaults to token when one is given)
-        env={"RAY_AUTH_TOKEN_PATH": ray_token, "VLLM_PLUGINS": "afd"},
+        env={"RAY_AUTH_TOKEN_PATH": ray_token, "VLLM_PLUGINS": "afd", **UCX_TCP},
     )
     try:
         colocated = run_once(colocated_job(tiny_qwen3))
         server.wait_healthy()
+        assert "--afd-transport auto -> nixl" in server.log.read_text()
         sessions = [node.pid for node in nodes]
         first = os.getsid(server.ffn_pid())
         assert first in sessions, "the FFN rank runs on neither CPU node"

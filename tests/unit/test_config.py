@@ -39,7 +39,7 @@ def test_ffn_rank_count_must_be_whole():
 
 
 def test_unknown_transport_lists_allowed():
-    with pytest.raises(AFDConfigError, match="--afd-transport.*allowed: shm, slots, tcp"):
+    with pytest.raises(AFDConfigError, match="--afd-transport.*allowed: nixl, shm, slots, tcp"):
         AFDConfig(ratio=(1, 1), transport="carrier-pigeon")
 
 

@@ -76,6 +76,22 @@ def test_auto_transport_picks_by_device_and_host(monkeypatch):
         auto_backend("cuda", "cpu")
 
 
+def test_auto_transport_takes_nixl_where_ffn_ranks_may_be_on_other_hosts(monkeypatch):
+    """With a given Ray cluster (``--afd-ray-address``) CPU ranks get the slot plane over
+    NIXL (installed by ``make venv``), tcp where NIXL is not; GPUs keep the slot plane."""
+    from vllm_afd import deployment
+    from vllm_afd.config import AFDConfig
+    from vllm_afd.transport import auto_backend
+    from vllm_afd.transport.nixl import NixlBackend
+
+    cluster = AFDConfig(ratio=(1, 1), ray_address="10.0.0.1:6379")
+    assert deployment._resolve_transport(cluster).transport == "nixl"
+    assert deployment._resolve_transport(AFDConfig(ratio=(1, 1))).transport == "shm"
+    assert auto_backend("cuda", "cuda", across_hosts=True) == "slots"
+    monkeypatch.setattr(NixlBackend, "host_problem", classmethod(lambda cls: "nixl: missing"))
+    assert auto_backend("cpu", "cpu", across_hosts=True) == "tcp"
+
+
 def test_auto_transport_takes_no_backend_settings():
     from vllm_afd.config import AFDConfig
     from vllm_afd.errors import AFDConfigError

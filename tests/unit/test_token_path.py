@@ -35,6 +35,7 @@ PATH = {
     "transport/endpoint.py",  # the attention endpoint, every backend's
     "transport/slots.py",  # the wire on the slot plane; its FFN side serving requests
     "transport/slot_plane.py",  # the protocol: sends, waits, answers
+    "transport/slot_plane_host.py",  # the host's wait for a flag
     "transport/control_block.py",  # the step's schedule, written and read once per step
     "transport/wait.py",  # a wait's stages
     "transport/base.py",  # begin_step: the step's schedule, announced once per step

@@ -208,7 +208,7 @@ def ffn_begin(plane: FFNPlane, step: int) -> None:
 
 def _memory(kind: str):
     if kind == "host":
-        from vllm_afd.transport.slot_plane import HostPlaneMemory
+        from vllm_afd.transport.slot_plane_host import HostPlaneMemory
 
         return HostPlaneMemory(timeout_s=30.0)
     if kind == "interpreted":
@@ -231,8 +231,8 @@ def interpreted_memory():
     release/acquire at system scope and the abort word, tested between two processes on a CPU.
     The attention side's sends store their flag through the host words (``AttentionPlane.send``
     on host memory); every other flag goes through the kernels."""
-    from vllm_afd.transport.slot_plane import HostPlaneMemory
     from vllm_afd.transport.slot_plane_cuda import TritonWaits
+    from vllm_afd.transport.slot_plane_host import HostPlaneMemory
 
     class InterpretedPlaneMemory(TritonWaits, HostPlaneMemory):
         def __init__(self) -> None:

@@ -27,6 +27,7 @@ _BACKENDS: dict[str, str] = {
     "shm": "vllm_afd.transport.slots:ShmBackend",
     "tcp": "vllm_afd.transport.tcp:TcpBackend",
     "slots": "vllm_afd.transport.slots:SlotsBackend",
+    "nixl": "vllm_afd.transport.nixl:NixlBackend",
 }
 
 
@@ -62,18 +63,21 @@ def register_transport(name: str, target: str) -> None:
 #: can run (``auto_backend``): shared memory on one CPU host, tcp on other CPUs, the slot plane
 #: on GPUs (device memory shared by CUDA IPC, within one node).
 AUTO_ORDER = ("shm", "tcp", "slots")
+#: The same where FFN ranks may run on other hosts (a given Ray cluster): the slot plane over
+#: NIXL where NIXL is installed, else tcp; on GPUs still the slot plane within one node.
+AUTO_ORDER_ACROSS_HOSTS = ("nixl", "tcp", "slots")
 
 
-def auto_backend(attention_device: str, ffn_device: str) -> str:
+def auto_backend(attention_device: str, ffn_device: str, across_hosts: bool = False) -> str:
     """The backend ``--afd-transport auto`` means for these devices (``"cpu"``, ``"cuda"``)
-    on this machine: the first of ``AUTO_ORDER`` without a ``device_problem`` or
-    ``host_problem``.
+    on this machine: the first of ``AUTO_ORDER`` (``AUTO_ORDER_ACROSS_HOSTS`` where FFN ranks
+    may run on other hosts) without a ``device_problem`` or ``host_problem``.
 
     Raises:
         ValueError: naming each backend's reason, if none can.
     """
     reasons = []
-    for name in AUTO_ORDER:
+    for name in AUTO_ORDER_ACROSS_HOSTS if across_hosts else AUTO_ORDER:
         cls = backend(name)
         problem = cls.device_problem(attention_device, ffn_device) or cls.host_problem()
         if problem is None:

@@ -13,6 +13,8 @@ import os
 import weakref
 from collections.abc import Sequence
 
+import torch
+
 from vllm_afd.host import (
     map_segment,
     pid_namespace,
@@ -21,7 +23,8 @@ from vllm_afd.host import (
     unlink_if_creator,
 )
 from vllm_afd.transport.control import StepSchedule, schedule_words
-from vllm_afd.transport.slot_plane import PLANE_PREFIX, PlaneLayout, create_fresh
+from vllm_afd.transport.slot_plane import PLANE_PREFIX, PlaneLayout, Push
+from vllm_afd.transport.slot_plane_host import create_fresh
 
 _MAGIC = 0x3130_5354_4F4C_5341  # b"ASLOTS01" little-endian
 _VERSION = 2
@@ -39,18 +42,31 @@ _ANSWER_WORDS = 2
 
 
 class ControlBlock:
-    """An FFN rank's control block (``/dev/shm``, mode 0600): who the FFN process is, the
-    handle of its request buffer, and per attention rank the handle of its answer buffer
-    (``offer_answers``) and the last ``StepSchedule`` it announced
-    (``control.StepSchedule.words``).
+    """An FFN rank's control block: who the FFN process is, the handle of its request buffer,
+    and per attention rank the handle of its answer buffer (``offer_answers``) and the last
+    ``StepSchedule`` it announced (``control.StepSchedule.words``). In a ``/dev/shm`` segment
+    (mode 0600: ``create``, ``attach``), or in a buffer of a memory whose peers' stores arrive
+    as messages (``buffer`` and ``push``: ``nixl.py``), where an attention rank writes its
+    mirror of the block and ``push`` carries the words to the FFN rank.
 
     A schedule is written as a seqlock over x86-64 store order: its step word is zeroed, the
     other words written, then the step word; a reader takes the step word, the rest, and the
-    step word again, and keeps only a read where both agree."""
+    step word again, and keeps only a read where both agree. A pushed line is stored by its
+    owner's own thread, the step word last, so it reads whole there too."""
 
-    def __init__(self, name: str, mm: mmap.mmap, layout: PlaneLayout, words_per: int) -> None:
-        self.name, self.mm, self.layout, self.words_per = name, mm, layout, words_per
-        self.words = memoryview(mm).cast("q")
+    def __init__(
+        self,
+        name: str,
+        buffer: torch.Tensor,
+        layout: PlaneLayout,
+        words_per: int,
+        push: Push | None = None,
+        mm: mmap.mmap | None = None,
+    ) -> None:
+        self.name, self.buffer, self.layout, self.words_per = name, buffer, layout, words_per
+        self.mm, self._push = mm, push
+        self.data = buffer.numpy().data.cast("B")
+        self.words = self.data.cast("q")
         #: Unlinks the block at its creator's exit (``create``); attached blocks have none.
         self._finalizer: weakref.finalize[[str, int], ControlBlock] | None = None
 
@@ -70,21 +86,37 @@ class ControlBlock:
         prefix: str = PLANE_PREFIX,
         rank: int = 0,
     ) -> ControlBlock:
-        words_per = schedule_words(moe_layers)
+        """A new block in ``/dev/shm``, named ``<prefix><pid>_f<rank>_...``."""
+        size = cls.size(layout, schedule_words(moe_layers))
+        name, mm = create_fresh(f"{prefix}{os.getpid()}_f{rank}_", size)
+        block = cls.format(name, _tensor(mm), layout, moe_layers, handle, pid_namespace(), mm)
+        block._finalizer = weakref.finalize(block, unlink_if_creator, name, os.getpid())
+        return block
+
+    @classmethod
+    def format(
+        cls,
+        name: str,
+        buffer: torch.Tensor,
+        layout: PlaneLayout,
+        moe_layers: Sequence[int],
+        handle: str,
+        pid_ns: int,
+        mm: mmap.mmap | None = None,
+    ) -> ControlBlock:
+        """This process's block in ``buffer`` (``size`` bytes, zeroed), open; ``pid_ns``:
+        where its pid means something (``Creator.watch``)."""
         data = handle.encode()
         if len(data) > HANDLE_BYTES:
             raise ValueError(f"request buffer handle of {len(data)} bytes, room for {HANDLE_BYTES}")
-        size = cls.size(layout, words_per)
-        name, mm = create_fresh(f"{prefix}{os.getpid()}_f{rank}_", size)
-        block = cls(name, mm, layout, words_per)
-        block._finalizer = weakref.finalize(block, unlink_if_creator, name, os.getpid())
+        block = cls(name, buffer, layout, schedule_words(moe_layers), mm=mm)
         words = block.words
         for i, value in enumerate(layout.params):
             words[_W_PARAMS + i] = value
         start = block._handle_at(-1)
-        block.mm[start : start + len(data)] = data
-        words[_W_HANDLE], words[_W_SCHEDULE] = len(data), words_per
-        words[_W_VERSION], words[_W_PID], words[_W_PIDNS] = _VERSION, os.getpid(), pid_namespace()
+        block.data[start : start + len(data)] = data
+        words[_W_HANDLE], words[_W_SCHEDULE] = len(data), block.words_per
+        words[_W_VERSION], words[_W_PID], words[_W_PIDNS] = _VERSION, os.getpid(), pid_ns
         words[_W_STATE] = _OPEN
         words[_W_MAGIC] = _MAGIC
         return block
@@ -96,9 +128,25 @@ class ControlBlock:
         Raises:
             ValueError: if its layout is not ``layout``'s (the two sides disagree on the spec).
         """
-        words_per = schedule_words(moe_layers)
-        mm = map_segment(name, cls.size(layout, words_per))
-        block = cls(name, mm, layout, words_per)
+        mm = map_segment(name, cls.size(layout, schedule_words(moe_layers)))
+        return cls.open(name, _tensor(mm), layout, moe_layers, mm=mm)
+
+    @classmethod
+    def open(
+        cls,
+        name: str,
+        buffer: torch.Tensor,
+        layout: PlaneLayout,
+        moe_layers: Sequence[int],
+        push: Push | None = None,
+        mm: mmap.mmap | None = None,
+    ) -> ControlBlock:
+        """The block in ``buffer`` (an FFN rank's, mapped or mirrored), checked.
+
+        Raises:
+            ValueError: if its layout is not ``layout``'s (the two sides disagree on the spec).
+        """
+        block = cls(name, buffer, layout, schedule_words(moe_layers), push, mm)
         words = block.words
         found = tuple(words[_W_PARAMS : _W_PARAMS + len(layout.params)])
         if words[_W_MAGIC] != _MAGIC or words[_W_VERSION] != _VERSION or found != layout.params:
@@ -112,13 +160,13 @@ class ControlBlock:
 
     def _handle_at(self, attention_rank: int) -> int:
         """Byte offset of ``attention_rank``'s answer handle (-1: the request buffer's)."""
-        return len(self.mm) - (self.layout.num_attention_ranks - attention_rank) * HANDLE_BYTES
+        return len(self.data) - (self.layout.num_attention_ranks - attention_rank) * HANDLE_BYTES
 
     @property
     def handle(self) -> str:
         """The request buffer's handle."""
         start = self._handle_at(-1)
-        return bytes(self.mm[start : start + self.words[_W_HANDLE]]).decode()
+        return bytes(self.data[start : start + self.words[_W_HANDLE]]).decode()
 
     def offer_answers(self, attention_rank: int, handle: str) -> None:
         """Publish ``attention_rank``'s answer buffer (``AttentionPlane.answer_handles``) before
@@ -130,9 +178,11 @@ class ControlBlock:
         start = self._handle_at(attention_rank)
         writing = words[at] | 1
         words[at] = writing
-        self.mm[start : start + len(data)] = data
+        self.data[start : start + len(data)] = data
         words[at + 1] = len(data)
         words[at] = writing + 1
+        if self._push is not None:
+            self._push((self.buffer[start : start + len(data)],), self._line(at, _ANSWER_WORDS))
 
     def answers(self, attention_rank: int) -> tuple[int, str] | None:
         """``(generation, handle)`` of ``attention_rank``'s answer buffer, or ``None`` if none
@@ -140,7 +190,7 @@ class ControlBlock:
         words, at = self.words, self._answer_word(attention_rank)
         start = self._handle_at(attention_rank)
         generation = words[at]
-        handle = bytes(self.mm[start : start + min(words[at + 1], HANDLE_BYTES)])
+        handle = bytes(self.data[start : start + min(words[at + 1], HANDLE_BYTES)])
         if not generation or generation % 2 or words[at] != generation:
             return None
         return generation, handle.decode(errors="replace")
@@ -175,6 +225,12 @@ class ControlBlock:
         for i in range(len(encoded) - 1, 0, -1):
             words[base + i] = encoded[i]
         words[base] = encoded[0]
+        if self._push is not None:
+            self._push((), self._line(base, self.words_per))
+
+    def _line(self, word: int, count: int) -> torch.Tensor:
+        """Words ``word .. word + count`` of the block, as an int64 tensor (``push``'s line)."""
+        return self.buffer[8 * word : 8 * (word + count)].view(torch.int64)
 
     def announced_step(self, attention_rank: int) -> int:
         """The step ``attention_rank`` announced last (0: none, or one being written)."""
@@ -199,7 +255,17 @@ class ControlBlock:
             if self._finalizer is not None:
                 self._finalizer()
         self.words.release()
-        self.mm.close()
+        self.data.release()
+        del self.buffer  # the tensor's export of the mapping goes with it
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a view of the block's tensor outlives it
+                pass
+
+
+def _tensor(mm: mmap.mmap) -> torch.Tensor:
+    return torch.frombuffer(mm, dtype=torch.uint8)
 
 
 def reap_stale_control_blocks(prefix: str = PLANE_PREFIX) -> list[str]:

@@ -12,14 +12,16 @@ there is (shared memory, plain stores). So the layout, the protocol, the step sc
 failure signalling live here, expressed in a handful of operations a device executes in stream
 order, and a ``PlaneMemory`` supplies only the memory and the publish/wait primitive:
 
-* ``HostPlaneMemory`` (this file): a ``/dev/shm`` segment, plain stores (x86-64 total store
-  order) and a host wait. Every CI run exercises the protocol through it, with either wait
-  semantics: the host's (a wait that fails raises at once) or the device's (``device_waits``:
-  it is recorded and ``check()`` raises at the step's end), the CPU stand-in of the GPU layer's
-  host-side logic.
+* ``HostPlaneMemory`` (``slot_plane_host.py``): a ``/dev/shm`` segment, plain stores (x86-64
+  total store order) and a host wait. Every CI run exercises the protocol through it, with
+  either wait semantics: the host's (a wait that fails raises at once) or the device's
+  (``device_waits``: it is recorded and ``check()`` raises at the step's end), the CPU
+  stand-in of the GPU layer's host-side logic.
 * ``CudaPlaneMemory`` (``slot_plane_cuda.py``): device memory shared by CUDA IPC, a Triton
   store with release semantics and a Triton spin-wait with acquire semantics at system scope;
   every operation is a kernel on the current stream, so CUDA graphs capture the whole exchange.
+* ``NixlPlaneMemory`` (``nixl.py``): across hosts, NIXL-registered host memory; a peer's buffer
+  is a local mirror whose stores its owner applies from NIXL notifications (``push``, ``pump``).
 
 No library does this: DeepEP's kernels are the wrong tool for the asymmetric hop (above); vLLM's
 custom all-reduce has the pattern (IPC buffers, device flags) but only as an all-reduce; PyTorch
@@ -100,27 +102,16 @@ raises.
 
 from __future__ import annotations
 
-import mmap
-import multiprocessing.util
-import os
-import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
 from typing import Protocol
 
 import torch
 
 from vllm_afd.errors import FFNTimeout, TransportError
-from vllm_afd.host import (
-    SHM_DIR,
-    map_segment,
-    shm_platform_problem,
-    unlink_segment,
-)
 from vllm_afd.transport.base import TransportSpec
 from vllm_afd.transport.control import Part
-from vllm_afd.transport.wait import Backoff, ViewCache, WaitPolicy
+from vllm_afd.transport.wait import ViewCache
 
 #: Alignment of flags and payload parts: a GPU's L2 line (128 bytes), two x86 cache lines.
 LINE = 128
@@ -133,8 +124,6 @@ POSITION_BITS = 16
 PLANE_PREFIX = "vllm_afd_plane_"
 #: How often a waiting host calls its ``watch`` (seconds).
 WATCH_INTERVAL_S = 0.05
-#: Fresh names a segment's creator tries when a name is taken (planted by someone else).
-_CREATE_ATTEMPTS = 8
 #: ``forward(x [N, H], topk_ids [N, K] int32, topk_weights [N, K] float32, out [N, H]) -> out``,
 #: already weighted and summed over the FFN rank's experts (``testing.reference.FFNForward``).
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -151,27 +140,6 @@ SlotRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def _align(n: int, to: int = LINE) -> int:
     return (n + to - 1) // to * to
-
-
-def create_fresh(stem: str, size: int) -> tuple[str, mmap.mmap]:
-    """A new ``/dev/shm`` segment of ``size`` bytes named ``<stem><8 random bytes>`` (mode
-    0600, ``host.map_segment``); a taken name (a file someone planted) is skipped, so it cannot
-    keep the creator from starting.
-
-    Raises:
-        TransportError: when ``_CREATE_ATTEMPTS`` fresh names were all taken.
-    """
-    taken = []
-    for _ in range(_CREATE_ATTEMPTS):
-        name = f"{stem}{secrets.token_hex(8)}"
-        try:
-            return name, map_segment(name, size, create=True)
-        except FileExistsError:
-            taken.append(name)
-    raise TransportError(
-        f"could not create a shared-memory segment in {SHM_DIR}: {_CREATE_ATTEMPTS} fresh "
-        f"names were all taken ({', '.join(taken[:2])}, ...)"
-    )
 
 
 def value_use(value: int) -> tuple[int, int]:
@@ -304,12 +272,14 @@ class AnswerViews:
         self.out = out = _part(buffer, at, layout.dtype, layout.max_tokens, layout.hidden)
         self.rows = ViewCache(lambda n: out[:n]).__getitem__
 
-    def write_error(self, message: str) -> None:
-        """An error answer's text into ``out`` (its length first, as one int64)."""
+    def write_error(self, message: str) -> torch.Tensor:
+        """An error answer's text into ``out`` (its length first, as one int64); returns the
+        bytes written (a view of ``out``)."""
         area = self.out.view(-1).view(torch.uint8)
         text = (message.encode() or b"?")[: area.numel() - 8]
         data = bytearray(len(text).to_bytes(8, "little") + text)
         area[: len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))
+        return area[: len(data)]
 
     def read_error(self) -> str:
         """The text ``write_error`` left in ``out`` (host memory only)."""
@@ -322,6 +292,8 @@ class AnswerViews:
 
 #: ``watch()``, called by a waiting host every ``WATCH_INTERVAL_S``: raises to end the wait.
 Watch = Callable[[], None]
+#: ``push(regions, line)`` (``PlaneMemory.push``).
+Push = Callable[[Sequence[torch.Tensor], torch.Tensor], None]
 
 
 class PlaneMemory(Protocol):
@@ -339,6 +311,20 @@ class PlaneMemory(Protocol):
     #: payload (host memory, plain stores under x86-64 store order: the CPU's hot path);
     #: otherwise every send is one ``publish``.
     stores_on_host: bool
+
+    @property
+    def push(self) -> Push | None:
+        """``None`` where a store into a peer's buffer lands in that buffer (shared memory,
+        CUDA IPC). Else the peer's buffer is mirrored here (``attach`` returns a local copy)
+        and the plane calls ``push(regions, line)`` after its stores into a mirror:
+        ``regions`` (views of the mirror) reach the peer's buffer, then ``line`` (int64 words
+        of it, the flag first) is stored there by the owner, the flag last
+        (``nixl.NixlPlaneMemory``)."""
+
+    @property
+    def pump(self) -> Callable[[], None] | None:
+        """``None``, or what a waiting host calls between polls (``wait.Backoff``'s
+        ``pump``): the owner applies the lines its peers pushed."""
 
     def create(self, nbytes: int) -> tuple[torch.Tensor, str]:
         """A zeroed ``uint8`` buffer of ``nbytes`` and the text peers attach it by."""
@@ -450,6 +436,7 @@ class AttentionPlane:
         #: a memoryview, ``send`` stores flags through the request line's words (the hot
         #: path), as ``HostPlaneMemory.signal`` would.
         self._host_step = _words(self.step) if memory.stores_on_host else None
+        self._push = memory.push
 
     def _map(self, handle: str) -> list[SlotViews]:
         buffer = self.memory.attach(handle, self.layout.total_bytes)
@@ -499,10 +486,11 @@ class AttentionPlane:
             dsts = view.rows(rows) if rows else ()
             self.memory.publish(dsts, sources if rows else (), view.request, self.step, position)
             return
-        if rows:
-            dst_x, dst_ids, dst_weights = view.rows(rows)
+        parts = view.rows(rows) if rows else ()
+        if parts:
+            dst_x, dst_ids, dst_weights = parts
             if index is None:  # one call for the three (it converts the ids to int32)
-                torch._foreach_copy_((dst_x, dst_ids, dst_weights), (x, topk_ids, topk_weights))
+                torch._foreach_copy_(parts, (x, topk_ids, topk_weights))
             else:
                 torch.index_select(x, 0, index, out=dst_x)
                 dst_ids.copy_(topk_ids.index_select(0, index))
@@ -511,6 +499,8 @@ class AttentionPlane:
         self.answers[ffn_rank][slot].response_words[0] = 0  # type: ignore[index]
         words[ROWS_WORD], words[CPU_WORD] = rows, cpu
         words[0] = self._host_step[0] + position + 1  # after the payload (x86-64 TSO)
+        if self._push is not None:
+            self._push(parts, view.request_line[: CPU_WORD + 1])
 
     def await_answer(
         self, ffn_rank: int, slot: int, position: int, watch: Watch | None = None
@@ -697,189 +687,10 @@ class RecordedWaits:
             )
 
 
-def await_word(
-    word: memoryview,
-    want: int,
-    deadline: float,
-    backoff: Backoff,
-    watch: Watch | None = None,
-    exact: bool = False,
-) -> int | None:
-    """Poll the int64 ``word[0]`` until ``|word[0]|`` reaches ``want`` (``exact``: equals it),
-    pausing as ``backoff`` stages it and calling ``watch`` every ``WATCH_INTERVAL_S``; returns
-    the value read, or ``None`` once ``deadline`` (``time.perf_counter()``) passed."""
-    seen = word[0]
-    if abs(seen) == want or (not exact and abs(seen) > want):
-        return seen
-    next_watch = backoff.start + WATCH_INTERVAL_S
-    while True:
-        now = backoff.pause()
-        seen = word[0]
-        if abs(seen) == want or (not exact and abs(seen) > want):
-            return seen
-        if now >= next_watch:
-            if watch is not None:
-                watch()
-            if now >= deadline:
-                return None
-            next_watch = now + WATCH_INTERVAL_S
-
-
-class _Aborted(Exception):
-    """A device-semantics wait on the host saw ``RecordedWaits.aborted`` set."""
-
-
-def _unlink(name: str, creator_pid: int) -> None:
-    """A segment's creator unlinks it, and tells the resource tracker (not a forked child)."""
-    if os.getpid() == creator_pid:
-        unlink_segment(name)
-        resource_tracker.unregister(f"/{name}", "shared_memory")
-
-
-class HostPlaneMemory(RecordedWaits):
-    """Host memory: a ``/dev/shm`` segment (mode 0600, ``host.create_segment``), plain stores
-    and a staged host wait (``wait.Backoff``). x86-64 only: a store is published after the
-    stores before it (total store order), and Python has no portable barrier to add on weakly
-    ordered CPUs (``host.shm_platform_problem``).
-
-    ``device_waits``: waits with the device's semantics (``RecordedWaits``) instead of raising
-    where they fail; the CPU stand-in of ``CudaPlaneMemory``'s host-side logic."""
-
-    device = torch.device("cpu")
-    stores_on_host = True
-
-    def __init__(
-        self,
-        timeout_s: float = 30.0,
-        prefix: str = PLANE_PREFIX + "data_",
-        device_waits: bool = False,
-        policy: WaitPolicy | None = None,
-    ) -> None:
-        problem = shm_platform_problem()
-        if problem is not None:
-            raise RuntimeError(problem)
-        self.timeout_s, self.prefix, self.device_waits = timeout_s, prefix, device_waits
-        self.policy = policy or WaitPolicy()
-        self.records_waits = device_waits
-        self.errors = torch.zeros(1, dtype=torch.int64)
-        self.aborted = torch.zeros(1, dtype=torch.int64)
-        self.bound = f"{timeout_s} s"
-        self._maps: list[mmap.mmap] = []
-        self._created: list[multiprocessing.util.Finalize] = []
-        #: int64 memoryviews of flag lines and step words, by address: a word read or written
-        #: through one costs a fraction of a tensor's ``int()`` or ``fill_``, on the hot path.
-        self._words: dict[tuple[int, int], memoryview] = {}
-
-    def create(self, nbytes: int) -> tuple[torch.Tensor, str]:
-        name, mm = create_fresh(f"{self.prefix}{os.getpid()}_", nbytes)
-        buffer = self._map(mm, nbytes)
-        # multiprocessing's finalizer, not weakref's: it also runs when a multiprocessing child
-        # (vLLM's engine core, an attention rank owning answer buffers) ends, where atexit does
-        # not; and Python's resource tracker unlinks the segment once every process of this
-        # family exited, should this one be killed (vLLM force-kills its workers as it stops)
-        resource_tracker.register(f"/{name}", "shared_memory")
-        unlink = multiprocessing.util.Finalize(self, _unlink, (name, os.getpid()), exitpriority=0)
-        self._created.append(unlink)
-        return buffer, name
-
-    def attach(self, handle: str, nbytes: int) -> torch.Tensor:
-        return self._map(map_segment(handle, nbytes), nbytes)
-
-    def _map(self, mm: mmap.mmap, nbytes: int) -> torch.Tensor:
-        self._maps.append(mm)
-        return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
-
-    def word(self, tensor: torch.Tensor) -> memoryview:
-        """``tensor``'s int64 words (a flag line, a flag, a step word), as a memoryview."""
-        key = (tensor.data_ptr(), tensor.numel())
-        words = self._words.get(key)
-        if words is None:
-            words = self._words[key] = _words(tensor)
-        return words
-
-    def signal(
-        self, flag: torch.Tensor, step: torch.Tensor, position: int, failed: bool = False
-    ) -> None:
-        value = self.word(step)[0] + position + 1
-        self.word(flag)[0] = -value if failed else value  # after the payload (x86-64 TSO)
-
-    def publish(
-        self,
-        dsts: Sequence[torch.Tensor],
-        srcs: Sequence[torch.Tensor],
-        flag: torch.Tensor,
-        step: torch.Tensor,
-        position: int,
-    ) -> None:
-        publish_by_copies(self.signal, dsts, srcs, flag, step, position)
-
-    def wait(
-        self,
-        flag: torch.Tensor,
-        step: torch.Tensor,
-        position: int,
-        what: str,
-        watch: Watch | None = None,
-    ) -> int | None:
-        want = self.word(step)[0] + position + 1
-        if self.device_waits:
-            if self.word(self.aborted)[0]:  # a step whose peer died: its waits end at once
-                self.errors += 1
-                return None
-            watch = self._watch_abort
-        backoff = Backoff(self.policy)
-        try:
-            seen = await_word(self.word(flag), want, backoff.start + self.timeout_s, backoff, watch)
-        except _Aborted:
-            seen = None
-        if seen is None:
-            if self.device_waits:
-                self.errors += 1
-                return None
-            raise FFNTimeout(f"slot plane: {what} did not come within {self.timeout_s} s")
-        if not self.device_waits:
-            return seen
-        if seen != want:
-            self.errors += 1
-        return None
-
-    def wait_all(
-        self,
-        flags: Sequence[torch.Tensor],
-        steps: Sequence[torch.Tensor],
-        position: int,
-        what: Callable[[int], str],
-    ) -> list[int | None]:
-        pairs = enumerate(zip(flags, steps, strict=True))
-        return [self.wait(flag, step, position, what(i)) for i, (flag, step) in pairs]
-
-    def _watch_abort(self) -> None:
-        if self.word(self.aborted)[0]:
-            raise _Aborted
-
-    def check(self) -> None:
-        if self.device_waits:
-            super().check()
-
-    def close(self) -> None:
-        """Unmap (a mapping still viewed by a live tensor stays until that goes) and unlink
-        the segments this memory created."""
-        for finalizer in self._created:
-            finalizer()
-        self._words.clear()
-        for mm in self._maps:
-            try:
-                mm.close()
-            except BufferError:
-                pass
-        self._maps.clear()
-
-
 __all__ = [
     "AnswerViews",
     "AttentionPlane",
     "FFNPlane",
-    "HostPlaneMemory",
     "PlaneError",
     "PlaneLayout",
     "PlaneMemory",

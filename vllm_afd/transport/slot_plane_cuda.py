@@ -179,6 +179,8 @@ class TritonWaits(RecordedWaits):
     deadline_ns: int | None = None
     max_spins: int = DEFAULT_MAX_SPINS
     stores_on_host = False
+    push = None  # stores land in the peer's memory (CUDA IPC)
+    pump = None
 
     def signal(
         self, flag: torch.Tensor, step: torch.Tensor, position: int, failed: bool = False

@@ -60,13 +60,12 @@ from vllm_afd.transport.slot_plane import (
     WATCH_INTERVAL_S,
     AttentionPlane,
     FFNPlane,
-    HostPlaneMemory,
     PlaneLayout,
     PlaneMemory,
     SlotViews,
-    await_word,
     value_use,
 )
+from vllm_afd.transport.slot_plane_host import HostPlaneMemory, HostWords, await_word
 from vllm_afd.transport.wait import Backoff, WaitPolicy, current_cpu
 
 logger = logging.getLogger("vllm.afd")
@@ -102,9 +101,9 @@ class PlaneAttentionTransport(AttentionEndpoint):
     def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
         super().__init__(spec, rank, wait)
         self.layout = layout = PlaneLayout.of(spec)
-        self.controls = [_attach(f, a, layout, spec) for f, a in enumerate(self.addresses)]
-        self._creators = [_creator(f, c) for f, c in enumerate(self.controls)]
-        self.memory = plane_memory(spec)
+        self.memory = self._make_memory()
+        self.controls = [self._connect(f, a) for f, a in enumerate(self.addresses)]
+        self._creators = [self._watch(f, c) for f, c in enumerate(self.controls)]
         self.filters_rows = not self.memory.records_waits  # fixed shapes where waits record
         self.plane = AttentionPlane(layout, self.memory, rank, [c.handle for c in self.controls])
         for control, handle in zip(self.controls, self.plane.answer_handles, strict=True):
@@ -124,6 +123,25 @@ class PlaneAttentionTransport(AttentionEndpoint):
             name = f"afd-plane-watchdog-{rank}"
             self._watching = threading.Thread(target=self._watchdog, name=name, daemon=True)
             self._watching.start()
+
+    def _make_memory(self) -> PlaneMemory:
+        return plane_memory(self.spec)
+
+    def _connect(self, ffn_rank: int, address: str) -> ControlBlock:
+        """FFN rank ``ffn_rank``'s control block at ``address``, mapped."""
+        try:
+            return ControlBlock.attach(address, self.layout, self.spec.moe_layers)
+        except FileNotFoundError:
+            raise TransportError(
+                f"FFN rank {ffn_rank}: control block {address!r} not found (FFN rank not "
+                "started, or already gone)"
+            ) from None
+        except UnsafeFileError as exc:
+            raise TransportError(f"FFN rank {ffn_rank}: {exc}") from None
+
+    def _watch(self, ffn_rank: int, control: ControlBlock) -> Creator:
+        """FFN rank ``ffn_rank``'s process, watched (``host.Creator``)."""
+        return watch_creator(ffn_rank, control, control.pid_namespace)
 
     def _watchdog(self) -> None:
         """With the device's waits: every ``WATCH_INTERVAL_S``, the FFN ranks' liveness, as a
@@ -246,7 +264,7 @@ class PlaneAttentionTransport(AttentionEndpoint):
         assert line is not None  # host memory: waits are the host's
         found: int | None = line[0]
         if found != seq:
-            backoff = Backoff(self.wait, spin=line[CPU_WORD] != self._cpu)
+            backoff = Backoff(self.wait, spin=line[CPU_WORD] != self._cpu, pump=self.memory.pump)
             watch = lambda: self._check_alive(awaited)  # noqa: E731
             found = await_word(line, seq, deadline, backoff, watch, exact=True)
             if found is None:
@@ -272,8 +290,8 @@ class PlaneAttentionTransport(AttentionEndpoint):
     def reconnect(self, ffn_rank: int, address: str) -> None:
         """Map the replacement's control block and request buffer (``address``: its control
         block; the old mappings stay until ``close``) and offer it this rank's answer buffer."""
-        control = _attach(ffn_rank, address, self.layout, self.spec)
-        self._creators[ffn_rank] = _creator(ffn_rank, control)
+        control = self._connect(ffn_rank, address)
+        self._creators[ffn_rank] = self._watch(ffn_rank, control)
         self.controls[ffn_rank], old = control, self.controls[ffn_rank]
         old.close()
         self.plane.attach(ffn_rank, control.handle)
@@ -290,25 +308,18 @@ class PlaneAttentionTransport(AttentionEndpoint):
         self.memory.close()
 
 
-def _attach(ffn_rank: int, name: str, layout: PlaneLayout, spec: TransportSpec) -> ControlBlock:
-    try:
-        return ControlBlock.attach(name, layout, spec.moe_layers)
-    except FileNotFoundError:
-        raise TransportError(
-            f"FFN rank {ffn_rank}: control block {name!r} not found (FFN rank not started, or "
-            "already gone)"
-        ) from None
-    except UnsafeFileError as exc:
-        raise TransportError(f"FFN rank {ffn_rank}: {exc}") from None
+def watch_creator(ffn_rank: int, control: ControlBlock, pid_ns: int) -> Creator:
+    """FFN rank ``ffn_rank``'s process (its pid in ``control``, of pid namespace ``pid_ns``),
+    watched (``host.Creator``).
 
-
-def _creator(ffn_rank: int, control: ControlBlock) -> Creator:
-    """FFN rank ``ffn_rank``'s process, watched (``host.Creator``)."""
-    creator = Creator.watch(control.pid, control.pid_namespace)
+    Raises:
+        TransportError: if it is dead already.
+    """
+    creator = Creator.watch(control.pid, pid_ns)
     if creator is None:
         raise TransportError(
             f"FFN rank {ffn_rank}: its process (pid {control.pid}) of control block "
-            f"{control.name!r} is dead"
+            f"{control.name[:80]!r} is dead"
         )
     return creator
 
@@ -318,22 +329,32 @@ class _PlaneFFN(FFNTransport):
     ``<prefix>...`` (``spec.addresses[rank]`` when given, else ``PLANE_PREFIX``); and the
     attention ranks' answer buffers they map (``_map_answers``)."""
 
-    def __init__(self, spec: TransportSpec, rank: int) -> None:
+    def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
         super().__init__(spec, rank)
-        problem = shm_platform_problem()
-        if problem is not None:
-            raise RuntimeError(problem)
-        requested = spec.addresses[rank] if rank < len(spec.addresses) else ""
-        prefix = requested or PLANE_PREFIX
-        reap_stale_control_blocks(prefix)
-        self.memory = plane_memory(spec, prefix + "data_")
+        self._wait = wait or WaitPolicy()
+        self.memory = self._make_memory()
         self.plane = FFNPlane(PlaneLayout.of(spec), self.memory, rank)
-        self.control = ControlBlock.create(
-            self.plane.layout, spec.moe_layers, self.plane.handle, prefix, rank
-        )
+        self.control = self._make_control()
         self._closing = False
         #: Per attention rank, the generation of the answer buffer mapped (0: none).
         self._answers = [0] * spec.num_attention_ranks
+
+    @property
+    def _prefix(self) -> str:
+        """Its segments' name prefix: ``spec.addresses[rank]`` when given."""
+        requested = self.spec.addresses[self.rank] if self.rank < len(self.spec.addresses) else ""
+        return requested or PLANE_PREFIX
+
+    def _make_memory(self) -> PlaneMemory:
+        problem = shm_platform_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
+        reap_stale_control_blocks(self._prefix)
+        return plane_memory(self.spec, self._prefix + "data_")
+
+    def _make_control(self) -> ControlBlock:
+        layout, handle = self.plane.layout, self.plane.handle
+        return ControlBlock.create(layout, self.spec.moe_layers, handle, self._prefix, self.rank)
 
     def _map_answers(self, attention_rank: int) -> bool:
         """Map ``attention_rank``'s answer buffer if it offered a new one (a first, or a
@@ -368,9 +389,9 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
     valid until ``reply``."""
 
     def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
-        super().__init__(spec, rank)
+        super().__init__(spec, rank, wait)
         memory = self.memory
-        if not isinstance(memory, HostPlaneMemory) or memory.device_waits:
+        if not isinstance(memory, HostWords) or memory.device_waits:
             raise ValueError(
                 "slot plane: serving requests as they come needs host memory and host waits "
                 "(waits: host); device memory serves whole steps"
@@ -384,7 +405,8 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
         self._seen = [0] * len(self._channels)
         #: Per attention rank: the step schedule last read from its control block.
         self._schedules: list[StepSchedule | None] = [None] * spec.num_attention_ranks
-        self._backoff = Backoff(wait or WaitPolicy())
+        self._backoff = Backoff(self._wait, pump=memory.pump)
+        self._push = memory.push
         self._idle = False
         self._cpu = -1
 
@@ -451,7 +473,7 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
         elif not 0 <= position < len(schedule.layers):
             why = f"position {position} is not in step {step}'s layers {list(schedule.layers)}"
         if why is not None:
-            self._answer(i, value, failed=why)
+            self._answer(i, value, None, failed=why)
             return None
         x, ids, weights = view.rows(rows)
         out = self.plane.answers[a][slot].rows(rows)
@@ -468,14 +490,16 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
             if out.shape != buffer.shape:
                 raise ValueError(f"reply must be {list(buffer.shape)}, got {list(out.shape)}")
             buffer.copy_(out)
-        self._answer(i, value)
+        self._answer(i, value, buffer)
 
     def reply_error(self, request: FFNRequest, message: str) -> None:
         """See ``ServesRequests.reply_error``: the text goes into the answer's ``out``."""
         i, value = _reply_key(request)
-        self._answer(i, value, failed=message)
+        self._answer(i, value, None, failed=message)
 
-    def _answer(self, i: int, value: int, failed: str | None = None) -> None:
+    def _answer(
+        self, i: int, value: int, out: torch.Tensor | None, failed: str | None = None
+    ) -> None:
         """Publish the answer to ``value`` in channel ``i`` (its ``out`` written), or an
         error answer with the text ``failed``; nothing for a request superseded meanwhile (its
         attention rank gave up on it and reused the slot)."""
@@ -484,11 +508,14 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
             return
         answer = self.plane.answers[a][slot]
         if failed is not None:
-            answer.write_error(failed)
+            out = answer.write_error(failed)
         response = answer.response_words
         assert response is not None  # host memory
         response[CPU_WORD] = self._cpu
         response[0] = -value if failed is not None else value  # after the payload (TSO)
+        if self._push is not None:
+            regions = (out,) if out is not None and out.numel() else ()
+            self._push(regions, answer.response_line[: CPU_WORD + 1])
 
 
 class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
@@ -500,7 +527,7 @@ class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
         self._first_seen: float | None = None  # a step announced while others are awaited
         self._left_out: set[int] = set()  # ranks left out of a step (logged once each)
         self._buffers = 0  # answer buffers mapped so far: in a step's shape (``Step.buffers``)
-        self._backoff = Backoff(WaitPolicy())
+        self._backoff = Backoff(self._wait, pump=self.memory.pump)
 
     def next_step(self, timeout_s: float) -> Step | None:
         """Every attention rank's next schedule, or those announced when half of

@@ -90,13 +90,18 @@ class WaitPolicy:
 
 
 class Backoff:
-    """One wait under a ``WaitPolicy``; call ``pause()`` after every unsuccessful poll."""
+    """One wait under a ``WaitPolicy``; call ``pause()`` after every unsuccessful poll.
+    ``pump``: called at every pause (a memory whose peers' stores arrive as messages applies
+    them there: ``nixl.NixlPlaneMemory.pump``)."""
 
-    __slots__ = ("policy", "start", "sleep_s", "spin_s")
+    __slots__ = ("policy", "start", "sleep_s", "spin_s", "pump")
 
-    def __init__(self, policy: WaitPolicy, spin: bool = True) -> None:
+    def __init__(
+        self, policy: WaitPolicy, spin: bool = True, pump: Callable[[], None] | None = None
+    ) -> None:
         self.policy = policy
         self.spin_s = policy.spin_s if spin else 0.0
+        self.pump = pump
         self.reset()
 
     def reset(self) -> None:
@@ -118,6 +123,8 @@ class Backoff:
 
     def pause(self) -> float:
         """Pause as the stage reached says (then sleeping); return ``time.perf_counter()``."""
+        if self.pump is not None:
+            self.pump()
         if not self.poll_pause():
             time.sleep(self.sleep_s)
             self.sleep_s = min(2 * self.sleep_s, self.policy.sleep_max_s)

@@ -22,7 +22,7 @@ from vllm_afd.transport.control import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-BACKENDS = ["shm", "slots", "tcp", "counting"]
+BACKENDS = ["shm", "slots", "nixl", "tcp", "counting"]
 #: DeepSeek-like: layer 0 dense, then MoE layers; numbers past 64 take a second bitmap word.
 LAYERS = (1, 2, 3, 63, 64, 93)
 

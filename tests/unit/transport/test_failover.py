@@ -28,7 +28,7 @@ from vllm_afd.transport.directory import FAILED, RECOVERING, UP, RankEntry
 pytestmark = pytest.mark.timeout(90)
 #: The slot plane on host memory (``shm`` is the same endpoints), tcp, and the out-of-tree
 #: counting backend (``transport_testlib.COUNTING``).
-BACKENDS = ["slots", "tcp", "counting"]
+BACKENDS = ["slots", "nixl", "tcp", "counting"]
 SCALES = ScaleExperts(torch.arange(1.0, 9.0) / 4)
 
 

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from transport_testlib import EXPERTS, expected, make_spec, recv_all, routing
+from transport_testlib import EXPERTS, expected, make_spec, recv_all, routing, while_serving
 
 from vllm_afd.errors import FFNServeError, FFNTimeout, TransportError
 from vllm_afd.testing.reference import LocalMoE
@@ -19,9 +19,9 @@ from vllm_afd.transport import create_attention_transport
 
 pytestmark = pytest.mark.timeout(60)
 #: ... and an out-of-tree one: shm's endpoints, counting their rounds (``COUNTING``).
-BACKENDS = ["shm", "slots", "tcp", "counting"]
-#: The slot plane's backends (on host memory here).
-PLANE = ["shm", "slots", "counting"]
+BACKENDS = ["shm", "slots", "nixl", "tcp", "counting"]
+#: The slot plane's backends (on host memory here, mirrored through NIXL for nixl).
+PLANE = ["shm", "slots", "nixl", "counting"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -82,7 +82,7 @@ def test_mismatched_spec_is_refused(backend: str, loopback) -> None:
     wrong = dataclasses.replace(lb.spec, hidden_size=16)
     if backend in PLANE:
         with pytest.raises(ValueError, match="TransportSpec|layout"):
-            create_attention_transport(wrong, 0)
+            while_serving(lb.ffn, lambda: create_attention_transport(wrong, 0))
         return
     with pytest.raises(TransportError, match="rejected this attention rank: spec mismatch"):
         lb.connect(0, wrong)  # the FFN rank answers the HELLO with a REJECT at connect

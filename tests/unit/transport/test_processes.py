@@ -25,7 +25,7 @@ from vllm_afd.testing.reference import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-BACKENDS = ["slots", "tcp", "counting"]
+BACKENDS = ["slots", "nixl", "tcp", "counting"]
 SCALES = ScaleExperts(torch.arange(1.0, 9.0) / 4)
 
 

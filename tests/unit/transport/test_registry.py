@@ -25,14 +25,16 @@ from vllm_afd.transport.slots import PlaneFFN, SteppedPlaneFFN
 
 def test_unknown_backend_names_allowed_values() -> None:
     spec = make_spec("nccl-magic", 1, 1)
-    with pytest.raises(ValueError, match=r"'nccl-magic'.*allowed: shm, slots, tcp or a module"):
+    with pytest.raises(
+        ValueError, match=r"'nccl-magic'.*allowed: nixl, shm, slots, tcp or a module"
+    ):
         create_attention_transport(spec, 0)
     with pytest.raises(ValueError, match=r"cannot load 'no_such_module:Backend'"):
         backend("no_such_module:Backend")
 
 
 def test_builtin_backends_registered() -> None:
-    assert {"shm", "tcp", "slots"} <= set(available_transports())
+    assert {"shm", "tcp", "slots", "nixl"} <= set(available_transports())
 
 
 def test_register_refuses_a_second_target_for_a_name(monkeypatch) -> None:
@@ -125,6 +127,7 @@ _COLUMNS = {
     "shm": ("shm", {}),
     "slots, host waits": ("slots", {"waits": "host"}),
     "slots, device waits (every GPU)": ("slots", {"waits": "device"}),
+    "nixl": ("nixl", {}),
     "tcp": ("tcp", {}),
 }
 

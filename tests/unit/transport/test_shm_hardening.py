@@ -13,7 +13,7 @@ from transport_testlib import SHM_PREFIX, expected, make_spec, recv_all, routing
 from vllm_afd import host
 from vllm_afd.config import AFDConfig, check_this_host
 from vllm_afd.errors import AFDConfigError, FFNServeError, FFNTimeout, ProtocolError, TransportError
-from vllm_afd.transport import create_attention_transport, create_ffn_transport, slot_plane
+from vllm_afd.transport import create_attention_transport, create_ffn_transport, slot_plane_host
 from vllm_afd.transport.base import DispatchHandle
 from vllm_afd.transport.control_block import reap_stale_control_blocks
 from vllm_afd.transport.endpoint import combine_partials
@@ -32,7 +32,7 @@ def _plant(name: str, mode: int = 0o644) -> str:
 
 def test_a_planted_name_does_not_keep_the_ffn_rank_from_starting(monkeypatch):
     names = iter(["data000000000000", "planted00000000", "fresh000000000000"])
-    monkeypatch.setattr(slot_plane.secrets, "token_hex", lambda n: next(names))
+    monkeypatch.setattr(slot_plane_host.secrets, "token_hex", lambda n: next(names))
     planted = _plant(f"{SHM_PREFIX}{os.getpid()}_f0_planted00000000")
     ffn = None
     try:
@@ -149,7 +149,7 @@ def test_weakly_ordered_cpus_refuse_shm(monkeypatch):
 
 _KILLED_OWNER = """
 import os, signal, sys
-from vllm_afd.transport.slot_plane import HostPlaneMemory
+from vllm_afd.transport.slot_plane_host import HostPlaneMemory
 memory = HostPlaneMemory(prefix=sys.argv[1])
 for _ in range(2):
     memory.create(4096)

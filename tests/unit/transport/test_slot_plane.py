@@ -28,11 +28,11 @@ from vllm_afd.transport.slot_plane import (
     AnswerViews,
     AttentionPlane,
     FFNPlane,
-    HostPlaneMemory,
     Part,
     PlaneLayout,
     SlotViews,
 )
+from vllm_afd.transport.slot_plane_host import HostPlaneMemory
 
 pytestmark = pytest.mark.timeout(120)
 

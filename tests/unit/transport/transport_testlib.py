@@ -216,9 +216,19 @@ class Loopback:
         for endpoint in self.attention:
             announce(endpoint)
 
+    def progress(self) -> None:
+        """Let the attention endpoints' memories move what they sent (NIXL: a WRITE needs its
+        sender's progress, which a waiting endpoint makes in its waits; here the FFN side is
+        served by hand in between)."""
+        for endpoint in self.attention:
+            pump = getattr(getattr(endpoint, "memory", None), "pump", None)
+            if pump is not None:
+                pump()
+
     def serve(self, expect: int | None = None) -> list:
         """Answer what every FFN rank has pending; return the requests seen."""
         seen = []
+        self.progress()
         for rank, endpoint in enumerate(self.ffn):
             forward = LocalMoE.for_rank(EXPERTS, self.spec, rank)
             requests = recv_all(endpoint, expect) if expect else endpoint.recv(0.05)
