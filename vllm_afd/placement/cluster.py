@@ -220,8 +220,13 @@ def log_rank_up(info: dict) -> None:
         info["host"],
         *info["experts"],
         info["param_bytes"] / 2**20,
-        info["address"],
+        _short(info["address"]),
     )
+
+
+def _short(address: str, keep: int = 72) -> str:
+    """``address`` for a log line: a long one (nixl's carries its agent's metadata) cut."""
+    return address if len(address) <= keep else f"{address[:keep]}... ({len(address)} chars)"
 
 
 def wait_ready(ref, timeout: float) -> bool:

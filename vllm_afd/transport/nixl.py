@@ -173,6 +173,7 @@ class NixlPlaneMemory(HostWords):
         if problem is not None:
             raise RuntimeError(problem)
         from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._bindings import nixlBackendError, nixlRemoteDisconnectError
 
         # UCX's tcp transport listens on every interface it uses, unauthenticated: loopback
         # only, unless the operator names the fabric (docs/user-guide.md, "Security")
@@ -182,6 +183,8 @@ class NixlPlaneMemory(HostWords):
         self.name = f"vllm-afd-{role}-{os.getpid()}-{secrets.token_hex(4)}"
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False)
         self.agent = nixl_agent(self.name, config)
+        #: What NIXL raises for a peer that went away (a send to it is dropped: ``_drop``).
+        self._peer_errors = (nixlRemoteDisconnectError, nixlBackendError)
         #: Buffers this process owns: base address -> (size, bytes).
         self._owned: dict[int, tuple[int, memoryview]] = {}
         self._owner_of: dict[int, tuple[memoryview, int]] = {}  # ``_owner``'s answers
@@ -216,7 +219,7 @@ class NixlPlaneMemory(HostWords):
         buffer = self._register(nbytes)
         self._owned[buffer.data_ptr()] = (nbytes, buffer.numpy().data.cast("B"))
         for agent in self._peers:
-            self.agent.send_notif(agent, _HELLO + self.metadata)
+            self._notify(agent, _HELLO + self.metadata)
         return buffer, f"{self.name}|{buffer.data_ptr()}|{nbytes}"
 
     def _add(self, metadata: bytes) -> str:
@@ -228,7 +231,7 @@ class NixlPlaneMemory(HostWords):
         """Add a peer's agent (its ``metadata``) and send it ours; returns its name."""
         agent = self._add(metadata)
         self._peers.append(agent)
-        self.agent.send_notif(agent, _HELLO + self.metadata)
+        self._notify(agent, _HELLO + self.metadata)
         return agent
 
     def attach(self, handle: str, nbytes: int) -> torch.Tensor:
@@ -292,29 +295,48 @@ class NixlPlaneMemory(HostWords):
         parts.append(data[at : at + 8 * words])
         if inline:
             parts += (data[start : start + n] for start, n in spans)
-            self.agent.send_notif(mirror.agent, b"".join(parts))
+            self._notify(mirror.agent, b"".join(parts))
             return
-        message = b"".join(parts)
         local = [(base + start, n, 0) for start, n in spans]
         remote = [(base + mirror.delta + start, n, 0) for start, n in spans]
-        xfer = self.agent.initialize_xfer(
-            "WRITE",
-            self.agent.get_xfer_descs(local, "DRAM"),
-            self.agent.get_xfer_descs(remote, "DRAM"),
-            mirror.agent,
-            message,
-        )
-        state = self.agent.transfer(xfer)
+        try:
+            xfer = self.agent.initialize_xfer(
+                "WRITE",
+                self.agent.get_xfer_descs(local, "DRAM"),
+                self.agent.get_xfer_descs(remote, "DRAM"),
+                mirror.agent,
+                b"".join(parts),
+            )
+            state = self.agent.transfer(xfer)
+        except self._peer_errors as exc:
+            self._drop(mirror.agent, exc)
+            return
         if state == "PROC":
             self._inflight.append((xfer, mirror.agent))
         else:
             self._done(xfer, mirror.agent, state)
 
+    def _notify(self, agent: str, message: bytes) -> None:
+        """A notification to ``agent``; dropped if it went away (``_drop``)."""
+        try:
+            self.agent.send_notif(agent, message)
+        except self._peer_errors as exc:
+            self._drop(agent, exc)
+
     def _done(self, xfer: Any, agent: str, state: str) -> None:
         self.agent.release_xfer_handle(xfer)
-        if state == "ERR" and agent not in self._failed:
+        if state == "ERR":
+            self._drop(agent, "the write ended in error")
+
+    def _drop(self, agent: str, why: object) -> None:
+        """What was sent to ``agent`` is lost: logged once per agent. The wait for its answer
+        ends as any wait on a lost FFN rank does (its process watched, or the FFN directory's
+        verdict), and failover sends the use again to the replacement."""
+        if agent not in self._failed:
             self._failed.add(agent)
-            logger.warning("AFD nixl: a write to agent %s failed (peer gone?)", agent)
+            logger.warning(
+                "AFD nixl: agent %s went away (%s); what was sent to it is lost", agent, why
+            )
 
     def _pump(self) -> None:
         """Complete posted WRITEs, then store the lines peers pushed, each its flag last."""
@@ -336,7 +358,10 @@ class NixlPlaneMemory(HostWords):
                     agent = self._add(message[1:])
                     if agent not in self._peers:
                         self._peers.append(agent)
-                    self.agent.make_connection(agent)
+                    try:
+                        self.agent.make_connection(agent)
+                    except self._peer_errors as exc:
+                        self._drop(agent, exc)
                 elif message[:1] == _BYE:
                     self.gone.add(message[1:].decode())
                 elif message[:1] == _STORES:
@@ -385,8 +410,8 @@ class NixlPlaneMemory(HostWords):
         for agent in self._peers:
             try:
                 self.agent.send_notif(agent, _BYE + self.name.encode())
-            except Exception:  # noqa: BLE001 - a peer gone already
-                pass
+            except self._peer_errors:
+                pass  # gone already
         self._peers.clear()
         for registered in self._registered:
             try:

@@ -22,6 +22,10 @@ the wait semantics (``waits``):
   features above is claimed there yet (``Backend.features``; docs/architecture.md, "The slot
   plane").
 
+A backend of the plane on another memory subclasses these endpoints and supplies the memory
+(``_make_memory``), the control block (``_make_control``, ``_connect``) and how an FFN process
+is watched (``_watch``): ``nixl.py``, across hosts.
+
 Where the attention ranks run on GPUs, ``waits`` is the device's (``resolve_settings``).
 There is no Python relay and no hub: the schedule is a few words in shared memory, read once
 per step.

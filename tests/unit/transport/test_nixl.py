@@ -114,3 +114,50 @@ def test_the_backend_serves_cpu_ranks_and_says_why_not_gpus():
     assert nixl.host_problem() is None  # make venv installs NIXL
     assert nixl.device_problem("cpu", "cpu") is None
     assert "not built yet" in (nixl.device_problem("cuda", "cuda") or "")
+
+
+_OWNER = """
+import base64, sys, time
+from vllm_afd.transport.nixl import NixlPlaneMemory
+memory = NixlPlaneMemory(5.0)
+buffer, handle = memory.create(4096)
+print("OWNER", base64.b64encode(memory.metadata).decode(), handle, flush=True)
+while True:
+    memory.pump()
+    time.sleep(0.001)
+"""
+
+
+def test_a_push_to_a_peer_that_died_is_dropped_and_logged_not_raised(caplog):
+    """An attention rank may send to an FFN rank in the moment it died, before its loss is
+    seen: the push is lost (failover sends the use again), never an exception in the engine."""
+    import base64
+
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    writer = NixlPlaneMemory(5.0, reads_on_attach=False)
+    try:
+        line = ""
+        while not line.startswith("OWNER "):  # NIXL logs to stdout too
+            line = owner.stdout.readline()
+            assert line, "the owner process ended"
+        _, metadata, handle = line.split()
+        writer.connect(base64.b64decode(metadata))
+        mirror = writer.attach(handle, 4096)
+        flag = mirror[:24].view(torch.int64)
+        writer.push((mirror[128:256],), flag)  # reaches a live peer
+        owner.kill()
+        owner.wait(10)
+        with caplog.at_level("WARNING", logger="vllm.afd"):
+            for _ in range(20):  # until UCX sees the connection gone
+                writer.push((mirror[128:256],), flag)
+                writer.push((), flag)
+                time.sleep(0.05)
+        assert "went away" in caplog.text
+        assert caplog.text.count("went away") == 1  # once per peer
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(10)
+        writer.close()
