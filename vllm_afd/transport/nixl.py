@@ -441,30 +441,29 @@ class NixlAttention(PlaneAttentionTransport):
         super().__init__(spec, rank, wait)
 
     def _make_memory(self) -> PlaneMemory:
-        return NixlPlaneMemory(self.spec.timeout_s, self.wait, "attention")
+        self.nixl = NixlPlaneMemory(self.spec.timeout_s, self.wait, "attention")
+        return self.nixl
 
     def _connect(self, ffn_rank: int, address: str) -> ControlBlock:
-        memory = self.memory
-        assert isinstance(memory, NixlPlaneMemory)
         peer = NixlAddress.parse(address)
-        self._agents[ffn_rank] = memory.connect(peer.metadata)
-        mirror = memory.attach(peer.control, peer.control_bytes)
-        return ControlBlock.open(address, mirror, self.layout, self.spec.moe_layers, memory.push)
+        self._agents[ffn_rank] = self.nixl.connect(peer.metadata)
+        mirror = self.nixl.attach(peer.control, peer.control_bytes)
+        return ControlBlock.open(address, mirror, self.layout, self.spec.moe_layers, self.nixl.push)
 
     def _check_alive(self, ffn_ranks: Collection[int]) -> None:
         """As on shared memory; an FFN rank that closed says so in a notification (its
         control block here is a mirror, which its closing does not reach)."""
-        gone = self.memory.gone  # type: ignore[attr-defined]
         for f in ffn_ranks:
-            if self._agents[f] in gone:
+            if self._agents[f] in self.nixl.gone:
                 raise FFNRankLost(f, f"FFN rank {f} (agent {self._agents[f]}) closed its endpoint")
         super()._check_alive(ffn_ranks)
 
     def _watch(self, ffn_rank: int, control: ControlBlock) -> Creator:
         """The FFN process, watched where it runs on this host and pid namespace (its
         control block records ``host_identity``); on another, its supervisor watches it."""
-        same_host = control.pid_namespace == host_identity()
-        return watch_creator(ffn_rank, control, pid_namespace() if same_host else -1)
+        if control.pid_namespace != host_identity():
+            return Creator(control.pid, None)  # not checkable from here
+        return watch_creator(ffn_rank, control, pid_namespace())
 
 
 class NixlFFN(PlaneFFN):
@@ -472,17 +471,16 @@ class NixlFFN(PlaneFFN):
     address is a ``NixlAddress``."""
 
     def _make_memory(self) -> PlaneMemory:
-        return NixlPlaneMemory(self.spec.timeout_s, self._wait, "ffn", reads_on_attach=False)
+        self.nixl = NixlPlaneMemory(self.spec.timeout_s, self._wait, "ffn", reads_on_attach=False)
+        return self.nixl
 
     def _make_control(self) -> ControlBlock:
         layout: PlaneLayout = self.plane.layout
         size = ControlBlock.size(layout, schedule_words(self.spec.moe_layers))
-        memory = self.memory
-        assert isinstance(memory, NixlPlaneMemory)
-        buffer, handle = memory.create(size)
-        self._address = NixlAddress(memory.name, memory.metadata, handle, size)
+        buffer, handle = self.nixl.create(size)
+        address = NixlAddress(self.nixl.name, self.nixl.metadata, handle, size)
         return ControlBlock.format(
-            str(self._address),
+            str(address),
             buffer,
             layout,
             self.spec.moe_layers,

@@ -9,6 +9,8 @@ test_processes, test_failover: ``nixl`` among their backends).
 
 from __future__ import annotations
 
+import base64
+import os
 import subprocess
 import sys
 import time
@@ -82,7 +84,7 @@ def test_ucx_listens_on_loopback_only_unless_told():
         "psutil.Process().net_connections('inet') if c.status == 'LISTEN'}))\n"
         "m.close()\n"
     )
-    env = {k: v for k, v in __import__("os").environ.items() if k != "UCX_NET_DEVICES"}
+    env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
     out = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
     )
@@ -131,8 +133,6 @@ while True:
 def test_a_push_to_a_peer_that_died_is_dropped_and_logged_not_raised(caplog):
     """An attention rank may send to an FFN rank in the moment it died, before its loss is
     seen: the push is lost (failover sends the use again), never an exception in the engine."""
-    import base64
-
     owner = subprocess.Popen(
         [sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
