@@ -6,9 +6,9 @@ then start the FFN group before vLLM's engines) -> ``placement`` (the FFN ranks 
 
 One token, on the data path: ``attention/`` (the worker's session, the step announced, the
 hook at the routing boundary, the round trip) -> ``microbatch`` (ping-pong overlap point) ->
-``transport/`` (the ``endpoint``'s dispatch and combine over the slot plane,
-``slots``/``slot_plane``, or ``tcp``) -> ``ffn/`` (``executor`` serve loop and
-``ExpertKernel``; ``weights`` at start-up) -> back through ``transport/`` into the model.
+``transport/`` (the ``endpoint``'s dispatch and combine over the slot plane, ``slots``/
+``slot_plane``, on shared memory, NIXL or device memory) -> ``ffn/`` (``executor`` serve loop
+and ``ExpertKernel``; ``weights`` at start-up) -> back through ``transport/`` into the model.
 ``metrics/`` is the sink both sides record into.
 
 Around it: ``patches/`` (every touch of a vLLM internal, by process, with its ledger),

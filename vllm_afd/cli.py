@@ -102,7 +102,7 @@ def check_shared_transport(afd) -> None:
             f"vllm-afd ffn-server: --afd-transport {afd.transport} "
             f"{afd.transport_config or ''}: its FFN ranks serve a step of every attention rank "
             "at once, and front-ends that join separately do not step together; use shm or "
-            "slots with host waits (one host) or tcp"
+            "slots with host waits (one host) or nixl (across hosts)"
         )
 
 

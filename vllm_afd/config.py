@@ -16,8 +16,7 @@ Every error names the flag (and its ``additional_config`` key) and what is allow
 run in the front-end before anything starts (``deployment.setup_afd`` calls them all, in this
 order): ``AFDConfig.of`` (each value on its own: ``__post_init__``), ``check_supported`` (the
 rest of the vLLM config), ``check_this_host`` (what depends on this machine: the transport's
-host check, ``--afd-ffn-host``), then ``envs.check_all`` (the variables) and ``placement``'s Ray and
-secret checks.
+host check), then ``envs.check_all`` (the variables) and ``placement``'s Ray checks.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import json
 import logging
 import math
 import re
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -154,11 +152,12 @@ class AFDConfig:
         default=AUTO_TRANSPORT,
         metadata=_flag(
             "--afd-transport",
-            "Dispatch/combine backend between attention and FFN ranks: auto (shm on one CPU "
-            "host, slots on GPUs), shm (one host: the slot plane on shared memory), slots "
-            "(one node: the slot plane on the attention ranks' memory, device memory on GPUs, "
-            "CUDA-graph safe), nixl (across hosts: the slot plane over NIXL, CPU ranks), tcp "
-            "(across hosts), or an out-of-tree backend as package.module:BackendClass.",
+            "Dispatch/combine backend between attention and FFN ranks: auto (shm on one x86-64 "
+            "CPU host, nixl on other CPUs or with --afd-ray-address, slots on GPUs), shm (one "
+            "host: the slot plane on shared memory), slots (one node: the slot plane on the "
+            "attention ranks' memory, device memory on GPUs, "
+            "CUDA-graph safe), nixl (across hosts: the slot plane over NIXL, CPU ranks), "
+            "or an out-of-tree backend as package.module:BackendClass.",
             type=_transport_arg,
         ),
     )
@@ -234,13 +233,6 @@ class AFDConfig:
             "it printed) instead of starting one; this front-end's attention ranks are its own "
             "data x tensor parallel ranks. Not with --afd-ratio.",
             "GROUP_FILE",
-        ),
-    )
-    #: Interface the FFN ranks listen on (tcp transport). Loopback by default.
-    ffn_host: str = field(
-        default="127.0.0.1",
-        metadata=_flag(
-            "--afd-ffn-host", "Interface the FFN ranks listen on with the tcp transport.", "IP"
         ),
     )
 
@@ -354,6 +346,9 @@ class AFDConfig:
     def from_dict(cls, raw: dict[str, Any]) -> AFDConfig:
         """Build from ``additional_config["afd"]`` (all values may be strings)."""
         raw = _renamed_keys(raw)
+        retired = sorted(set(raw) & set(RETIRED_KEYS))
+        if retired:
+            raise AFDConfigError(f"additional_config.afd.{retired[0]}: {RETIRED_KEYS[retired[0]]}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -416,6 +411,11 @@ class AFDConfig:
 
 #: Keys renamed to their flag's name: old key -> new key (the old ones are still taken).
 RENAMED_KEYS = {"timeout_s": "timeout", "failover_s": "failover_timeout"}
+#: Keys of retired settings: key -> what to do instead (refused with that advice).
+RETIRED_KEYS = {
+    "ffn_host": "--afd-ffn-host went with the tcp transport; across hosts --afd-transport nixl "
+    "takes its interface from UCX_NET_DEVICES (docs/operations.md)",
+}
 
 
 def _renamed_keys(raw: dict[str, Any]) -> dict[str, Any]:
@@ -733,16 +733,9 @@ def _check_kv_transfer(vllm_config: Any, afd: AFDConfig) -> None:
 
 
 def check_this_host(afd: AFDConfig) -> None:
-    """Raise ``AFDConfigError`` if this machine cannot run ``afd`` (front-end only: other
-    processes may run elsewhere).
-
-    - the transport's own check of this machine (``Backend.host_problem``; shm: x86-64 store
-      ordering).
-    - ``--afd-ffn-host`` must be an IP address or a host name that resolves; with a local Ray
-      instance (the FFN ranks run here) it must also be an address of this machine (the
-      wildcard ``0.0.0.0`` included), i.e. one the FFN ranks can listen on.
-    """
-    from vllm_afd.host import is_loopback
+    """Raise ``AFDConfigError`` if this machine cannot run ``afd``'s transport
+    (``Backend.host_problem``; shm: x86-64 store ordering). Front-end only: other processes
+    may run elsewhere."""
     from vllm_afd.transport import backend
 
     # auto here: a front-end joining a group (which checks that it runs the group's backend)
@@ -750,42 +743,6 @@ def check_this_host(afd: AFDConfig) -> None:
     problem = transport and transport.host_problem()
     if problem:
         raise AFDConfigError(f"{_where('transport')}: {problem}")
-    host = afd.ffn_host
-    try:
-        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
-        raise AFDConfigError(
-            f"{_where('ffn_host')}: {host!r} is neither an IP address nor a host name that "
-            f"resolves ({exc}); use 127.0.0.1 (default) or an address of the FFN ranks' host"
-        ) from None
-    if afd.ray_is_local and not any(_can_bind(info) for info in infos):
-        raise AFDConfigError(
-            f"{_where('ffn_host')}: {host!r} is not an address of this machine, where the "
-            "FFN ranks of the local Ray instance listen; use 127.0.0.1 (default), 0.0.0.0 or "
-            "one of this machine's addresses"
-        )
-    if (
-        transport
-        and transport.plaintext_on_ffn_host
-        and not all(is_loopback(i[4][0]) for i in infos)
-    ):
-        logger.warning(
-            "AFD: the %s transport listens on %s: peers are authenticated (HMAC with the "
-            "deployment's secret) but hidden states cross the network unencrypted; keep it on "
-            "a private network",
-            transport.name,
-            host,
-        )
-
-
-def _can_bind(info: tuple) -> bool:
-    family, kind, proto, _, address = info
-    try:
-        with socket.socket(family, kind, proto) as sock:
-            sock.bind((address[0], 0))
-        return True
-    except OSError:
-        return False
 
 
 def check_gpu_microbatches(afd: AFDConfig) -> None:

@@ -3,7 +3,7 @@
 Runs in the front-end process, inside ``EngineArgs.create_engine_config`` (patch P3), i.e.
 after vLLM has validated its own arguments and before any engine core or worker starts. Every
 AFD input is validated here first (``check_settings``: the flags, the vLLM config, this host,
-the variables, the tcp secret and the Ray address), so bad input fails with one
+the variables and the Ray address), so bad input fails with one
 ``AFDConfigError`` naming the flag or variable and what is allowed (``vllm-afd serve`` exits 2
 with it) and nothing running; then the FFN group is started and its address exported to the
 attention ranks.
@@ -367,20 +367,13 @@ def _nvml_peer_access(a: int, b: int) -> bool:
 def check_settings(afd: AFDConfig, info, ranks: int) -> None:
     """Every check of a resolved configuration that needs no engine and starts nothing: the
     FFN rank count against the model, this host, the ``VLLM_AFD_*`` variables (against the
-    timeout and, with a local Ray instance, this machine's CPUs), a user-given tcp secret file
-    and the Ray address."""
+    timeout and, with a local Ray instance, this machine's CPUs) and the Ray address."""
     from vllm_afd.placement import check_ray_address
 
     num_ffn = afd.num_ffn_ranks(ranks)
     info.check_ffn_ranks(num_ffn)
     check_this_host(afd)
     envs.check_all(num_ffn, timeout_s=afd.timeout, local=afd.ray_is_local)
-    from vllm_afd.transport import backend
-
-    if backend(afd.transport).needs_secret and envs.VLLM_AFD_AUTH_FILE:
-        from vllm_afd.transport.auth import load_secret
-
-        load_secret()
     check_ray_address(afd.ray_address)
 
 

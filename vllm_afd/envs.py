@@ -20,11 +20,6 @@ Variables a user sets:
 ``VLLM_AFD_POLL_MS``
     Milliseconds a waiting transport endpoint polls (spin, then yield the CPU) before it
     sleeps (number >= 0, default 20, at most ``--afd-timeout``); see ``transport/wait.py``.
-``VLLM_AFD_AUTH_FILE``
-    Path of the tcp transport's shared secret (``transport/auth.py``): this user's file, mode
-    0600, at least 16 bytes. Unset: the front-end creates one per deployment in a private
-    directory and sets this variable for the processes it starts. Set it (to the same file on
-    every host) when FFN ranks run on other hosts.
 ``VLLM_AFD_ADMIN_TOKEN_FILE``
     Path of the deployment's admin token (``POST /afd/scale`` and the full ``/afd/status``
     take it as a bearer token, as they take ``--api-key``): this user's file, mode 0600 or
@@ -71,7 +66,6 @@ PLAN_HARDWARE = "VLLM_AFD_PLAN_HARDWARE"
 PLAN_PROFILE = "VLLM_AFD_PLAN_PROFILE"
 BENCH_CPUS = "VLLM_AFD_BENCH_CPUS"
 FAULT_FILE = "VLLM_AFD_FAULT_FILE"
-AUTH_FILE = "VLLM_AFD_AUTH_FILE"
 ADMIN_TOKEN_FILE = "VLLM_AFD_ADMIN_TOKEN_FILE"
 FRONT_END = "VLLM_AFD_FRONT_END"
 DEFAULT_POLL_MS = 20.0
@@ -159,7 +153,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     PLAN_PROFILE: lambda: _text(PLAN_PROFILE),
     BENCH_CPUS: _bench_cpus,
     FAULT_FILE: lambda: _text(FAULT_FILE),
-    AUTH_FILE: lambda: _text(AUTH_FILE),
     ADMIN_TOKEN_FILE: lambda: _text(ADMIN_TOKEN_FILE),
     FRONT_END: lambda: _text(FRONT_END),
 }
@@ -202,8 +195,6 @@ def check_all(num_ffn_ranks: int, timeout_s: float | None = None, local: bool = 
         timeout_s: ``--afd-timeout``; the poll window may not be longer.
         local: the FFN ranks run on this host (a local Ray instance): their CPU binding and
             thread count are checked against the CPUs this process may run on.
-
-    ``VLLM_AFD_AUTH_FILE`` is checked by ``deployment.setup_afd`` (``transport.auth``).
     """
     lists = ffn_cpu_lists(num_ffn_ranks)
     threads = _ffn_threads()

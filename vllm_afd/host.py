@@ -15,7 +15,7 @@ ours. Every file of the product there is therefore opened with ``O_NOFOLLOW`` (a
 ``O_NONBLOCK`` when only read, so a planted FIFO cannot block the opener), created with
 ``O_EXCL`` and mode 0600, and checked after opening (``check_owned``: a regular file, owned by
 this user, no access for group or others) before a byte of it is trusted. Secrets (the Ray
-token, the tcp transport's shared secret) live in a private directory (``private_dir``:
+token, the admin token) live in a private directory (``private_dir``:
 ``mkdtemp``, mode 0700) in files of mode 0600 (``write_private_file``, ``read_private_file``).
 """
 
@@ -46,7 +46,7 @@ def shm_platform_problem() -> str | None:
         return None
     return (
         f"the shm transport relies on x86-64 store ordering and this CPU ({platform.machine()}) "
-        "is weakly ordered (messages could be read torn); use --afd-transport tcp"
+        "is weakly ordered (messages could be read torn); use --afd-transport nixl"
     )
 
 
@@ -90,7 +90,7 @@ def private_dir(prefix: str = PRIVATE_PREFIX) -> str:
 
 def reap_private_dirs(prefix: str = PRIVATE_PREFIX) -> tuple[list[str], list[str]]:
     """Remove this user's private directories (``private_dir``) whose creator died without
-    removing it (a SIGKILLed front-end leaves its Ray token, tcp secret, FFN directory and
+    removing it (a SIGKILLed front-end leaves its Ray token, FFN directory and
     leases), and the multiprocessing segments their ledgers name (``reclaim_ledger``); returns
     the directories' paths and the segments' names. A directory of a live pid (or another
     user's, or one whose name carries no pid) is left alone."""
@@ -385,10 +385,6 @@ def reap_segments(
     return reaped
 
 
-#: Where everything of ours listens unless told otherwise.
-LOOPBACK = "127.0.0.1"
-
-
 def is_loopback(ip: str) -> bool:
     """Whether ``ip`` (an IPv4 or IPv6 address, a zone suffix or an IPv4-mapped form allowed)
     is a loopback address; a host name is not."""
@@ -398,14 +394,6 @@ def is_loopback(ip: str) -> bool:
         return False
     mapped = getattr(address, "ipv4_mapped", None)
     return (mapped or address).is_loopback
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` -> ``(host, port)``; an empty host is ``LOOPBACK``."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"tcp address must be 'host:port', got {address!r}")
-    return host or LOOPBACK, int(port)
 
 
 def free_port() -> int:

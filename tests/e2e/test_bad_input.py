@@ -100,7 +100,7 @@ def _cases(qwen3: str, dense: str) -> list[Case]:
         ),
         (
             "option without ratio",
-            (qwen3, "--afd-transport", "tcp"),
+            (qwen3, "--afd-transport", "nixl"),
             "--afd-ratio (or --afd-join) is required",
         ),
         (
@@ -124,24 +124,14 @@ def _cases(qwen3: str, dense: str) -> list[Case]:
             "additional_config.afd is empty: --afd-ratio (additional_config.afd.ratio) is required",
         ),
         (
-            "FFN host not on this machine",
-            (
-                qwen3,
-                "--afd-ratio",
-                "1:1",
-                "--afd-transport",
-                "tcp",
-                "--afd-ffn-host",
-                "203.0.113.7",
-            ),
-            "--afd-ffn-host (additional_config.afd.ffn_host): '203.0.113.7' is not an address of "
-            "this machine",
+            "retired transport",
+            (qwen3, "--afd-ratio", "1:1", "--afd-transport", "tcp"),
+            "'tcp' is retired; across hosts use nixl",
         ),
     ]
     bad_cpus = {"VLLM_AFD_FFN_CPUS": "0|1"}  # two CPU lists for one FFN rank
     bad_poll = {"VLLM_AFD_POLL_MS": "-1"}
     absent_cpu = str(max(os.sched_getaffinity(0)) + 1)
-    tcp = (qwen3, "--afd-ratio", "1:1", "--afd-transport", "tcp")
     return [(*case, None) for case in flag_cases] + [
         ("FFN CPU lists", (qwen3, "--afd-ratio", "1:1"), "VLLM_AFD_FFN_CPUS", bad_cpus),
         ("poll window", (qwen3, "--afd-ratio", "1:1"), "VLLM_AFD_POLL_MS='-1'", bad_poll),
@@ -162,12 +152,6 @@ def _cases(qwen3: str, dense: str) -> list[Case]:
             (qwen3, "--afd-ratio", "1:1"),
             "VLLM_AFD_FFN_THREADS='99999999999999999999'",
             {"VLLM_AFD_FFN_THREADS": "99999999999999999999"},
-        ),
-        (
-            "tcp secret file",
-            tcp,
-            "VLLM_AFD_AUTH_FILE='/nonexistent/afd_secret': cannot use it",
-            {"VLLM_AFD_AUTH_FILE": "/nonexistent/afd_secret"},
         ),
         (
             "admin token file",

@@ -4,8 +4,8 @@ Each configuration runs in a fresh process (``vllm_afd.bench.offline_run``), wit
 prefill and prefix caching on, prompts of different lengths (one longer than the chunk size,
 two sharing a long prefix) submitted together, and the default two ping-pong microbatches.
 ``make test`` runs 1:1 and 1:2 (shared experts); ``make test-all`` adds tensor-parallel
-attention ranks (on the slot plane), FFN ranks bound to CPUs, the tcp transport and a backend
-named by module path.
+attention ranks (on the slot plane), FFN ranks bound to CPUs, the slot plane over NIXL and a
+backend named by module path.
 """
 
 from __future__ import annotations
@@ -126,12 +126,13 @@ def test_afd_1_2_mixtral_two_ffn_ranks_bound_to_their_cpus(tiny_mixtral, run_pai
 
 
 @pytest.mark.full
-def test_tcp_and_an_out_of_tree_backend_match_colocated(
+def test_nixl_and_an_out_of_tree_backend_match_colocated(
     tiny_qwen3, colocated_qwen3, run_pair, tmp_path
 ):
-    """The tcp transport, and a backend written in one test file (``counting_backend.py``)
-    named by module path, which no product module knows, with a setting of its own
-    (``--afd-transport-config``): every combine and every FFN reply went through it."""
+    """The slot plane over NIXL on one host, and a backend written in one test file
+    (``counting_backend.py``) named by module path, which no product module knows, with a
+    setting of its own (``--afd-transport-config``): every combine and every FFN reply went
+    through it."""
     root = str(Path(__file__).parents[2])
     counting = {
         "ratio": "1:1",
@@ -139,12 +140,12 @@ def test_tcp_and_an_out_of_tree_backend_match_colocated(
         "transport_config": {"counts_dir": str(tmp_path)},
     }
     env = {"PYTHONPATH": root}
-    tcp, custom = run_pair(
-        _job(tiny_qwen3, {"ratio": "1:1", "transport": "tcp"}),
+    nixl, custom = run_pair(
+        _job(tiny_qwen3, {"ratio": "1:1", "transport": "nixl"}),
         _job(tiny_qwen3, counting) | {"env": env},
     )
-    _assert_same_tokens(tcp, colocated_qwen3)
-    assert tcp["ffn"][0]["address"].startswith("127.0.0.1:")
+    _assert_same_tokens(nixl, colocated_qwen3)
+    assert nixl["ffn"][0]["address"].startswith("nixl:")
     _assert_same_tokens(custom, colocated_qwen3)
     (ffn,) = custom["ffn"]
     replies = int((tmp_path / "ffn0").read_text())

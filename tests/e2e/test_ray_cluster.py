@@ -8,8 +8,9 @@ across Ray nodes is what the suite runs. Under six streams of 300 tokens the nod
 FFN rank dies (every process of that
 node's session killed: its raylet and the rank): the supervisor sees the loss (the pid, and
 through Ray: ``failover.RayWatch``), Ray places the rank's bundle on the other node, the
-replacement starts there, and every stream ends with colocated's text. Stopping the server
-leaves the cluster running (the deployment only joined it).
+replacement starts there, and every stream ends with colocated's text. No listener of the
+server or its FFN rank is off loopback without authentication (UCX's are on loopback).
+Stopping the server leaves the cluster running (the deployment only joined it).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from pathlib import Path
 import psutil
 import pytest
 from failoverlib import colocated_job, lose_the_ffn_rank_under_streams
+from listenerlib import grpc_answer, listeners, process_name
 from serverlib import Server, session_processes
+
+from vllm_afd.host import is_loopback
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
@@ -156,6 +160,17 @@ def test_a_node_holding_the_ffn_rank_dies_under_streams_and_nothing_is_lost(
         colocated = run_once(colocated_job(tiny_qwen3))
         server.wait_healthy()
         assert "--afd-transport auto -> nixl" in server.log.read_text()
+        # NIXL's agents (UCX's tcp listener in the engine core and in the FFN rank): on
+        # loopback; off it only Ray's gRPC servers (a cluster's, not single-machine mode),
+        # which answer a call without the token UNAUTHENTICATED
+        ffn = psutil.Process(server.ffn_pid())
+        found = listeners([*session_processes(server.proc.pid), ffn])
+        assert any(p.pid == ffn.pid for p, _, _ in found), "the FFN rank listens nowhere"
+        off = [(ip, port, process_name(p)) for p, ip, port in found if not is_loopback(ip)]
+        open_ = [
+            (ip, port, name) for ip, port, name in off if grpc_answer(port) != "UNAUTHENTICATED"
+        ]
+        assert open_ == [], f"listeners off loopback without authentication: {open_}"
         sessions = [node.pid for node in nodes]
         first = os.getsid(server.ffn_pid())
         assert first in sessions, "the FFN rank runs on neither CPU node"

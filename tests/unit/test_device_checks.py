@@ -24,9 +24,11 @@ def _check(afd, ranks=7, gpus=8):
     check_devices(afd, ranks, "cuda", gpus_on_node=gpus)
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_host_memory_transports_are_refused_for_a_cuda_model(transport):
-    with pytest.raises(AFDConfigError, match=rf"--afd-transport .*{transport}: .*host memory"):
+@pytest.mark.parametrize(
+    ("transport", "why"), [("shm", "host memory"), ("nixl", "GPU memory through NIXL")]
+)
+def test_host_memory_transports_are_refused_for_a_cuda_model(transport, why):
+    with pytest.raises(AFDConfigError, match=rf"--afd-transport .*{transport}: .*{why}"):
         _check(_afd(transport=transport))
     check_devices(_afd(transport=transport, ffn_device="cpu"), 7, "cpu")
 
@@ -59,7 +61,7 @@ def test_the_slot_plane_is_refused_across_two_kinds_of_memory():
 
 
 def test_auto_transport_picks_by_device_and_host(monkeypatch):
-    """``--afd-transport auto`` (the default): shm on an x86-64 CPU host, tcp on other CPUs,
+    """``--afd-transport auto`` (the default): shm on an x86-64 CPU host, nixl on other CPUs,
     the slot plane on GPUs; the front-end writes the choice back for every process."""
     from vllm_afd import deployment
     from vllm_afd.config import AFDConfig
@@ -71,14 +73,15 @@ def test_auto_transport_picks_by_device_and_host(monkeypatch):
     monkeypatch.setattr(deployment, "_attention_device", lambda: "cuda")
     assert deployment._resolve_transport(AFDConfig(ratio=(1, 1))).transport == "slots"
     monkeypatch.setattr(ShmBackend, "host_problem", classmethod(lambda cls: "shm: not x86-64"))
-    assert auto_backend("cpu", "cpu") == "tcp"
+    assert auto_backend("cpu", "cpu") == "nixl"
     with pytest.raises(ValueError, match=r"no transport backend connects cuda .* to cpu FFN"):
         auto_backend("cuda", "cpu")
 
 
 def test_auto_transport_takes_nixl_where_ffn_ranks_may_be_on_other_hosts(monkeypatch):
     """With a given Ray cluster (``--afd-ray-address``) CPU ranks get the slot plane over
-    NIXL (installed by ``make venv``), tcp where NIXL is not; GPUs keep the slot plane."""
+    NIXL (installed by ``make venv``), and without NIXL a start is refused with the reason
+    (host memory ends at the host); GPUs keep the slot plane."""
     from vllm_afd import deployment
     from vllm_afd.config import AFDConfig
     from vllm_afd.transport import auto_backend
@@ -89,7 +92,9 @@ def test_auto_transport_takes_nixl_where_ffn_ranks_may_be_on_other_hosts(monkeyp
     assert deployment._resolve_transport(AFDConfig(ratio=(1, 1))).transport == "shm"
     assert auto_backend("cuda", "cuda", across_hosts=True) == "slots"
     monkeypatch.setattr(NixlBackend, "host_problem", classmethod(lambda cls: "nixl: missing"))
-    assert auto_backend("cpu", "cpu", across_hosts=True) == "tcp"
+    with pytest.raises(ValueError, match=r"connects cpu attention .*: nixl: missing$"):
+        auto_backend("cpu", "cpu", across_hosts=True)
+    assert auto_backend("cpu", "cpu") == "shm"
 
 
 def test_auto_transport_takes_no_backend_settings():

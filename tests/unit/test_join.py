@@ -85,7 +85,7 @@ def test_ranks_held_by_a_live_front_end_are_skipped_and_a_dead_ones_taken_over(g
     [
         ({"dtype": torch.bfloat16}, "dtype 'float32', this front-end 'bfloat16'"),
         ({"model": dataclasses.replace(MODEL, num_experts=16)}, "experts, top_k, hidden size"),
-        ({"transport": "tcp"}, "transport (--afd-transport) 'shm', this front-end 'tcp'"),
+        ({"transport": "nixl"}, "transport (--afd-transport) 'shm', this front-end 'nixl'"),
         ({"max_tokens": 65}, "--max-num-batched-tokens 65 is more than the FFN group takes"),
         ({"microbatches": 3}, "--afd-microbatches 3 is more than the FFN group's 2 slots"),
     ],

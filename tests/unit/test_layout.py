@@ -169,7 +169,7 @@ CONCRETE_BACKENDS = {
     "vllm_afd.transport.slot_plane",
     "vllm_afd.transport.slot_plane_cuda",
     "vllm_afd.transport.slots",
-    "vllm_afd.transport.tcp",
+    "vllm_afd.transport.nixl",
     "vllm_afd.testing.reference",
 }
 

@@ -1,5 +1,5 @@
 """What the FFN group start puts where (``placement/credentials.py``): no credential in Ray's
-metadata, the Ray token and the tcp secret in private files, and the environment restored at
+metadata, the Ray token in a private file, and the environment restored at
 stop."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import stat
 import pytest
 
 from vllm_afd import envs, placement
-from vllm_afd.config import AFDConfig
 
 
 def test_runtime_env_carries_only_what_an_ffn_rank_reads():
@@ -19,7 +18,7 @@ def test_runtime_env_carries_only_what_an_ffn_rank_reads():
         "VLLM_AFD_FFN_CPUS": "1",
         "VLLM_AFD_FFN_THREADS": "2",
         "VLLM_AFD_POLL_MS": "5",
-        "VLLM_AFD_AUTH_FILE": "/tmp/x/tcp_secret",  # a path, not the secret
+        "VLLM_AFD_FAULT_FILE": "/tmp/x/faults",
         "VLLM_AFD_PLAN_PROFILE": "/p.json",  # front-end only
         "VLLM_AFD_RUNTIME": "{}",
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -37,7 +36,7 @@ def test_runtime_env_carries_only_what_an_ffn_rank_reads():
         "VLLM_AFD_FFN_CPUS": "1",
         "VLLM_AFD_FFN_THREADS": "2",
         "VLLM_AFD_POLL_MS": "5",
-        "VLLM_AFD_AUTH_FILE": "/tmp/x/tcp_secret",
+        "VLLM_AFD_FAULT_FILE": "/tmp/x/faults",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_SOMETHING_NEW": "x",
         "VLLM_HOST_IP": "127.0.0.1",
@@ -54,7 +53,7 @@ def test_runtime_env_carries_only_what_an_ffn_rank_reads():
         ("DB_PASSWORD", True),
         ("HF_TOKEN", True),
         ("VLLM_MAX_BAD_WORDS_TOTAL_TOKENS", False),
-        ("VLLM_AFD_AUTH_FILE", False),
+        ("VLLM_AFD_ADMIN_TOKEN_FILE", True),
         ("VLLM_KEYBOARD", False),
     ],
 )
@@ -62,34 +61,26 @@ def test_looks_secret(name, secret):
     assert placement.looks_secret(name) is secret
 
 
-def test_tcp_secret_and_ray_token_are_private_and_released(monkeypatch):
-    monkeypatch.delenv(envs.AUTH_FILE, raising=False)
+def test_the_ray_token_is_private_and_released(monkeypatch):
     monkeypatch.setenv(placement.RAY_AUTH_MODE, "disabled")
     monkeypatch.setenv(placement.RAY_AUTH_TOKEN, "the user's token for another cluster")
     monkeypatch.setattr(placement.credentials, "_refresh_ray_auth", lambda: None)
     try:
-        placement.prepare_transport_secret(AFDConfig(ratio=(1, 1), transport="tcp"))
         placement.use_local_ray_credentials()
         directory = placement.credentials._PRIVATE
         assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
-        for path in (os.environ[envs.AUTH_FILE], os.environ[placement.RAY_AUTH_TOKEN_PATH]):
-            assert os.path.dirname(path) == directory
-            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        path = os.environ[placement.RAY_AUTH_TOKEN_PATH]
+        assert os.path.dirname(path) == directory
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         assert os.environ[placement.RAY_AUTH_MODE] == "token"
         assert placement.RAY_AUTH_TOKEN not in os.environ  # it would win over the file
         assert os.environ[placement.RAY_CLUSTER_MODE] == "0"
     finally:
         placement.release_credentials()
     assert not os.path.exists(directory)
-    assert envs.AUTH_FILE not in os.environ
     assert os.environ[placement.RAY_AUTH_MODE] == "disabled"
     assert os.environ[placement.RAY_AUTH_TOKEN] == "the user's token for another cluster"
     assert placement.RAY_CLUSTER_MODE not in os.environ
-
-
-def test_a_given_secret_file_is_used_as_is(monkeypatch, tcp_secret):
-    placement.prepare_transport_secret(AFDConfig(ratio=(1, 1), transport="tcp"))
-    assert os.environ[envs.AUTH_FILE] == tcp_secret and placement.credentials._PRIVATE is None
 
 
 def test_given_cluster_token_is_passed_through(monkeypatch):
@@ -106,8 +97,8 @@ def test_given_cluster_token_is_passed_through(monkeypatch):
 
 
 def test_private_directories_of_dead_front_ends_are_reaped(tmp_path, monkeypatch):
-    """A SIGKILLed front-end leaves its private directory (Ray token, tcp secret, FFN
-    directory); the next start removes it, and only it."""
+    """A SIGKILLed front-end leaves its private directory (Ray token, FFN directory,
+    admin token); the next start removes it, and only it."""
     import subprocess
     import sys
 

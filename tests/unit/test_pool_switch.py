@@ -2,8 +2,8 @@
 boundary (``AttentionSession.switch_pending``), and its answers stay those of the old pool.
 
 Real FFN ranks (reference serve loops in threads, ``LocalMoE`` experts) on every backend that
-claims live scaling (the slot plane on host memory, tcp): pool 1 has one rank, pool 2 two (each
-holding half the experts). The pool is published as
+claims live scaling (the slot plane on host memory and over NIXL): pool 1 has one rank, pool
+2 two (each holding half the experts). The pool is published as
 ``placement/scaling.py`` does (``directory.publish_pool``); the session's watcher switches an
 idle rank by itself, and a rank inside a step (``STEP_LOCK`` held, as the runner holds it: W1)
 switches before its next step.
@@ -71,7 +71,7 @@ class _Rank:
         self.transport.close()
 
 
-@pytest.fixture(params=["shm", "tcp"])
+@pytest.fixture(params=["shm", "nixl"])
 def pools(request, tmp_path, monkeypatch):
     """The hook connected to pool 1 (one FFN rank); yields (session, the pools' specs, their
     ranks, inputs, layers). Pool 2 (two ranks, half the experts each) runs, not published."""
@@ -100,7 +100,6 @@ def pools(request, tmp_path, monkeypatch):
             base,
             num_ffn_ranks=count,
             directory=str(tmp_path / f"ffn{epoch}"),
-            addresses=("127.0.0.1:0",) * count if request.param == "tcp" else (),
         )
         started = [_Rank(spec, r, weights) for r in range(count)]
         specs.append(
@@ -166,7 +165,7 @@ def test_a_rank_inside_a_step_switches_before_its_next_step(pools):
 
 def test_a_pool_that_cannot_be_reached_leaves_the_rank_on_its_own(pools, caplog):
     session, specs, ranks, inputs, layers = pools
-    nowhere = {"shm": ("afd_nosuchsegment0", "afd_nosuchsegment1"), "tcp": ("127.0.0.1:1",) * 2}
+    nowhere = {"shm": ("afd_nosuchsegment0", "afd_nosuchsegment1"), "nixl": ("nixl:nowhere",) * 2}
     gone = dataclasses.replace(specs[1], addresses=nowhere[specs[1].backend])
     directory.publish_pool(specs[0].directory, directory.Pool(2, gone.to_json()))
     assert _wait(lambda: session.watcher.given_up == 2)

@@ -3,7 +3,7 @@ requests again one by one (``attention/failures.py``), and the scheduler finishe
 that fail alone with vLLM's request error (patch W2, ``fail_requests``).
 
 The hook runs against a real FFN rank (an executor thread on the tiny Qwen3-MoE), on every
-backend that claims request isolation (the slot plane on host memory, tcp), whose
+backend that claims request isolation (the slot plane on host memory and over NIXL), whose
 serve loop raises for any request of at least 5 rows (``VLLM_AFD_FAULT_FILE`` reading
 ``rows>=5``), with the model runner's batch layout given as vLLM's runner holds it.
 """
@@ -43,7 +43,7 @@ def _runner(batch: dict[str, int]) -> SimpleNamespace:
     )
 
 
-@pytest.fixture(params=["shm", "tcp"])
+@pytest.fixture(params=["shm", "nixl"])
 def hook(request, tiny_qwen3, tmp_path, monkeypatch):
     """The hook connected to one FFN rank with the fault armed; yields (fault file, inputs)."""
     from transformers import AutoConfig
@@ -66,7 +66,6 @@ def hook(request, tiny_qwen3, tmp_path, monkeypatch):
         top_k=info.top_k,
         max_tokens=16,
         moe_layers=info.moe_layers,
-        addresses=("127.0.0.1:0",) if request.param == "tcp" else (),
     )
     executor = FFNExecutor(spec, 0, tiny_qwen3, "cpu")
     executor.start()

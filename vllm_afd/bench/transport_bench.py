@@ -64,7 +64,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from vllm_afd import envs
 from vllm_afd.testing.ffn import EchoForward, ffn_worker_main
 from vllm_afd.transport import TransportSpec, create_attention_transport
 from vllm_afd.transport import backend as transport_backend
@@ -85,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m vllm_afd.bench.transport_bench",
         description="Round-trip latency of the CPU AFD transports against two memory-copy floors.",
     )
-    p.add_argument("--backends", nargs="+", default=["shm", "tcp"], metavar="NAME")
+    p.add_argument("--backends", nargs="+", default=["shm", "nixl"], metavar="NAME")
     p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS), metavar="T")
     p.add_argument(
         "--hidden",
@@ -521,20 +520,6 @@ def _machine() -> dict:
     }
 
 
-def _secret() -> str | None:
-    """Endpoints that authenticate (``Backend.needs_secret``: tcp) use a deployment's shared
-    secret: give the benchmark's one (a private directory, removed at the end), unless
-    ``VLLM_AFD_AUTH_FILE`` names one."""
-    if envs.VLLM_AFD_AUTH_FILE:
-        return None
-    from vllm_afd.host import private_dir, write_private_file
-    from vllm_afd.transport.auth import new_secret
-
-    directory = private_dir()
-    os.environ[envs.AUTH_FILE] = write_private_file(f"{directory}/tcp_secret", new_secret())
-    return directory
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -542,9 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     cpus = allowed[:2] if args.pin and len(allowed) >= 2 else None
     if cpus:
         os.sched_setaffinity(0, {cpus[0]})
-    needs_secret = any(transport_backend(name).needs_secret for name in args.backends)
-    secret_dir = _secret() if needs_secret else None
-    ctx = mp.get_context("forkserver")  # its children inherit the secret's path
+    ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["vllm_afd.testing.ffn"])
     print("  ".join(f"{c:>11}" for c in _COLUMNS))
     results = []
@@ -558,11 +541,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         peer.close()
         os.sched_setaffinity(0, allowed)
-        if secret_dir is not None:
-            from vllm_afd.host import remove_private_dir
-
-            remove_private_dir(secret_dir)
-            os.environ.pop(envs.AUTH_FILE, None)
     summary = summarize(results)
     for backend, s in summary.items():
         print(

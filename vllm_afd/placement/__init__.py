@@ -31,7 +31,6 @@ from vllm_afd.placement.credentials import (
     RAY_CLUSTER_MODE,
     ffn_runtime_env,
     looks_secret,
-    prepare_transport_secret,
     release_credentials,
     use_local_ray_credentials,
 )
@@ -72,7 +71,6 @@ __all__ = [
     "join_ffn_group",
     "looks_secret",
     "model_identity",
-    "prepare_transport_secret",
     "reap_dead_deployments",
     "reap_dead_segments",
     "release_credentials",

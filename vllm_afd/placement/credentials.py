@@ -17,8 +17,7 @@ Security. Ray runs code for whoever can talk to it, so its token authentication 
   ``token``); a cluster that refuses them is an ``AFDConfigError`` naming these variables.
 - Nothing secret goes into Ray's metadata: the FFN actors' runtime environment (stored in the
   GCS) carries only the variables an FFN rank reads (``ffn_runtime_env``), never a name that
-  looks like a credential, and the tcp transport's secret travels as a file path
-  (``VLLM_AFD_AUTH_FILE``, ``transport/auth.py``), never as a value.
+  looks like a credential.
 
 - The admin routes of the API server (``POST /afd/scale``, the full ``/afd/status``:
   ``routes.py``) take a bearer token, also when the server has no ``--api-key``: the
@@ -27,8 +26,8 @@ Security. Ray runs code for whoever can talk to it, so its token authentication 
   ``VLLM_AFD_ADMIN_TOKEN_FILE``). A client's address proves nothing: a sidecar, a proxy or a
   port-forward makes a remote caller local.
 
-The private directory (``host.private_dir``, mode 0700) holds the Ray token, the tcp secret
-and the admin token of one deployment, its FFN directory and, for ``vllm-afd ffn-server``, the
+The private directory (``host.private_dir``, mode 0700) holds the Ray token and the admin
+token of one deployment, its FFN directory and, for ``vllm-afd ffn-server``, the
 group file and the attention-rank leases; it is removed when the FFN group stops, and the next
 start removes the directories of front-ends that died without doing so
 (``reap_dead_deployments``).
@@ -42,7 +41,6 @@ import sys
 from collections.abc import Mapping
 
 from vllm_afd import envs
-from vllm_afd.config import AFDConfig
 from vllm_afd.errors import AFDConfigError
 from vllm_afd.host import (
     private_dir,
@@ -50,7 +48,6 @@ from vllm_afd.host import (
     remove_private_dir,
     write_private_file,
 )
-from vllm_afd.transport import backend
 
 logger = logging.getLogger("vllm.afd")
 
@@ -63,7 +60,7 @@ RAY_AUTH_MODE, RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH = (
 #: Ray's switch between single-machine mode (0: node address 127.0.0.1) and cluster mode.
 RAY_CLUSTER_MODE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 #: ``VLLM_AFD_*`` variables an FFN rank reads (the rest are the front-end's).
-FFN_AFD_VARIABLES = (envs.FFN_CPUS, envs.FFN_THREADS, envs.POLL_MS, envs.FAULT_FILE, envs.AUTH_FILE)
+FFN_AFD_VARIABLES = (envs.FFN_CPUS, envs.FFN_THREADS, envs.POLL_MS, envs.FAULT_FILE)
 #: Words that mark a variable as a credential: such a variable never reaches Ray's metadata.
 SECRET_WORDS = frozenset(
     {"KEY", "KEYS", "TOKEN", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS"}
@@ -85,7 +82,7 @@ def ffn_runtime_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     and dashboard), so it carries only what an FFN rank reads, and no credential:
 
     - the ``VLLM_AFD_*`` variables of ``FFN_AFD_VARIABLES`` (binding, threads, poll window,
-      fault file, the *path* of the tcp secret);
+      fault file);
     - ``OMP_*`` and ``VLLM_CPU_*`` (threading and the CPU kernels' settings), and every other
       variable vLLM itself declares (``vllm.envs``: the FFN rank builds and runs the model's
       MoE layers through vLLM, whose kernel choices these settings steer; ``VLLM_HOST_IP``...);
@@ -141,23 +138,6 @@ def private_directory() -> str:
     if _PRIVATE is None:
         _PRIVATE = private_dir()
     return _PRIVATE
-
-
-def prepare_transport_secret(afd: AFDConfig) -> None:
-    """A transport that authenticates its peers (``Backend.needs_secret``: tcp): make sure the
-    deployment has its shared secret
-    (``transport/auth.py``).
-
-    A ``VLLM_AFD_AUTH_FILE`` set by the user is used as it is (``deployment.setup_afd`` checked
-    it); otherwise a fresh secret is written into the private directory and the variable set
-    for every process started from here on.
-    """
-    if not backend(afd.transport).needs_secret or envs.VLLM_AFD_AUTH_FILE:
-        return
-    from vllm_afd.transport.auth import new_secret
-
-    path = write_private_file(os.path.join(private_directory(), "tcp_secret"), new_secret())
-    set_env(envs.AUTH_FILE, path)
 
 
 #: The shortest admin token taken from a file the operator gives (``VLLM_AFD_ADMIN_TOKEN_FILE``).

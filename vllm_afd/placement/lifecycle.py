@@ -32,7 +32,6 @@ from vllm_afd.placement.cluster import (
     wait_ready,
 )
 from vllm_afd.placement.credentials import (
-    prepare_transport_secret,
     private_directory,
     release_credentials,
 )
@@ -76,20 +75,16 @@ def start_ffn_group(request: GroupRequest) -> FFNGroup:
         num_slots=max(2, afd.microbatches),
         timeout_s=afd.timeout,
         moe_layers=model.moe_layers,
-        # What the FFN side is asked to listen on (tcp: interface, any free port); the
-        # addresses it actually got replace these once it is up.
-        addresses=backend(afd.transport).requested_addresses(afd.ffn_host, num_ffn),
         failover_s=afd.failover_timeout,
         config=afd.transport_config,
     )
-    key = json.dumps([spec.to_json(), model_dir, device, afd.ray_address, afd.ffn_host])
+    key = json.dumps([spec.to_json(), model_dir, device, afd.ray_address])
     with _LOCK:
         if _GROUP is not None and key == _GROUP_KEY:
             return _GROUP
         stop_ffn_group()
         check_ray_address(afd.ray_address)
         reap_dead_deployments()
-        prepare_transport_secret(afd)
         spec = dataclasses.replace(spec, directory=_ffn_directory())
         try:
             _GROUP = _launch(spec, afd, model_dir, device)

@@ -20,7 +20,7 @@ everything they hold (KV cache, scheduler, requests in flight); only the FFN poo
    in flight on it any more) and stops.
 
 Why no common step for every attention rank: FFN ranks that serve requests as they come
-(``transport.base.ServesRequests``: the slot plane on host memory, tcp) serve whatever arrives,
+(``transport.base.ServesRequests``: the slot plane on host memory and NIXL) serve whatever arrives,
 from any attention rank, so two attention ranks on two pools for a step is correct, and a rank
 idle for minutes never holds a scale up. FFN ranks that serve whole steps of every attention
 rank at once (the slot plane with the device's waits, every GPU) cannot scale live yet
@@ -171,7 +171,6 @@ def _scale(old: FFNGroup, count: int, switch_timeout_s: float) -> ScaleEvent:
     launch = dataclasses.replace(
         old.launch,
         num_ffn_ranks=count,
-        addresses=backend(spec.backend).requested_addresses(afd.ffn_host, count),
         directory=lifecycle._ffn_directory(epoch),
     )
     logger.info(

@@ -24,9 +24,9 @@ from vllm_afd.host import (
     write_private_file,
 )
 from vllm_afd.placement.cluster import FFNGroup, GroupRequest
-from vllm_afd.placement.credentials import private_directory, set_env
+from vllm_afd.placement.credentials import private_directory
 from vllm_afd.placement.health import keep_ledger, reap_dead_deployments
-from vllm_afd.transport import TransportSpec, backend, directory
+from vllm_afd.transport import TransportSpec, directory
 
 logger = logging.getLogger("vllm.afd")
 
@@ -64,7 +64,7 @@ def write_group_file(group: FFNGroup | None, path: str | None, model_dir: str) -
 
     The file (mode 0600) holds the group's ``TransportSpec`` (addresses, FFN directory), the
     model's identity and dtype, the package version, the lease directory where joining
-    front-ends take their attention ranks, and the *path* of the tcp secret: nothing secret.
+    front-ends take their attention ranks: nothing secret.
     Default place: the deployment's private directory. Returns the path.
     """
     global _SERVED_LEASES
@@ -83,7 +83,6 @@ def write_group_file(group: FFNGroup | None, path: str | None, model_dir: str) -
         "model_sha256": model_identity(model_dir),
         "leases": leases,
         "scale_requests": requests,
-        "auth_file": envs.VLLM_AFD_AUTH_FILE or "",
         "owner": {"host": socket.gethostname(), "pid": os.getpid()},
     }
     path = os.path.abspath(path or os.path.join(private_directory(), "group.json"))
@@ -177,9 +176,6 @@ def join_ffn_group(request: GroupRequest) -> TransportSpec:
     leases = str(content["leases"])
     first = _claim_ranks(leases, num_attention_ranks, spec.num_attention_ranks, where)
     _LEASES = (leases, list(range(first, first + num_attention_ranks)))
-    secret = backend(spec.backend).needs_secret
-    if secret and content.get("auth_file") and not envs.VLLM_AFD_AUTH_FILE:
-        set_env(envs.AUTH_FILE, str(content["auth_file"]))
     spec = dataclasses.replace(spec, attention_rank_offset=first)
     os.environ[envs.RUNTIME] = spec.to_json()
     keep_ledger(private_directory())  # vLLM's segments of this front-end, as a starter's

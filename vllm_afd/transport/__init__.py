@@ -25,10 +25,12 @@ from vllm_afd.transport.base import (
 # name -> "module:BackendClass"
 _BACKENDS: dict[str, str] = {
     "shm": "vllm_afd.transport.slots:ShmBackend",
-    "tcp": "vllm_afd.transport.tcp:TcpBackend",
     "slots": "vllm_afd.transport.slots:SlotsBackend",
     "nixl": "vllm_afd.transport.nixl:NixlBackend",
 }
+
+#: Backends that were: name -> what to use instead (``backend`` refuses them with that advice).
+_RETIRED = {"tcp": "retired; across hosts use nixl (the slot plane over NIXL), on one host shm"}
 
 
 def _is_target(text: str) -> bool:
@@ -60,24 +62,28 @@ def register_transport(name: str, target: str) -> None:
 
 
 #: ``--afd-transport auto``: the first of these whose endpoints this machine and these devices
-#: can run (``auto_backend``): shared memory on one CPU host, tcp on other CPUs, the slot plane
-#: on GPUs (device memory shared by CUDA IPC, within one node).
-AUTO_ORDER = ("shm", "tcp", "slots")
-#: The same where FFN ranks may run on other hosts (a given Ray cluster): the slot plane over
-#: NIXL where NIXL is installed, else tcp; on GPUs still the slot plane within one node.
-AUTO_ORDER_ACROSS_HOSTS = ("nixl", "tcp", "slots")
+#: can run (``auto_backend``): shared memory on one x86-64 CPU host, NIXL on other CPUs (whose
+#: weak store order shared memory cannot use), the slot plane on GPUs (device memory shared by
+#: CUDA IPC, within one node).
+AUTO_ORDER = ("shm", "nixl", "slots")
+#: The same for CPU attention ranks whose FFN ranks may run on other hosts (a given Ray
+#: cluster): the slot plane over NIXL, nothing else (host memory ends at the host). GPUs keep
+#: ``AUTO_ORDER``: the slot plane within one node (NIXL on device memory is not built).
+AUTO_ORDER_ACROSS_HOSTS = ("nixl",)
 
 
 def auto_backend(attention_device: str, ffn_device: str, across_hosts: bool = False) -> str:
     """The backend ``--afd-transport auto`` means for these devices (``"cpu"``, ``"cuda"``)
-    on this machine: the first of ``AUTO_ORDER`` (``AUTO_ORDER_ACROSS_HOSTS`` where FFN ranks
-    may run on other hosts) without a ``device_problem`` or ``host_problem``.
+    on this machine: the first of ``AUTO_ORDER`` (``AUTO_ORDER_ACROSS_HOSTS`` for CPU attention
+    ranks whose FFN ranks may run on other hosts) without a ``device_problem`` or
+    ``host_problem``.
 
     Raises:
         ValueError: naming each backend's reason, if none can.
     """
     reasons = []
-    for name in AUTO_ORDER_ACROSS_HOSTS if across_hosts else AUTO_ORDER:
+    cpu_across_hosts = across_hosts and attention_device == "cpu"
+    for name in AUTO_ORDER_ACROSS_HOSTS if cpu_across_hosts else AUTO_ORDER:
         cls = backend(name)
         problem = cls.device_problem(attention_device, ffn_device) or cls.host_problem()
         if problem is None:
@@ -103,6 +109,8 @@ def backend(name: str) -> type[Backend]:
             not import.
         TypeError: if the target is not a ``Backend`` subclass with endpoint classes.
     """
+    if name in _RETIRED:
+        raise ValueError(f"AFD transport backend {name!r} is {_RETIRED[name]}")
     target = _BACKENDS.get(name) or (name if _is_target(name) else None)
     if target is None:
         raise ValueError(
@@ -145,8 +153,8 @@ def create_attention_transport(spec: TransportSpec, rank: int) -> AttentionTrans
 def create_ffn_transport(spec: TransportSpec, rank: int) -> FFNTransport:
     """The FFN endpoint of backend ``spec.backend`` for FFN rank ``rank``.
 
-    An entry of ``spec.addresses`` is a request here (the slot plane: segment-name prefix, tcp:
-    the ``host:port`` to bind); the endpoint's ``address`` is what attention ranks connect to.
+    An entry of ``spec.addresses`` is a request here (the slot plane: segment-name prefix);
+    the endpoint's ``address`` is what attention ranks connect to.
 
     Raises:
         ValueError: for an unknown backend, or a ``spec``/``rank`` the backend refuses.

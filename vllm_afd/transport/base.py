@@ -95,11 +95,10 @@ class TransportSpec:
     num_slots: int = 2
     #: Upper bound for one combine to wait, in seconds.
     timeout_s: float = 30.0
-    #: Backend-specific rendezvous data filled in by the FFN side when it starts listening
-    #: (shared-memory segment names, host:port pairs, ...), one entry per FFN rank.
-    #: An entry in the spec given to the FFN side is a request, not a result: the slot plane
-    #: takes it as the segment-name prefix, tcp as the "host:port" to bind (port 0: any free
-    #: port).
+    #: Backend-specific rendezvous data filled in by the FFN side when it is up (shared-memory
+    #: segment names, NIXL agent metadata, ...), one entry per FFN rank. An entry in the spec
+    #: given to the FFN side is a request, not a result: the slot plane takes it as the
+    #: segment-name prefix.
     addresses: tuple[str, ...] = field(default_factory=tuple)
     #: The model's MoE layer indices, ascending (filled by placement from the model): what a
     #: step visits (``control.StepSchedule``).
@@ -200,7 +199,7 @@ class FFNRequest:
         reply_key: backend-private, identifies the request for ``reply`` (not its
             ``control.Tag``: that is ``layer``, ``step`` and ``microbatch``).
         reply_buffer: ``[N, H]`` ``spec.dtype`` where ``reply`` puts the answer, or ``None``
-            when the backend has no such buffer (tcp sends ``out`` itself). An FFN rank may
+            when the backend has no such buffer (it then sends ``out`` itself). An FFN rank may
             compute its answer straight into it and pass it to ``reply``, which then only
             publishes it (the slot plane: one copy less per request). Valid until ``reply``.
         step, microbatch: the rest of the request's tag (``control.Tag``), as sent.
@@ -419,13 +418,6 @@ class Backend:
     #: The endpoint classes (``create_attention_transport``, ``create_ffn_transport``).
     attention: ClassVar[type[AttentionTransport]]
     ffn: ClassVar[type[FFNTransport]]
-    #: It authenticates its peers with the deployment's shared secret (``auth.py``): the
-    #: front-end writes one (or checks the user's ``VLLM_AFD_AUTH_FILE``) and a joining
-    #: front-end takes the group's.
-    needs_secret: ClassVar[bool] = False
-    #: Its data plane crosses the FFN host's interface unencrypted (the front-end warns when
-    #: that interface is not loopback).
-    plaintext_on_ffn_host: ClassVar[bool] = False
     #: Its attention side dispatches only inside announced steps (``begin_step``): its FFN
     #: side learns what to serve from the schedules (``slots``). A producer that drives
     #: endpoints directly (a benchmark) announces steps for it.
@@ -494,12 +486,6 @@ class Backend:
         """Why it cannot connect attention ranks on ``attention_device`` to FFN ranks on
         ``ffn_device`` (``"cpu"``, ``"cuda"``); ``None``: it can."""
         return None
-
-    @classmethod
-    def requested_addresses(cls, ffn_host: str, num_ffn_ranks: int) -> tuple[str, ...]:
-        """``TransportSpec.addresses`` as asked of the FFN side (what it listens on); ``()``
-        when the FFN side chooses."""
-        return ()
 
     @classmethod
     def reap_stale(cls) -> list[str]:

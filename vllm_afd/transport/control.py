@@ -18,9 +18,8 @@ An FFN side that serves requests as they come needs the schedule to check them (
 plane, to read a request's layer: its flag carries the layer's position in the step). One that
 serves whole steps (``slots.SteppedPlaneFFN``) needs it to know which uses of its slots a step
 makes and how many rows each carries, which is why the schedule is a message of its own and the
-same on every backend. The slot plane serves only announced steps; a producer that never
-announces one on tcp (a benchmark or test driving a transport directly) sends step 0, whose
-requests are checked only against the spec's MoE layers.
+same on every backend. The slot plane serves only announced steps (a benchmark or test
+driving a transport directly announces them too).
 
 Encoding, shared by the backends: a schedule is a fixed number of int64 words (``words``):
 step, mode, microbatch count, ``WIRE_MICROBATCHES`` token counts, then a bitmap of layer

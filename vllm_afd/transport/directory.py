@@ -1,7 +1,7 @@
 """The FFN directory: where each FFN rank of a deployment can be reached now (failover).
 
 An FFN rank that dies, stops or wedges is replaced by a new process (``placement``'s
-supervisor), which listens on a new address (a new shm segment, a new tcp port). The attention
+supervisor), which has a new address (new shm segments, a new NIXL agent). The attention
 ranks, the ``/health`` check and ``/metrics`` learn about it here: one small JSON file per FFN
 rank (``rank<r>.json``) in a directory of the deployment (``TransportSpec.directory``: inside
 the deployment's private directory, mode 0700, removed with it). The supervisor is the only

@@ -1,6 +1,7 @@
 """The attention endpoint, written once: ``AttentionEndpoint`` drives every backend.
 
-The slot plane on any memory (``slots.py``) and the tcp wire run the same attention side.
+The slot plane on every memory (``slots.py``: shared memory, NIXL, device memory) runs this
+attention side.
 ``dispatch`` checks its arguments, splits the batch by FFN rank, takes the microbatch's slot,
 and sends each FFN rank its rows; ``combine`` waits for every FFN rank's answer until one
 deadline, sums the answers into the original order and frees the slot (``combine_hook`` splits
@@ -405,7 +406,7 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         lost: its directory entry is being replaced, given up, or a newer incarnation than the
         one this rank is linked to. A rank on another host whose node died (or was cut off)
         closes no connection; only the supervisor, watching it through Ray, can tell. Called
-        by a backend's wait while it blocks (tcp: ``DIRECTORY_CHECK_S``)."""
+        by a backend's wait while it blocks (the slot plane's watch)."""
         if not self.spec.fails_over:
             return
         entry = directory.lookup(self.spec.directory, ffn_rank)

@@ -79,8 +79,8 @@ _HEADER = struct.Struct("<qqq")
 _REGION = struct.Struct("<qq")
 #: ``UCX_NET_DEVICES`` where the operator set none: the loopback interface.
 LOOPBACK_DEVICE = "lo"
-#: Payloads up to this many bytes travel inside the notification (one message, as tcp sends
-#: one); larger ones by a WRITE the notification follows (docs/benchmarks.md, nixl).
+#: Payloads up to this many bytes travel inside the notification (one message); larger ones
+#: by a WRITE the notification follows (docs/benchmarks.md, nixl).
 INLINE_BYTES = 64 * 1024
 
 
@@ -191,8 +191,10 @@ class NixlPlaneMemory(HostWords):
         #: Mirrors of peers' buffers: (local base, local end, mirror), and by line address.
         self._mirrors: list[tuple[int, int, _Mirror]] = []
         self._mirror_of: dict[int, _Mirror] = {}
-        self._buffers: list[torch.Tensor] = []  # every registered buffer, kept alive
-        self._registered: list[Any] = []
+        #: Every registered buffer by base address: the buffer (kept alive), its registration
+        #: and, for a mirror, its peer's agent.
+        self._registered: dict[int, tuple[torch.Tensor, Any, str | None]] = {}
+        self._retired: set[str] = set()  # replaced peers whose mirrors go (``forget``)
         self._inflight: list[Any] = []  # WRITEs posted and not yet complete
         self._failed: set[str] = set()  # agents a WRITE failed to (logged once each)
         self._peers: list[str] = []  # agents connected to, or that connected to this one
@@ -207,10 +209,9 @@ class NixlPlaneMemory(HostWords):
         metadata: bytes = self.agent.get_agent_metadata()
         return metadata
 
-    def _register(self, nbytes: int) -> torch.Tensor:
+    def _register(self, nbytes: int, peer: str | None = None) -> torch.Tensor:
         buffer = torch.zeros(nbytes, dtype=torch.uint8)
-        self._registered.append(self.agent.register_memory(buffer))
-        self._buffers.append(buffer)
+        self._registered[buffer.data_ptr()] = (buffer, self.agent.register_memory(buffer), peer)
         return buffer
 
     def create(self, nbytes: int) -> tuple[torch.Tensor, str]:
@@ -247,7 +248,7 @@ class NixlPlaneMemory(HostWords):
         agent, address, size = _parse_handle(handle)
         if size != nbytes:
             raise TransportError(f"nixl: buffer {handle!r} is not of the {nbytes} bytes awaited")
-        mirror = self._register(nbytes)
+        mirror = self._register(nbytes, agent)
         base = mirror.data_ptr()
         data = mirror.numpy().data.cast("B")
         self._mirrors.append((base, base + nbytes, _Mirror(agent, base, address - base, data)))
@@ -270,13 +271,24 @@ class NixlPlaneMemory(HostWords):
                 f"nixl: reading buffer {handle!r} of agent {agent} failed ({state})"
             )
 
-    def _mirror(self, line: torch.Tensor) -> _Mirror:
+    def _mirror(self, line: torch.Tensor) -> _Mirror | None:
+        """The mirror holding ``line``; ``None`` once its peer was forgotten (``forget``)."""
         at = line.data_ptr()
         found = self._mirror_of.get(at)
         if found is None:
-            found = next(m for start, end, m in self._mirrors if start <= at < end)
-            self._mirror_of[at] = found
+            found = next((m for start, end, m in self._mirrors if start <= at < end), None)
+            if found is not None:
+                self._mirror_of[at] = found
         return found
+
+    def forget(self, agent: str) -> None:
+        """``agent`` was replaced or closed: its mirrors are deregistered (once no WRITE to it
+        is in flight: ``_pump``) and a push into one is dropped from now on."""
+        self._retired.add(agent)
+        self._mirrors = [m for m in self._mirrors if m[2].agent != agent]
+        self._mirror_of = {at: m for at, m in self._mirror_of.items() if m.agent != agent}
+        if agent in self._peers:
+            self._peers.remove(agent)
 
     def _push(self, regions: Sequence[torch.Tensor], line: torch.Tensor) -> None:
         """``PlaneMemory.push``: one notification carrying the line and, up to
@@ -284,6 +296,8 @@ class NixlPlaneMemory(HostWords):
         notification follows (NIXL sends it once the WRITE is complete)."""
         self._pump()  # progress what is in flight (a large WRITE needs its sender's)
         mirror = self._mirror(line)
+        if mirror is None:
+            return  # its peer is gone (``forget``)
         base, data = mirror.base, mirror.data
         spans = [(r.data_ptr() - base, r.numel() * r.element_size()) for r in regions]
         inline = sum(n for _, n in spans) <= INLINE_BYTES
@@ -349,10 +363,12 @@ class NixlPlaneMemory(HostWords):
                 else:
                     self._done(xfer, agent, state)
             self._inflight = still
+        if self._retired:
+            self._deregister_retired()
         notifs = self.agent.get_new_notifs()
         if not notifs:
             return
-        for messages in notifs.values():
+        for sender, messages in notifs.items():
             for message in messages:
                 if message[:1] == _HELLO:  # a peer that will offer buffers to write into
                     agent = self._add(message[1:])
@@ -364,12 +380,22 @@ class NixlPlaneMemory(HostWords):
                         self._drop(agent, exc)
                 elif message[:1] == _BYE:
                     self.gone.add(message[1:].decode())
+                    self.forget(message[1:].decode())
                 elif message[:1] == _STORES:
-                    self._store(message)
+                    try:
+                        self._store(message)
+                    except (TransportError, struct.error, ValueError) as exc:
+                        logger.warning(
+                            "AFD nixl: dropped a malformed store from %s: %s", sender, exc
+                        )
 
     def _store(self, message: bytes) -> None:
         """Apply a ``_STORES`` notification: the inline regions, then the line, its flag
-        last."""
+        last. Nothing is stored unless every part lies inside a buffer of this process.
+
+        Raises:
+            TransportError, struct.error, ValueError: for a message that is not one.
+        """
         view = memoryview(message)
         at, count, inline = _HEADER.unpack_from(view, 1)
         offset = 1 + _HEADER.size
@@ -377,20 +403,42 @@ class NixlPlaneMemory(HostWords):
         offset += inline * _REGION.size
         values = view[offset : offset + 8 * count].cast("q")
         offset += 8 * count
-        for address, nbytes in regions:
-            data, start = self._owner(address)
+        if count < 1 or len(values) != count or at % 8:
+            raise ValueError(f"a line of {count} word(s) at {at:#x}, {len(values)} sent")
+        stores = []
+        for address, nbytes in [*regions, (at, 8 * count)]:
+            data, start = self._owner(address, nbytes)
+            stores.append((data, start, nbytes))
+        if offset + sum(n for _, _, n in stores[:-1]) != len(view):
+            raise ValueError(f"{len(view)} bytes do not match the regions they name")
+        for data, start, nbytes in stores[:-1]:
             data[start : start + nbytes] = view[offset : offset + nbytes]
             offset += nbytes
-        data, start = self._owner(at)
+        data, start, _ = stores[-1]
         words, first = data.cast("q"), start // 8
         words[first + 1 : first + count] = values[1:]
         words[first] = values[0]  # the flag last
 
-    def _owner(self, address: int) -> tuple[memoryview, int]:
-        """The owned buffer holding ``address`` (its bytes) and ``address``'s offset in it.
+    def _deregister_retired(self) -> None:
+        """Deregister the mirrors of forgotten peers with no WRITE in flight, and drop them."""
+        busy = {agent for _, agent in self._inflight}
+        for agent in self._retired - busy:
+            self._retired.discard(agent)
+            for base, (_, registered, peer) in list(self._registered.items()):
+                if peer == agent:
+                    self.agent.deregister_memory(registered)
+                    del self._registered[base]
+            try:
+                self.agent.remove_remote_agent(agent)
+            except Exception:  # noqa: BLE001 - never added, or gone with its connection
+                pass
+
+    def _owner(self, address: int, nbytes: int) -> tuple[memoryview, int]:
+        """The owned buffer holding ``nbytes`` bytes at ``address`` (its bytes) and
+        ``address``'s offset in it.
 
         Raises:
-            TransportError: for an address in no buffer of this process.
+            TransportError: for bytes not inside one buffer of this process.
         """
         found = self._owner_of.get(address)
         if found is None:
@@ -398,10 +446,11 @@ class NixlPlaneMemory(HostWords):
                 if base <= address < base + size:
                     found = self._owner_of[address] = (data, address - base)
                     break
-            else:
-                raise TransportError(
-                    f"nixl: a peer stored at {address:#x}, in no buffer of this process"
-                )
+        if found is None or not 0 <= nbytes <= len(found[0]) - found[1]:
+            raise TransportError(
+                f"nixl: a peer stored {nbytes} bytes at {address:#x}, outside every buffer of "
+                "this process"
+            )
         return found
 
     def close(self) -> None:
@@ -413,7 +462,7 @@ class NixlPlaneMemory(HostWords):
             except self._peer_errors:
                 pass  # gone already
         self._peers.clear()
-        for registered in self._registered:
+        for _, registered, _ in self._registered.values():
             try:
                 self.agent.deregister_memory(registered)
             except Exception:  # noqa: BLE001 - a peer's teardown may race ours
@@ -449,6 +498,13 @@ class NixlAttention(PlaneAttentionTransport):
         self._agents[ffn_rank] = self.nixl.connect(peer.metadata)
         mirror = self.nixl.attach(peer.control, peer.control_bytes)
         return ControlBlock.open(address, mirror, self.layout, self.spec.moe_layers, self.nixl.push)
+
+    def reconnect(self, ffn_rank: int, address: str) -> None:
+        """As on shared memory; the lost rank's mirrors are deregistered (``forget``)."""
+        old = self._agents[ffn_rank]
+        super().reconnect(ffn_rank, address)
+        if self._agents[ffn_rank] != old:
+            self.nixl.forget(old)
 
     def _check_alive(self, ffn_ranks: Collection[int]) -> None:
         """As on shared memory; an FFN rank that closed says so in a notification (its

@@ -1,7 +1,7 @@
 """The slot plane: the one attention <-> FFN protocol, written once and run on every memory
 (docs/architecture.md, "The slot plane"). The ``shm`` and ``slots`` backends (``slots.py``)
 serve deployments on it; the attention endpoint (``endpoint.py``) drives it through a few wire
-primitives, as it drives tcp.
+primitives.
 
 Why. On GPUs the A:F hop must move each token once per FFN rank (not once per expert, as
 DeepEP's low-latency kernels with virtual experts do), keep its buffers to the slots (not the

@@ -54,7 +54,6 @@ def create_fresh(stem: str, size: int) -> tuple[str, mmap.mmap]:
     )
 
 
-
 def await_word(
     word: memoryview,
     want: int,

@@ -78,8 +78,7 @@ class WaitPolicy:
     """Staged waiting (seconds): spin, then yield the CPU, then sleep.
 
     The slot plane's host waits use all three stages (and skip the spin where the peer last ran
-    on the same CPU); tcp polls its sockets without blocking through the spin and yield stages,
-    then blocks in ``epoll``. ``yield_s`` is where the poll window ends (module docstring); by
+    on the same CPU). ``yield_s`` is where the poll window ends (module docstring); by
     default it is read from ``VLLM_AFD_POLL_MS`` when the policy is made.
     """
 

@@ -147,15 +147,15 @@ def test_a_failing_layer_fails_its_request_and_the_rank_serves_on(
         executor.stop()
 
 
-def test_the_ffn_rank_refuses_a_request_its_schedule_does_not_have(tiny_qwen3):
-    """The control plane on a real FFN rank: requests that fit the announced step are served;
-    one tagged with a microbatch the step does not have fails on the attention rank with the
-    FFN rank's reason, naming both sides."""
-    from vllm_afd.errors import FFNServeError
+def test_a_real_ffn_rank_serves_announced_steps_and_misuse_is_refused(tiny_qwen3):
+    """The control plane with a real FFN rank (over NIXL): requests that fit the announced step
+    are served; one of a microbatch the step does not have is refused before it is sent (the
+    FFN side's own check of a schedule: test_control)."""
+    from vllm_afd.errors import ProtocolError
     from vllm_afd.transport.control import StepSchedule
 
     spec = TransportSpec(
-        backend="tcp",
+        backend="nixl",
         num_attention_ranks=1,
         num_ffn_ranks=1,
         num_experts=8,
@@ -178,12 +178,10 @@ def test_the_ffn_rank_refuses_a_request_its_schedule_does_not_have(tiny_qwen3):
         for layer in (0, 1):
             endpoint.combine(endpoint.dispatch(layer, x, ids, weights))
         endpoint.begin_step(StepSchedule(2, (2,), (0, 1)))
-        text = (
-            r"FFN rank 0: FFN rank 0 refused a request from attention rank 0 tagged \(step 2, "
-            r"layer 0, microbatch 1\): step 2 has 1 microbatch\(es\)"
-        )
-        with pytest.raises(FFNServeError, match=text):
-            endpoint.combine(endpoint.dispatch(0, x, ids, weights, microbatch=1))
+        text = r"dispatched 2 tokens of microbatch 1; step 2 announced \[2\]"
+        with pytest.raises(ProtocolError, match=text):
+            endpoint.dispatch(0, x, ids, weights, microbatch=1)
+        endpoint.combine(endpoint.dispatch(0, x, ids, weights))  # the step goes on
     finally:
         if endpoint is not None:
             endpoint.close()

@@ -26,9 +26,9 @@ from vllm_afd.transport.control import Mode, StepSchedule
 from vllm_afd.transport.directory import FAILED, RECOVERING, UP, RankEntry
 
 pytestmark = pytest.mark.timeout(90)
-#: The slot plane on host memory (``shm`` is the same endpoints), tcp, and the out-of-tree
+#: The slot plane on host memory (``shm`` is the same endpoints), over NIXL, and the out-of-tree
 #: counting backend (``transport_testlib.COUNTING``).
-BACKENDS = ["slots", "nixl", "tcp", "counting"]
+BACKENDS = ["slots", "nixl", "counting"]
 SCALES = ScaleExperts(torch.arange(1.0, 9.0) / 4)
 
 
@@ -200,8 +200,8 @@ def test_a_failed_request_of_a_rank_on_another_host_goes_to_its_replacement(
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_rank_the_supervisor_declared_lost_is_left_while_it_lives(backend, start_ffn, tmp_path):
     """A rank on a node that died (or was cut off, or wedged) closes no connection and does not
-    die: the attention rank's wait sees the supervisor's verdict in the FFN directory (tcp
-    within ``DIRECTORY_CHECK_S``, the slot plane within ``WATCH_INTERVAL_S``) and sends what it
+    die: the attention rank's wait sees the supervisor's verdict in the FFN directory (within
+    the slot plane's ``WATCH_INTERVAL_S``) and sends what it
     had not answered to the replacement; the old process is never heard from again (here it is
     alive, 30 s late)."""
     spec, cluster = _cluster(start_ffn, backend, tmp_path, delay_rank1=30.0)

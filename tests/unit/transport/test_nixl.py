@@ -56,6 +56,55 @@ def test_a_pushed_line_lands_after_its_payload_flag_last_inline_and_by_write():
         owner.close()
 
 
+def test_a_malformed_store_is_dropped_whole_and_serving_goes_on(caplog):
+    """A notification naming bytes outside the owner's buffers, or cut short, stores nothing
+    (not even its regions that fit) and is logged; the owner's pump goes on."""
+    from vllm_afd.transport.nixl import _HEADER, _REGION, _STORES
+
+    owner, writer = NixlPlaneMemory(5.0), NixlPlaneMemory(5.0, reads_on_attach=False)
+    try:
+        buffer, _ = owner.create(1024)
+        writer.connect(owner.metadata)
+        _until(lambda: writer.name in owner._peers, owner, writer)
+        base, line = buffer.data_ptr(), (7).to_bytes(8, "little")
+        bad = [
+            _HEADER.pack(base, 1, 1) + _REGION.pack(base + 1000, 64) + line + b"x" * 64,
+            _HEADER.pack(base, 1, 1) + _REGION.pack(base + 64, 8) + line + b"x" * 4,
+            _HEADER.pack(base + 4096, 1, 0) + line,
+            _HEADER.pack(base, 3, 0) + line,
+        ]
+        for message in bad:
+            writer.agent.send_notif(owner.name, _STORES + message)
+        good = _HEADER.pack(base, 1, 1) + _REGION.pack(base + 64, 8) + line + b"y" * 8
+        writer.agent.send_notif(owner.name, _STORES + good)
+        _until(lambda: int(buffer[:8].view(torch.int64)) == 7, owner, writer)
+        assert bytes(buffer[64:72].tolist()) == b"y" * 8
+        assert buffer[8:64].eq(0).all() and buffer[72:].eq(0).all()
+        assert caplog.text.count("dropped a malformed store from") == len(bad)
+    finally:
+        writer.close()
+        owner.close()
+
+
+def test_a_closed_or_replaced_peer_is_forgotten_and_its_mirrors_deregistered():
+    """A peer that says it closes (or an FFN rank's replacement: ``NixlAttention.reconnect``)
+    is forgotten: the mirrors of its buffers are deregistered at the next pump, and a push
+    into one is dropped, not an error."""
+    owner, writer = NixlPlaneMemory(5.0), NixlPlaneMemory(5.0, reads_on_attach=False)
+    try:
+        buffer, handle = owner.create(1024)
+        writer.connect(owner.metadata)
+        _until(lambda: writer.name in owner._peers, owner, writer)
+        mirror = writer.attach(handle, buffer.numel())
+        assert [peer for _, _, peer in writer._registered.values()] == [owner.name]
+        owner.close()
+        _until(lambda: not writer._registered, writer)
+        assert owner.name in writer.gone and writer._mirrors == []
+        writer.push((), mirror[:8].view(torch.int64))  # dropped
+    finally:
+        writer.close()
+
+
 def test_large_requests_and_answers_go_by_write_and_come_out_exact(loopback):
     """64 tokens x 1024 float32: 256 KiB each way, over ``INLINE_BYTES``."""
     lb = loopback(make_spec("nixl", 1, 1, hidden_size=1024, max_tokens=64))

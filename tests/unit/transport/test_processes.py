@@ -1,5 +1,5 @@
 """Every backend whose FFN side serves requests as they come (the slot plane on host memory:
-``shm`` is the same endpoints as ``slots`` there; tcp), every FFN rank in its own process.
+``shm`` is the same endpoints as ``slots`` there; over NIXL), every FFN rank in its own process.
 
 Checks the results against the single-process reference (exactly for row-wise experts, to float32
 rounding for gated-MLP experts), T = 0 and T = max_tokens, two outstanding microbatches, and the
@@ -25,7 +25,7 @@ from vllm_afd.testing.reference import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-BACKENDS = ["slots", "nixl", "tcp", "counting"]
+BACKENDS = ["slots", "nixl", "counting"]
 SCALES = ScaleExperts(torch.arange(1.0, 9.0) / 4)
 
 

@@ -26,7 +26,7 @@ from vllm_afd.transport.slots import PlaneFFN, SteppedPlaneFFN
 def test_unknown_backend_names_allowed_values() -> None:
     spec = make_spec("nccl-magic", 1, 1)
     with pytest.raises(
-        ValueError, match=r"'nccl-magic'.*allowed: nixl, shm, slots, tcp or a module"
+        ValueError, match=r"'nccl-magic'.*allowed: nixl, shm, slots or a module"
     ):
         create_attention_transport(spec, 0)
     with pytest.raises(ValueError, match=r"cannot load 'no_such_module:Backend'"):
@@ -34,7 +34,9 @@ def test_unknown_backend_names_allowed_values() -> None:
 
 
 def test_builtin_backends_registered() -> None:
-    assert {"shm", "tcp", "slots", "nixl"} <= set(available_transports())
+    assert {"shm", "slots", "nixl"} <= set(available_transports())
+    with pytest.raises(ValueError, match="'tcp' is retired; across hosts use nixl"):
+        backend("tcp")
 
 
 def test_register_refuses_a_second_target_for_a_name(monkeypatch) -> None:
@@ -42,7 +44,7 @@ def test_register_refuses_a_second_target_for_a_name(monkeypatch) -> None:
     shm = "vllm_afd.transport.slots:ShmBackend"
     register_transport("shm", shm)  # the same target again: a no-op
     with pytest.raises(ValueError, match=r"'shm' is already registered.*ShmBackend"):
-        register_transport("shm", "vllm_afd.transport.tcp:TcpBackend")
+        register_transport("shm", "vllm_afd.transport.nixl:NixlBackend")
     with pytest.raises(ValueError, match="expected 'package.module:BackendClass'"):
         register_transport("mine", "my_module:Attention:FFN")
     assert transport._BACKENDS["shm"] == shm and "mine" not in available_transports()
@@ -59,28 +61,24 @@ def test_loaded_classes_must_be_backends_with_endpoints(monkeypatch) -> None:
 
 def test_a_backend_declares_what_it_can_do() -> None:
     """What config, deployment, placement and metrics ask instead of comparing names."""
-    shm, tcp, slots = (backend(name) for name in ("shm", "tcp", "slots"))
-    assert [b.name for b in (shm, tcp, slots)] == ["shm", "tcp", "slots"]
-    assert (shm.needs_secret, tcp.needs_secret, slots.needs_secret) == (False, True, False)
+    shm, nixl, slots = (backend(name) for name in ("shm", "nixl", "slots"))
+    assert [b.name for b in (shm, nixl, slots)] == ["shm", "nixl", "slots"]
     every = frozenset(Feature)
-    assert shm.features() == tcp.features() == slots.features() == every  # host waits
+    assert shm.features() == nixl.features() == slots.features() == every  # host waits
     assert slots.features({"waits": "device"}) == frozenset()
     assert slots.endpoints({"waits": "device"})[1] is SteppedPlaneFFN
     assert shm.endpoints({})[1] is slots.endpoints({"waits": "host"})[1] is PlaneFFN
-    assert tcp.plaintext_on_ffn_host and not shm.plaintext_on_ffn_host
-    assert tcp.requested_addresses("10.0.0.2", 2) == ("10.0.0.2:0",) * 2
-    assert shm.requested_addresses("10.0.0.2", 2) == ()
     assert shm.device_problem("cpu", "cuda") is None  # FFN ranks may compute on a GPU
     assert "cannot serve a CUDA model" in shm.device_problem("cuda", "cuda")
     assert slots.resolve_settings({}, "cuda") == {"waits": "device"}
     assert slots.resolve_settings({}, "cpu") == {} == shm.resolve_settings({}, "cuda")
-    assert "cannot serve a CUDA model" in tcp.device_problem("cuda", "cuda")
+    assert "not built yet" in nixl.device_problem("cuda", "cuda")
     assert slots.device_problem("cuda", "cuda") is None and slots.device_problem("cpu", "cuda")
-    assert tcp.reap_stale() == [] and isinstance(shm.reap_stale(), list)
-    spec = make_spec("tcp", 1, 1, dtype=torch.bfloat16)  # ids and weights out, sums back
+    assert isinstance(shm.reap_stale(), list)
+    spec = make_spec("nixl", 1, 1, dtype=torch.bfloat16)  # ids and weights out, sums back
     hidden = spec.hidden_size * 2
-    assert tcp.round_trip_bytes(spec, 3) == (3 * (hidden + spec.top_k * 8), 3 * hidden)
-    assert slots.round_trip_bytes(spec, 3) == tcp.round_trip_bytes(spec, 3)
+    assert nixl.round_trip_bytes(spec, 3) == (3 * (hidden + spec.top_k * 8), 3 * hidden)
+    assert slots.round_trip_bytes(spec, 3) == nixl.round_trip_bytes(spec, 3)
 
 
 class _Attention(AttentionTransport):
@@ -128,7 +126,6 @@ _COLUMNS = {
     "slots, host waits": ("slots", {"waits": "host"}),
     "slots, device waits (every GPU)": ("slots", {"waits": "device"}),
     "nixl": ("nixl", {}),
-    "tcp": ("tcp", {}),
 }
 
 

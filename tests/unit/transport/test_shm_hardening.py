@@ -137,13 +137,13 @@ def test_combine_checks_the_row_count_of_every_answer():
 def test_weakly_ordered_cpus_refuse_shm(monkeypatch):
     monkeypatch.setattr(host, "STORE_ORDER_TSO", False)
     monkeypatch.setattr(host.platform, "machine", lambda: "aarch64")
-    with pytest.raises(AFDConfigError, match=r"--afd-transport .*aarch64.*--afd-transport tcp"):
+    with pytest.raises(AFDConfigError, match=r"--afd-transport .*aarch64.*--afd-transport nixl"):
         check_this_host(AFDConfig(ratio=(1, 1), transport="shm"))
-    check_this_host(AFDConfig(ratio=(1, 1), transport="tcp"))
+    check_this_host(AFDConfig(ratio=(1, 1), transport="nixl"))
     from vllm_afd.transport import auto_backend
 
-    assert auto_backend("cpu", "cpu") == "tcp"  # the default, auto, takes tcp there
-    with pytest.raises(RuntimeError, match="use --afd-transport tcp"):
+    assert auto_backend("cpu", "cpu") == "nixl"  # the default, auto, takes nixl there
+    with pytest.raises(RuntimeError, match="use --afd-transport nixl"):
         create_ffn_transport(make_spec("shm", 1, 1), 0)
 
 

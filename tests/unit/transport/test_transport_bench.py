@@ -53,14 +53,14 @@ def test_cross_core_peer_copies_and_times(mp_ctx) -> None:
 def test_main_reports_both_floors(tmp_path, capsys) -> None:
     before = _shm_files()
     out = tmp_path / "transport.json"
-    argv = ["--backends", "shm", "tcp", "--tokens", "1", "2", "--hidden", "64"]
+    argv = ["--backends", "shm", "nixl", "--tokens", "1", "2", "--hidden", "64"]
     assert tb.main([*argv, "--seconds", "0.02", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert [(r["backend"], r["tokens"]) for r in data["results"]] == [
         ("shm", 1),
         ("shm", 2),
-        ("tcp", 1),
-        ("tcp", 2),
+        ("nixl", 1),
+        ("nixl", 2),
     ]
     for row in data["results"]:
         for key in ("rt_median_us", "echo_median_us", "floor_hot_median_us"):
@@ -70,7 +70,7 @@ def test_main_reports_both_floors(tmp_path, capsys) -> None:
         assert row["transport_us"] == pytest.approx(transport)
         assert row["ratio_hot"] == pytest.approx(transport / row["floor_hot_median_us"])
         assert row["ratio_xcore"] == pytest.approx(transport / row["floor_xcore_median_us"])
-    for backend in ("shm", "tcp"):
+    for backend in ("shm", "nixl"):
         ratios = [r["ratio_xcore"] for r in data["results"] if r["backend"] == backend]
         summary = data["summary"][backend]
         assert summary["decode_max_ratio_xcore"] == max(ratios)

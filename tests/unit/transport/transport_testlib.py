@@ -55,10 +55,9 @@ COUNTS_DIR = os.path.join(tempfile.gettempdir(), f"{SHM_PREFIX}counts")
 
 
 def make_spec(backend: str, num_attention: int, num_ffn: int, **overrides) -> TransportSpec:
-    """A small spec; the FFN side's ``addresses`` request a test prefix / loopback port.
+    """A small spec; the FFN side's ``addresses`` request a test prefix.
     ``backend`` may be ``slots-device`` (slots with the device's wait semantics) or
     ``counting`` (``COUNTING``, its counts in a directory of this test run)."""
-    request = "127.0.0.1:0" if backend == "tcp" else SHM_PREFIX
     if backend == "slots-device":
         backend, overrides = "slots", {"config": {"waits": "device"}, **overrides}
     if backend == "counting":
@@ -74,7 +73,7 @@ def make_spec(backend: str, num_attention: int, num_ffn: int, **overrides) -> Tr
         top_k=2,
         max_tokens=64,
         timeout_s=10.0,
-        addresses=(request,) * num_ffn,
+        addresses=(SHM_PREFIX,) * num_ffn,
         moe_layers=LAYERS,
     )
     fields.update(overrides)
@@ -173,9 +172,10 @@ T = TypeVar("T")
 
 
 def while_serving(ffn: Sequence[ServesRequests], connect: Callable[[], T]) -> T:
-    """``connect()`` while a thread keeps the FFN endpoints' ``recv`` going: a tcp attention
-    endpoint authenticates at connect (CHALLENGE, HELLO, WELCOME), which the FFN side answers
-    from ``recv``. No request may arrive meanwhile."""
+    """``connect()`` while a thread keeps the FFN endpoints' ``recv`` going, as a serving FFN
+    rank does: over NIXL the FFN side's agent makes progress (the attention rank's READ of its
+    control block, the attention rank's hello) only while it is driven. No request may arrive
+    meanwhile."""
     stop = threading.Event()
     stray: list = []
 
@@ -243,7 +243,7 @@ class Loopback:
 
 
 def recv_all(endpoint: ServesRequests, count: int, timeout_s: float = 5.0) -> list:
-    """``recv`` until ``count`` requests arrived (tcp may deliver them over several calls)."""
+    """``recv`` until ``count`` requests arrived (they may come over several calls)."""
     requests = []
     while len(requests) < count:
         got = endpoint.recv(timeout_s)
