@@ -14,7 +14,6 @@ EXPECTED = {
     "--afd-ray-address",
     "--afd-microbatches",
     "--afd-join",
-    "--afd-ffn-host",
     "--afd-autoscale",
     "--afd-autoscale-interval",
     "--afd-autoscale-margin",
@@ -102,4 +101,4 @@ def test_help_shows_each_afd_default_once(serve_parser):
     formatter.end_section()
     text = " ".join(formatter.format_help().split())
     assert "(default: None)" not in text  # argparse's own, next to every flag
-    assert text.count("(default 60.0)") == 1 and text.count("(default 127.0.0.1)") == 1
+    assert text.count("(default 60.0)") == 1 and text.count("(default 30.0)") == 1
