@@ -6,7 +6,7 @@
 #
 # What it covers (docs/architecture.md, "The GPU path"): the plugin loads and its patch ledger
 # accepts the GPU build's vLLM; the platform is seen as CUDA and the start-up refusals fire
-# there (shm/tcp with a CUDA model, A + F over the node's GPUs); the slot plane's own device
+# there (shm/nixl with a CUDA model, A + F over the node's GPUs); the slot plane's own device
 # check (PyTorch and Triton only: python -m vllm_afd.testing.slot_plane_check); with two GPUs
 # or more, the offline LLM API served with AFD 1:1 on the slots transport next to colocated
 # serving (tokens compared; bf16 may differ late in a sequence). NOT YET RUN: no GPU with
