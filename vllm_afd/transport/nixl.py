@@ -398,24 +398,21 @@ class NixlPlaneMemory(HostWords):
         """
         view = memoryview(message)
         at, count, inline = _HEADER.unpack_from(view, 1)
-        offset = 1 + _HEADER.size
-        regions = [_REGION.unpack_from(view, offset + i * _REGION.size) for i in range(inline)]
-        offset += inline * _REGION.size
+        offset = 1 + _HEADER.size + inline * _REGION.size
+        line, start = self._owner(at, 8 * count)
         values = view[offset : offset + 8 * count].cast("q")
         offset += 8 * count
-        if count < 1 or len(values) != count or at % 8:
-            raise ValueError(f"a line of {count} word(s) at {at:#x}, {len(values)} sent")
-        stores = []
-        for address, nbytes in [*regions, (at, 8 * count)]:
-            data, start = self._owner(address, nbytes)
-            stores.append((data, start, nbytes))
-        if offset + sum(n for _, _, n in stores[:-1]) != len(view):
-            raise ValueError(f"{len(view)} bytes do not match the regions they name")
-        for data, start, nbytes in stores[:-1]:
-            data[start : start + nbytes] = view[offset : offset + nbytes]
+        regions, end = [], offset
+        for i in range(inline):
+            address, nbytes = _REGION.unpack_from(view, 1 + _HEADER.size + i * _REGION.size)
+            regions.append((self._owner(address, nbytes), nbytes))
+            end += nbytes
+        if count < 1 or start % 8 or end != len(view):
+            raise ValueError(f"{len(view)} bytes do not hold the line and regions they name")
+        for (data, at), nbytes in regions:
+            data[at : at + nbytes] = view[offset : offset + nbytes]
             offset += nbytes
-        data, start, _ = stores[-1]
-        words, first = data.cast("q"), start // 8
+        words, first = line.cast("q"), start // 8
         words[first + 1 : first + count] = values[1:]
         words[first] = values[0]  # the flag last
 
