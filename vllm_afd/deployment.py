@@ -287,9 +287,9 @@ def check_devices(
 ) -> None:
     """Refuse, before anything starts, a deployment its devices cannot run (the GPU path):
 
-    - what the transport cannot connect (``Backend.device_problem``: shm and tcp with a CUDA
-      model, whose hidden states they would move through host memory; the slot plane across
-      two kinds of memory);
+    - what the transport cannot connect (``Backend.device_problem``: shm with a CUDA model,
+      whose hidden states it would move through host memory; nixl on GPUs, not built; the slot
+      plane across two kinds of memory);
     - with a local Ray instance, attention ranks and FFN ranks on GPUs that do not fit the
       node's GPUs side by side (``A + F``: the FFN ranks get GPUs of their own,
       ``placement.ffn_gpu``), and for a transport that maps the peer's device memory
