@@ -379,8 +379,9 @@ class NixlPlaneMemory(HostWords):
                     except self._peer_errors as exc:
                         self._drop(agent, exc)
                 elif message[:1] == _BYE:
-                    self.gone.add(message[1:].decode())
-                    self.forget(message[1:].decode())
+                    closed = message[1:].decode()
+                    self.gone.add(closed)
+                    self.forget(closed)
                 elif message[:1] == _STORES:
                     try:
                         self._store(message)
@@ -409,8 +410,8 @@ class NixlPlaneMemory(HostWords):
             end += nbytes
         if count < 1 or start % 8 or end != len(view):
             raise ValueError(f"{len(view)} bytes do not hold the line and regions they name")
-        for (data, at), nbytes in regions:
-            data[at : at + nbytes] = view[offset : offset + nbytes]
+        for (data, begin), nbytes in regions:
+            data[begin : begin + nbytes] = view[offset : offset + nbytes]
             offset += nbytes
         words, first = line.cast("q"), start // 8
         words[first + 1 : first + count] = values[1:]

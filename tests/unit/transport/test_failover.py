@@ -86,6 +86,9 @@ def test_requests_of_a_killed_rank_are_answered_by_its_replacement(backend, star
     x = routing(5, spec, seed=3)
     assert torch.equal(att.combine(att.dispatch(0, *x)), reference_moe_combine(*x, SCALES, 8, 2))
     assert att.redispatched == 2
+    if backend == "nixl":  # the lost rank's mirrors went with it (``NixlPlaneMemory.forget``)
+        peers = {peer for _, _, peer in att.nixl._registered.values()} - {None}
+        assert peers == set(att._agents.values()) and len(peers) == 2
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
