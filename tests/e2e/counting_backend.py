@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 
-from vllm_afd.transport.slots import PlaneAttentionTransport, PlaneFFN, ShmBackend
+from vllm_afd.transport.endpoint import AttentionEndpoint
+from vllm_afd.transport.slots import PlaneFFN, ShmBackend
 
 
 def _record(spec, side: str, rank: int, count: int) -> None:
@@ -22,7 +23,7 @@ def _record(spec, side: str, rank: int, count: int) -> None:
         f.write(str(count))
 
 
-class _CountingAttention(PlaneAttentionTransport):
+class _CountingAttention(AttentionEndpoint):
     combines = 0
 
     def combine(self, handle):

@@ -25,7 +25,7 @@ each (the whole well under 5 minutes):
   the flag values the kernels compute from it carry the protocol, with no Python on the token
   path.
 * ``host-slots`` / ``cuda-slots``: the serving backend itself (``transport/slots.py``): two
-  attention ranks' ``PlaneAttentionTransport`` (announced steps, DBO call order) and an FFN
+  attention ranks' ``endpoint.AttentionEndpoint`` (announced steps, DBO call order) and an FFN
   process's ``SteppedPlaneFFN`` serving whole steps as the FFN executor does, its steps as
   CUDA graphs from the second step of a shape on (``StepGraphs``; on the host eagerly, with
   the device's wait semantics), 4 steps against the reference (host: exact; CUDA: bf16).

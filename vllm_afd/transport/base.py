@@ -126,10 +126,6 @@ class TransportSpec:
         common = math.gcd(self.num_attention_ranks, self.num_ffn_ranks)
         return f"{self.num_attention_ranks // common}:{self.num_ffn_ranks // common}"
 
-    @property
-    def experts_per_ffn_rank(self) -> int:
-        return self.num_experts // self.num_ffn_ranks
-
     def expert_range(self, ffn_rank: int) -> range:
         """Global expert ids held by ``ffn_rank`` (contiguous placement)."""
         return expert_range(self.num_experts, self.num_ffn_ranks, ffn_rank)
@@ -151,13 +147,9 @@ class TransportSpec:
 
     @functools.cached_property
     def ffn_rank_table(self) -> torch.Tensor:
-        """``[E]`` int64: the FFN rank of each global expert id, computed once (indexing it is
-        the per-dispatch lookup)."""
-        return self.ffn_rank_of(torch.arange(self.num_experts))
-
-    def ffn_rank_of(self, expert_ids: torch.Tensor) -> torch.Tensor:
-        """FFN rank holding each global expert id (same shape as ``expert_ids``)."""
-        return torch.div(expert_ids, self.experts_per_ffn_rank, rounding_mode="floor")
+        """``[E]`` int64: the FFN rank of each global expert id (contiguous placement), computed
+        once (indexing it is the per-dispatch lookup)."""
+        return torch.arange(self.num_experts) // (self.num_experts // self.num_ffn_ranks)
 
 
 #: Type of ``DispatchHandle.state``, one per backend (``endpoint.SendState``).

@@ -10,27 +10,29 @@ CUDA-graph capture, whose requests carry no real tokens). Every request then car
 The FFN side checks each request against its sender's schedule on receipt
 (``ScheduleChecker``): same step, a microbatch the schedule has, no more tokens than that
 microbatch holds, a layer of the schedule, and layers of one microbatch in the schedule's
-order. The attention side checks that an answer carries the tag it waits for. A mismatch is a
-``base.ProtocolError`` naming both sides: never silent corruption. (This module imports nothing
+order. The attention side checks that an answer carries its request's use (on the slot plane,
+the flag's value). A mismatch is a ``base.ProtocolError`` naming both sides: never silent
+corruption. (This module imports nothing
 of the package: the checks return the reason, and their callers raise or reply it.)
 
 An FFN side that serves requests as they come needs the schedule to check them (and, on the slot
 plane, to read a request's layer: its flag carries the layer's position in the step). One that
 serves whole steps (``slots.SteppedPlaneFFN``) needs it to know which uses of its slots a step
-makes and how many rows each carries, which is why the schedule is a message of its own and the
-same on every backend. The slot plane serves only announced steps (a benchmark or test
-driving a transport directly announces them too).
+makes and how many rows each carries, which is why the schedule is a message of its own. The
+slot plane serves only announced steps (a benchmark or test driving a transport directly
+announces them too).
 
-Encoding, shared by the backends: a schedule is a fixed number of int64 words (``words``):
-step, mode, microbatch count, ``WIRE_MICROBATCHES`` token counts, then a bitmap of layer
-numbers, enough words for the spec's largest MoE layer number (``schedule_words``).
+Encoding (the control block's words, ``control_block.py``): a schedule is a fixed number of
+int64 words (``words``): step, mode, microbatch count, ``WIRE_MICROBATCHES`` token counts, then
+a bitmap of layer numbers, enough words for the spec's largest MoE layer number
+(``schedule_words``).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 #: Microbatch token counts a schedule has room for on the wire (at least the largest
@@ -169,11 +171,6 @@ class ScheduleChecker:
         return None
 
 
-def answer_mismatch(ffn_rank: int, expected: Tag, got: Tag) -> str:
-    """Attention side: the reason for an answer whose tag is not its request's."""
-    return f"FFN rank {ffn_rank} answered ({got}) where this attention rank waits for ({expected})"
-
-
 @dataclass(frozen=True)
 class Part:
     """One attention rank's share of a use of a slot on the FFN side of a step served whole:
@@ -194,7 +191,7 @@ StepShape = tuple[int | Use, ...]
 @dataclass
 class Step:
     """A step served whole by an FFN rank (``base.ServesSteps``): every attention rank's
-    schedule in it, the uses of its slots in order, and who is left out."""
+    schedule in it and the uses of its slots in order."""
 
     schedules: dict[int, StepSchedule]
     #: Layer by layer, the microbatches of a layer in turn.
@@ -202,8 +199,6 @@ class Step:
     #: Answer buffers the FFN side mapped so far: a graph captured before an attention rank
     #: offered a new one writes into the old.
     buffers: int = 0
-    next: int = 0
-    dropped: set[int] = field(default_factory=set)
 
     @property
     def shape(self) -> StepShape:

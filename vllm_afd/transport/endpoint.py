@@ -1,41 +1,34 @@
-"""The attention endpoint, written once: ``AttentionEndpoint`` drives every backend.
+"""The attention endpoint, written once: ``AttentionEndpoint``, the slot plane's attention side
+on every memory (``slots.py``: host shared memory, device memory; ``nixl.py``: NIXL).
 
-The slot plane on every memory (``slots.py``: shared memory, NIXL, device memory) runs this
-attention side.
-``dispatch`` checks its arguments, splits the batch by FFN rank, takes the microbatch's slot,
-and sends each FFN rank its rows; ``combine`` waits for every FFN rank's answer until one
-deadline, sums the answers into the original order and frees the slot (``combine_hook`` splits
-the two for vLLM's DBO). A backend supplies only the wire:
+``dispatch`` checks its arguments, splits the batch by FFN rank, takes the microbatch's slot
+(slot ``s`` carries microbatch ``s``, inside an announced step: ``begin_step``) and sends each
+FFN rank its rows (``slot_plane.AttentionPlane.send``); ``combine`` waits for every FFN rank's
+answer until one deadline, sums the answers into the original order and frees the slot
+(``combine_hook`` splits the two for vLLM's DBO). A request's identity is its use's value
+(``step << POSITION_BITS | position + 1``: ``slot_plane``). A backend of another memory
+supplies only the memory (``_make_memory``), how an FFN rank's control block is reached
+(``_connect``) and how its process is watched (``_watch``).
 
-* ``_announce_to(ffn_rank, schedule)`` puts a step's schedule on the wire (``control.py``);
-* ``_send(ffn_rank, slot, tag, x, topk_ids, topk_weights, rows, deadline) -> seq`` puts one
-  request on the wire and returns what identifies it (a sequence number, the plane's value);
-* ``_wait(ffn_rank, slot, seq, tag, deadline, awaited) -> [N, H]`` returns the answer to
-  ``seq``, after checking that it carries ``tag`` (``control.answer_mismatch``);
-* optionally ``_begin_dispatch()``, run once per dispatch before the first send, and
-  ``_take_slot(tag, num_tokens)``, which slot a dispatch holds until its combine (any free one
-  by default; the slot plane's slot ``s`` carries microbatch ``s``);
-* ``reconnect(ffn_rank, address)`` replaces the link to a lost FFN rank by one to its
-  replacement (failover: ``base.Reconnects``).
-
-Failover. A backend raises ``FFNRankLost`` when an FFN rank is gone (its process died, it closed
-its endpoint, its connection broke). With failover on (``spec.directory``), the attention side
-then waits for the rank's replacement (``directory.wait_for_replacement``, at most
-``spec.failover_s``), reconnects, tells it the current step's schedule, and sends it again every
-request the lost rank had not answered: a handle keeps its inputs until ``combine`` (the caller
-must leave ``x``, ``topk_ids`` and ``topk_weights`` unchanged until then; the attention hook's
-custom op does), and a request sent before the rank's last replacement is sent again before it
-is waited for. The answers are the ones the lost rank would have given (same experts, same
-inputs), so a failover changes no token. ``redispatched`` counts the requests sent again. A
-request the FFN rank failed (``FFNServeError``) goes once more, to the rank's replacement
-(``_serve_error_as_loss``).
+Failover. A wait raises ``FFNRankLost`` when an FFN rank is gone (its process died, it closed
+its endpoint, the failover supervisor declared it lost). With failover on (``spec.directory``),
+the attention side then waits for the rank's replacement (``directory.wait_for_replacement``,
+at most ``spec.failover_s``), reconnects, tells it the current step's schedule, and sends it
+again every request the lost rank had not answered: a handle keeps its inputs until
+``combine`` (the caller must leave ``x``, ``topk_ids`` and ``topk_weights`` unchanged until
+then; the attention hook's custom op does), and a request sent before the rank's last
+replacement is sent again before it is waited for. The answers are the ones the lost rank would
+have given (same experts, same inputs), so a failover changes no token. ``redispatched``
+counts the requests sent again. A request the FFN rank failed (``FFNServeError``) goes once
+more, to the rank's replacement (``_serve_error_as_loss``). With the device's waits (a wait
+cannot watch its peer), a watchdog thread checks the FFN ranks' liveness and aborts the step's
+waits (``RecordedWaits.abort``); none of this failover runs there yet.
 
 Two pure functions define the protocol's arithmetic:
 
 * ``split_by_ffn_rank`` decides, per FFN rank, which rows of the batch must travel there (a token
-  goes to every FFN rank that owns at least one of its top-k experts; contiguous placement). A
-  wire with fixed shapes (the slot plane on device memory) sends every row to every FFN rank
-  (``filters_rows``).
+  goes to every FFN rank that owns at least one of its top-k experts; contiguous placement). On
+  device memory (fixed shapes) every row goes to every FFN rank (``filters_rows``).
 * ``combine_partials`` adds the per-FFN-rank partial answers back into a ``[T, H]`` tensor in the
   original order, FFN ranks in ascending order, starting from zero. That summation order is the
   one ``reference.reference_moe_combine`` uses, so that results can be compared exactly.
@@ -43,15 +36,17 @@ Two pure functions define the protocol's arithmetic:
 
 from __future__ import annotations
 
-import abc
 import logging
+import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from vllm_afd.errors import FFNRankLost, FFNServeError, ProtocolError, TransportError
+from vllm_afd.errors import FFNRankLost, FFNServeError, FFNTimeout, ProtocolError, TransportError
+from vllm_afd.host import Creator, UnsafeFileError
 from vllm_afd.transport import directory
 from vllm_afd.transport.base import (
     AttentionTransport,
@@ -60,13 +55,42 @@ from vllm_afd.transport.base import (
     StateT,
     TransportSpec,
 )
-from vllm_afd.transport.control import StepSchedule, Tag
-from vllm_afd.transport.wait import RowViews, WaitPolicy
+from vllm_afd.transport.control import Mode, StepSchedule, Tag
+from vllm_afd.transport.control_block import ControlBlock
+from vllm_afd.transport.slot_plane import (
+    CPU_WORD,
+    PLANE_PREFIX,
+    POSITION_BITS,
+    WATCH_INTERVAL_S,
+    AttentionPlane,
+    PlaneLayout,
+    PlaneMemory,
+)
+from vllm_afd.transport.slot_plane_host import HostPlaneMemory, await_word
+from vllm_afd.transport.wait import Backoff, ViewCache, WaitPolicy, current_cpu
 
 #: Failover: FFN ranks that fail one request before it fails on the attention side (the rank
 #: it was sent to, then its replacement).
 SERVE_ERROR_ATTEMPTS = 2
 logger = logging.getLogger("vllm.afd")
+
+
+def device_waits(settings: Mapping[str, Any]) -> bool:
+    """The plane's waits are the device's (``waits: device``; set on GPUs)."""
+    waits: object = settings.get("waits", "host")
+    return waits == "device"
+
+
+def plane_memory(spec: TransportSpec, prefix: str = PLANE_PREFIX + "data_") -> PlaneMemory:
+    """The plane's memory in this process: with the device's waits the current GPU's where
+    CUDA is; else the host's (data segments named ``<prefix>...``), also for CPU attention
+    ranks whose FFN ranks compute on a GPU."""
+    waits = device_waits(spec.config)
+    if waits and torch.cuda.is_available():
+        from vllm_afd.transport.slot_plane_cuda import CudaPlaneMemory
+
+        return CudaPlaneMemory(torch.cuda.current_device(), spec.timeout_s)
+    return HostPlaneMemory(spec.timeout_s, prefix, device_waits=waits)
 
 
 def split_by_ffn_rank(
@@ -143,16 +167,18 @@ class SendState:
 
     Attributes:
         slot: the slot the dispatch holds on every FFN rank it sent to, until ``combine``.
-        seqs: ``{ffn_rank: what identifies the request sent}`` (``_send``), in ascending rank
-            order.
-        tag: the requests' tag, which the answers must carry.
+        position: the layer's position in the announced step.
+        value: the use's value, which every FFN rank's answer carries.
+        tag: the requests' tag (named in errors).
         inputs: ``(x, topk_ids, topk_weights)`` as ``dispatch`` got them, to send again to a
             lost FFN rank's replacement.
-        sent: ``{ffn_rank: the transport's replacement count when the request went out}``.
+        sent: ``{ffn_rank: the endpoint's replacement count when its request went out}``, in
+            ascending rank order.
     """
 
     slot: int
-    seqs: dict[int, int]
+    position: int
+    value: int
     tag: Tag
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     sent: dict[int, int]
@@ -177,20 +203,16 @@ def check_dispatch_args(spec: TransportSpec, x: torch.Tensor, topk_ids: torch.Te
 
 
 class AttentionEndpoint(AttentionTransport, Reconnects):
-    """The attention endpoint of every backend: ``dispatch``/``combine`` over its wire's
-    ``_send`` and ``_wait`` (see the module docstring).
+    """The attention endpoint of every backend (module docstring): maps every FFN rank's control
+    block (``spec.addresses``) and request buffer, owns an answer buffer for each, and
+    dispatches only inside announced steps (``begin_step``), microbatch ``s`` in slot ``s``.
 
     Args:
         spec: the FFN group's spec; ``spec.addresses`` holds one address per FFN rank.
         rank: this attention rank, ``0 <= rank < spec.num_attention_ranks``.
-        wait: how waits are staged (default: ``WaitPolicy()``, poll window from the environment).
+        wait: how host waits are staged (default: ``WaitPolicy()``, poll window from the
+            environment).
     """
-
-    #: Backend name in error messages.
-    backend_name = "attention endpoint"
-    #: It sends an FFN rank only the rows routed to it (``split_by_ffn_rank``); ``False``:
-    #: every row to every FFN rank (fixed shapes).
-    filters_rows = True
 
     def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
         super().__init__(spec, rank)
@@ -198,12 +220,12 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
             raise ValueError(f"attention rank {rank} outside [0, {spec.num_attention_ranks})")
         if len(spec.addresses) != spec.num_ffn_ranks:
             raise ValueError(
-                f"{self.backend_name} transport needs one address per FFN rank "
+                f"{spec.backend} transport needs one address per FFN rank "
                 f"({spec.num_ffn_ranks}), got {spec.addresses!r}"
             )
         self.wait = wait or WaitPolicy()
-        self._free = list(range(spec.num_slots - 1, -1, -1))
-        self._rows = RowViews(torch.arange(spec.max_tokens))
+        rows = torch.arange(spec.max_tokens)
+        self._rows = ViewCache(lambda n: rows[:n])
         #: Where each FFN rank is now, and its incarnation (the directory's, when there is one:
         #: a rank may have been replaced before this attention rank started).
         self.addresses = list(spec.addresses)
@@ -215,12 +237,79 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         #: Replacements seen (all ranks), and the count when each rank was last replaced.
         self.replacements = 0
         self._replaced_at = [0] * spec.num_ffn_ranks
+        self.layout = layout = PlaneLayout.of(spec)
+        self.memory = self._make_memory()
+        self.controls = [self._connect(f, a) for f, a in enumerate(self.addresses)]
+        self._creators = [self._watch(f, c) for f, c in enumerate(self.controls)]
+        #: It sends an FFN rank only the rows routed to it (``split_by_ffn_rank``); where waits
+        #: record (device memory: fixed shapes), every row to every FFN rank.
+        self.filters_rows = not self.memory.records_waits
+        self.plane = AttentionPlane(layout, self.memory, rank, [c.handle for c in self.controls])
+        for control, handle in zip(self.controls, self.plane.answer_handles, strict=True):
+            control.offer_answers(rank, handle)
+        self.step = self.plane.last_step()
+        #: The announced step's layer positions, and its microbatches' tokens (one per slot).
+        self._positions: dict[int, int] = {}
+        self._tokens: tuple[int, ...] = ()
+        #: Per slot, the position of its last use in this step (a use's value is sent once),
+        #: and the slots no dispatch holds.
+        self._used = [-1] * spec.num_slots
+        self._free = list(range(spec.num_slots - 1, -1, -1))
+        self._cpu = -1
+        self._closed = threading.Event()
+        self._watching = None
+        if self.memory.records_waits:  # a wait cannot watch: a thread watches for it
+            name = f"afd-plane-watchdog-{rank}"
+            self._watching = threading.Thread(target=self._watchdog, name=name, daemon=True)
+            self._watching.start()
+
+    def _make_memory(self) -> PlaneMemory:
+        return plane_memory(self.spec)
+
+    def _connect(self, ffn_rank: int, address: str) -> ControlBlock:
+        """FFN rank ``ffn_rank``'s control block at ``address``, mapped."""
+        try:
+            return ControlBlock.attach(address, self.layout, self.spec.moe_layers)
+        except FileNotFoundError:
+            raise TransportError(
+                f"FFN rank {ffn_rank}: control block {address!r} not found (FFN rank not "
+                "started, or already gone)"
+            ) from None
+        except UnsafeFileError as exc:
+            raise TransportError(f"FFN rank {ffn_rank}: {exc}") from None
+
+    def _watch(self, ffn_rank: int, control: ControlBlock) -> Creator:
+        """FFN rank ``ffn_rank``'s process, watched (``host.Creator``)."""
+        return watch_creator(ffn_rank, control, control.pid_namespace)
+
+    def _watchdog(self) -> None:
+        """With the device's waits: every ``WATCH_INTERVAL_S``, the FFN ranks' liveness, as a
+        host wait's watch checks it; a lost one aborts the step's waits at once
+        (``RecordedWaits.abort``: the next announcement raises its ``FFNRankLost``) instead of
+        letting each spin to its bound."""
+        while not self._closed.wait(WATCH_INTERVAL_S):
+            try:
+                self._check_alive(range(len(self.controls)))
+            except TransportError as lost:
+                self.memory.abort(lost)  # type: ignore[attr-defined]
 
     def _announce(self, schedule: StepSchedule) -> None:
+        """Raise what the last step's device waits recorded, then start ``schedule``'s step
+        (a step abandoned half-way leaves its slots to this one) and put it into every FFN
+        rank's control block. A CUDA-graph capture touches neither the device's error word
+        (reading it would sync inside the capture) nor the step word (one set there would be
+        baked into the graph); each replay's own announcement sets it."""
+        if schedule.mode != Mode.CAPTURE:
+            self.memory.check()
+            self.plane.begin(schedule.step)
+        self._positions = {layer: i for i, layer in enumerate(schedule.layers)}
+        self._tokens = schedule.microbatch_tokens[: self.spec.num_slots]
+        self._free = list(range(self.spec.num_slots - 1, -1, -1))
+        self._used = [-1] * self.spec.num_slots
         for ffn_rank in range(self.spec.num_ffn_ranks):
             while True:
                 try:
-                    self._announce_to(ffn_rank, schedule)
+                    self.controls[ffn_rank].announce(self.rank, schedule)
                     break
                 except FFNRankLost as lost:
                     self._recover(lost)
@@ -233,9 +322,16 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         topk_weights: torch.Tensor,
         microbatch: int = 0,
     ) -> DispatchHandle[SendState]:
-        """See ``AttentionTransport.dispatch``. Returns once every request is handed to the wire;
-        the handle keeps ``x``, ``topk_ids`` and ``topk_weights`` for failover (leave them
-        unchanged until ``combine``). A failed send frees the slot and raises."""
+        """See ``AttentionTransport.dispatch``. Returns once every request is written and
+        signalled (never blocks: the slot is this dispatch's alone); the handle keeps ``x``,
+        ``topk_ids`` and ``topk_weights`` for failover (leave them unchanged until
+        ``combine``). A failed send frees the slot and raises.
+
+        Raises:
+            ProtocolError: outside an announced step, past what it announced, or for a layer
+                of the microbatch at or before one it already sent in this step (``_misuse``).
+            RuntimeError: while the microbatch's slot holds a dispatch not yet combined.
+        """
         spec = self.spec
         num_tokens = check_dispatch_args(spec, x, topk_ids)
         all_rows = self._rows[num_tokens]
@@ -249,30 +345,73 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
                 layer, num_tokens, spec.hidden_size, spec.dtype, split, None, step, microbatch
             )
         tag = Tag(step, layer, microbatch)
-        slot = self._take_slot(tag, num_tokens)
-        seqs: dict[int, int] = {}
-        sent: dict[int, int] = {}
+        slot, position = self._take_slot(tag, num_tokens)
+        value = step << POSITION_BITS | position + 1
+        state = SendState(slot, position, value, tag, (x, topk_ids, topk_weights), {})
+        self._cpu = current_cpu()  # FFN ranks on it skip their spin stage
         try:
-            self._begin_dispatch()
-            deadline = time.perf_counter() + spec.timeout_s
             for ffn_rank, rows in split.items():
                 while True:
                     try:
-                        seqs[ffn_rank] = self._send(
-                            ffn_rank, slot, tag, x, topk_ids, topk_weights, rows, deadline
-                        )
-                        sent[ffn_rank] = self.replacements
+                        self._send(ffn_rank, state, rows)
                         break
                     except FFNRankLost as lost:
                         self._recover(lost)
-                        deadline = time.perf_counter() + spec.timeout_s
         except BaseException:
             self._release_slot(slot)
             raise
-        state = SendState(slot, seqs, tag, (x, topk_ids, topk_weights), sent)
         return DispatchHandle(
             layer, num_tokens, spec.hidden_size, spec.dtype, split, state, step, microbatch
         )
+
+    def _take_slot(self, tag: Tag, num_tokens: int) -> tuple[int, int]:
+        """Slot ``tag.microbatch`` and the layer's position in the announced step (kept in
+        ``_used`` until the slot's next use). Raises as ``dispatch`` says."""
+        position, slot, tokens = self._positions.get(tag.layer), tag.microbatch, self._tokens
+        if (
+            position is None
+            or not 0 <= slot < len(tokens)
+            or num_tokens > tokens[slot]
+            or position <= self._used[slot]
+        ):
+            raise self._misuse(tag, num_tokens)
+        try:
+            self._free.remove(slot)
+        except ValueError:
+            raise RuntimeError(
+                f"slot {slot} is busy: combine its dispatch before dispatching again"
+            ) from None
+        self._used[slot] = position
+        return slot, position
+
+    def _misuse(self, tag: Tag, num_tokens: int) -> ProtocolError:
+        """What ``_take_slot`` refused, explained."""
+        schedule, rank, layer, slot = self.schedule, self.rank, tag.layer, tag.microbatch
+        if schedule is None or layer not in self._positions:
+            return ProtocolError(
+                f"slot plane: attention rank {rank} dispatched layer {layer} outside an "
+                f"announced step (schedule: {schedule}); the FFN ranks serve announced steps"
+            )
+        if not 0 <= slot < len(self._tokens) or num_tokens > self._tokens[slot]:
+            return ProtocolError(
+                f"slot plane: attention rank {rank} dispatched {num_tokens} tokens of "
+                f"microbatch {slot}; step {schedule.step} announced "
+                f"{list(schedule.microbatch_tokens)} (slots: {self.spec.num_slots})"
+            )
+        return ProtocolError(
+            f"slot plane: attention rank {rank} dispatched layer {layer} of microbatch {slot} "
+            f"after layer {schedule.layers[self._used[slot]]} in step {schedule.step}: each "
+            "layer once, in the schedule's order"
+        )
+
+    def _send(self, ffn_rank: int, state: SendState, rows: torch.Tensor) -> None:
+        """Write FFN rank ``ffn_rank``'s ``rows`` (``[N]`` int64, ascending; ``N == T``: every
+        row) of ``state``'s dispatch into its slot and signal it."""
+        x, topk_ids, topk_weights = state.inputs
+        index = None if rows.shape[0] == x.shape[0] else rows
+        slot, position, cpu = state.slot, state.position, self._cpu
+        self.plane.send(ffn_rank, slot, position, x, topk_ids, topk_weights, index, cpu)
+        state.sent[ffn_rank] = self.replacements
 
     def combine(self, handle: DispatchHandle[SendState]) -> torch.Tensor:
         """See ``AttentionTransport.combine``: ``[T, H]`` ``spec.dtype``, original order.
@@ -329,28 +468,45 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
     ) -> dict[int, torch.Tensor]:
         """Every FFN rank's answer to ``state``'s requests, awaited until one deadline."""
         deadline = time.perf_counter() + self.spec.timeout_s
-        replaced_at, sent, seqs = self._replaced_at, state.sent, state.seqs
+        replaced_at, sent = self._replaced_at, state.sent
         partials = {}
         for ffn_rank, rows in handle.token_index.items():
             if sent[ffn_rank] < replaced_at[ffn_rank]:  # failover (``_answer``)
                 partials[ffn_rank] = self._answer(ffn_rank, state, rows, deadline)
                 continue
             try:  # the common case, inlined (a call costs 0.1 us of a ~10 us round trip)
-                partials[ffn_rank] = self._wait(
-                    ffn_rank, state.slot, seqs[ffn_rank], state.tag, deadline, seqs
-                )
+                partials[ffn_rank] = self._wait(ffn_rank, state, rows.shape[0], deadline)
             except (FFNRankLost, FFNServeError) as failure:
                 partials[ffn_rank] = self._answer(ffn_rank, state, rows, deadline, failure)
         return partials
 
-    def _send_request(
-        self, ffn_rank: int, state: SendState, rows: torch.Tensor, deadline: float
-    ) -> None:
-        """Send FFN rank ``ffn_rank`` its ``rows`` of ``state``'s dispatch."""
-        x, topk_ids, topk_weights = state.inputs
-        seq = self._send(ffn_rank, state.slot, state.tag, x, topk_ids, topk_weights, rows, deadline)
-        state.seqs[ffn_rank] = seq
-        state.sent[ffn_rank] = self.replacements
+    def _wait(self, ffn_rank: int, state: SendState, rows: int, deadline: float) -> torch.Tensor:
+        """FFN rank ``ffn_rank``'s answer to ``state``'s use: ``[rows, H]``, a view of this
+        rank's answer buffer (read before the slot's next use). On host memory waits for
+        exactly the use's value (the answer) or its negation (an error answer:
+        ``FFNServeError``) until ``deadline`` (``time.perf_counter()``; then ``FFNTimeout``),
+        checking the liveness of every FFN rank the combine waits for meanwhile; on the
+        device's waits, queues the wait (``memory.check`` raises what it records)."""
+        slot = state.slot
+        if self.memory.records_waits:
+            self.plane.await_answer(ffn_rank, slot, state.position)
+            return self.plane.answer(ffn_rank, slot, rows)
+        answer = self.plane.answers[ffn_rank][slot]
+        line = answer.response_words
+        assert line is not None  # host memory: waits are the host's
+        found: int | None = line[0]
+        if found != state.value:
+            backoff = Backoff(self.wait, spin=line[CPU_WORD] != self._cpu, pump=self.memory.pump)
+            watch = lambda: self._check_alive(state.sent)  # noqa: E731
+            found = await_word(line, state.value, deadline, backoff, watch, exact=True)
+            if found is None:
+                raise FFNTimeout(
+                    f"FFN rank {ffn_rank} (pid {self._creators[ffn_rank].pid}) did not answer "
+                    f"within timeout_s={self.spec.timeout_s} ({state.tag})"
+                )
+        if found != state.value:
+            raise FFNServeError(f"FFN rank {ffn_rank}: {answer.read_error()}")
+        return self.plane.answer(ffn_rank, slot, rows)
 
     def _answer(
         self,
@@ -373,10 +529,9 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
                 deadline = time.perf_counter() + self.spec.timeout_s
             try:
                 if state.sent[ffn_rank] < self._replaced_at[ffn_rank]:
-                    self._send_request(ffn_rank, state, rows, deadline)
+                    self._send(ffn_rank, state, rows)
                     self.redispatched += 1
-                seq = state.seqs[ffn_rank]
-                return self._wait(ffn_rank, state.slot, seq, state.tag, deadline, state.seqs)
+                return self._wait(ffn_rank, state, rows.shape[0], deadline)
             except (FFNRankLost, FFNServeError) as exc:
                 failure = exc
 
@@ -445,7 +600,7 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         self.replacements += 1
         self._replaced_at[ffn_rank] = self.replacements
         if self.schedule is not None:
-            self._announce_to(ffn_rank, self.schedule)
+            self.controls[ffn_rank].announce(self.rank, self.schedule)
         logger.warning(
             "AFD: attention rank %d reconnected to FFN rank %d (incarnation %d, pid %d, %s)",
             self.rank,
@@ -462,71 +617,49 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         if slot not in self._free:
             self._free.append(slot)
 
-    def _begin_dispatch(self) -> None:  # noqa: B027 - optional hook
-        """Runs once per dispatch that sends anything, before the first ``_send``."""
+    def _check_alive(self, ffn_ranks: Collection[int]) -> None:
+        """Raise ``FFNRankLost`` for the first of ``ffn_ranks`` that closed its endpoint, died,
+        or that the failover supervisor declared lost (a wedged rank: ``_check_superseded``)."""
+        for f in ffn_ranks:
+            control, creator = self.controls[f], self._creators[f]
+            if control.closed:
+                raise FFNRankLost(f, f"FFN rank {f} (pid {creator.pid}) closed its endpoint")
+            if creator.died():
+                raise FFNRankLost(f, f"FFN rank {f} (pid {creator.pid}) died")
+            self._check_superseded(f)
 
-    def _take_slot(self, tag: Tag, num_tokens: int) -> int:
-        """The slot a dispatch of ``num_tokens`` tokens tagged ``tag`` holds until its combine
-        (``combine`` puts it back on ``self._free``): any free one here.
+    def reconnect(self, ffn_rank: int, address: str) -> None:
+        """Map the replacement's control block and request buffer (``address``: its control
+        block; the old mappings stay until ``close``) and offer it this rank's answer buffer."""
+        control = self._connect(ffn_rank, address)
+        self._creators[ffn_rank] = self._watch(ffn_rank, control)
+        self.controls[ffn_rank], old = control, self.controls[ffn_rank]
+        old.close()
+        self.plane.attach(ffn_rank, control.handle)
+        control.offer_answers(self.rank, self.plane.answer_handles[ffn_rank])
 
-        Raises:
-            RuntimeError: when every slot is held.
-        """
-        if not self._free:
-            raise RuntimeError(
-                f"more than num_slots={self.spec.num_slots} dispatches outstanding: "
-                "combine one before dispatching again"
-            )
-        return self._free.pop()
+    def close(self) -> None:
+        """Unmap everything; unlink this rank's answer buffers (the FFN side unlinks its own)."""
+        self._closed.set()
+        if self._watching is not None:
+            self._watching.join()  # before the control blocks it reads go
+        for control in self.controls:
+            control.close()
+        self.controls = []
+        self.memory.close()
 
-    @abc.abstractmethod
-    def _announce_to(self, ffn_rank: int, schedule: StepSchedule) -> None:
-        """Put ``schedule`` on the wire to FFN rank ``ffn_rank``, ahead of the step's requests
-        (the FFN side attaches it to the requests that follow: ``FFNRequest.schedule``)."""
 
-    @abc.abstractmethod
-    def _send(
-        self,
-        ffn_rank: int,
-        slot: int,
-        tag: Tag,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        rows: torch.Tensor,
-        deadline: float,
-    ) -> int:
-        """Send FFN rank ``ffn_rank`` the rows ``rows`` of the batch in slot ``slot``.
+def watch_creator(ffn_rank: int, control: ControlBlock, pid_ns: int) -> Creator:
+    """FFN rank ``ffn_rank``'s process (its pid in ``control``, of pid namespace ``pid_ns``),
+    watched (``host.Creator``).
 
-        Args:
-            tag: the request's (step, layer, microbatch).
-            x, topk_ids, topk_weights: the whole batch as ``dispatch`` got it (``topk_ids`` of
-                any integer dtype, converted to int32 on the way).
-            rows: ``[N]`` int64 row indices, ascending; ``N == T`` means every row.
-            deadline: ``time.perf_counter()`` value after which a blocked send must raise
-                ``TransportError``.
-        Returns:
-            The request's sequence number, which ``_wait`` gets back.
-        """
-
-    @abc.abstractmethod
-    def _wait(
-        self,
-        ffn_rank: int,
-        slot: int,
-        seq: int,
-        tag: Tag,
-        deadline: float,
-        awaited: Collection[int],
-    ) -> torch.Tensor:
-        """Wait for FFN rank ``ffn_rank``'s answer to request ``seq`` in slot ``slot``.
-
-        Args:
-            tag: the request's tag; an answer carrying another raises ``ProtocolError``.
-            deadline: ``time.perf_counter()`` value; past it, raise ``TransportError``.
-            awaited: every FFN rank this combine waits for; a backend that checks liveness
-                checks them all, so that any dead one fails the wait.
-        Returns:
-            ``[N, H]`` ``spec.dtype``, possibly a view of a transport buffer (read before the
-            slot is freed, never kept).
-        """
+    Raises:
+        TransportError: if it is dead already.
+    """
+    creator = Creator.watch(control.pid, pid_ns)
+    if creator is None:
+        raise TransportError(
+            f"FFN rank {ffn_rank}: its process (pid {control.pid}) of control block "
+            f"{control.name[:80]!r} is dead"
+        )
+    return creator

@@ -62,9 +62,10 @@ from vllm_afd.host import Creator, pid_namespace
 from vllm_afd.transport.base import Backend, TransportSpec
 from vllm_afd.transport.control import schedule_words
 from vllm_afd.transport.control_block import ControlBlock
+from vllm_afd.transport.endpoint import AttentionEndpoint, watch_creator
 from vllm_afd.transport.slot_plane import PlaneLayout, PlaneMemory
 from vllm_afd.transport.slot_plane_host import HostWords
-from vllm_afd.transport.slots import PlaneAttentionTransport, PlaneFFN, watch_creator
+from vllm_afd.transport.slots import PlaneFFN
 from vllm_afd.transport.wait import WaitPolicy
 
 logger = logging.getLogger("vllm.afd")
@@ -478,10 +479,8 @@ def _parse_handle(handle: str) -> tuple[str, int, int]:
         raise TransportError(f"nixl: not a buffer handle: {handle[:80]!r}") from None
 
 
-class NixlAttention(PlaneAttentionTransport):
+class NixlAttention(AttentionEndpoint):
     """The slot plane's attention endpoint, its FFN ranks reached through NIXL."""
-
-    backend_name = "nixl"
 
     def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
         self._agents: dict[int, str] = {}  # per FFN rank, its agent (``_connect``)

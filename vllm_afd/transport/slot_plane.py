@@ -68,20 +68,12 @@ operation per side and direction around the MoE kernel: the attention rank publi
 waits, the FFN rank waits for every attention rank's request at once (``wait_all``) and answers
 each (a signal after experts that wrote in place, or a publish of its share of a gathered
 forward). The FFN side
-serves the plane in one of two ways, from the same flags:
-
-* what is pending (``FFNPlane`` read by ``slots.PlaneFFN``, host memory): it scans the request
-  flags, and a flag whose value changed is a request; its step and position come from the
-  value, its layer from its sender's announced schedule, its rows from the row-count word
-  (an attention rank sends each FFN rank only the rows routed to it). Each attention rank is
-  served as its requests come, so ranks need not step together: failover, live scaling,
-  request isolation and several front-ends on one FFN group all rest on this.
-* whole announced steps (``slots.SteppedPlaneFFN``, every device): it waits until every
-  attention rank announced its next step and walks the uses the schedules name, each wait for
-  the value the use must carry. Values only grow within a step, so a wait that finds a larger
-  value knows its peer moved on (an attention rank that abandoned a step after an error): it
-  ends instead of waiting for a use that will never come. Shapes are fixed (every row to every
-  FFN rank, rows from the schedule), so that a step is one CUDA graph.
+serves the plane in one of two ways from the same flags (``slots.py``): what is pending (host
+memory: a flag whose value changed is a request, its layer read from its sender's announced
+schedule, its rows from the row-count word; attention ranks need not step together), or whole
+announced steps (every device: each wait is for the value its use must carry; values only grow
+within a step, so a wait that finds a larger one knows its peer moved on and ends; shapes are
+fixed, so that a step is one CUDA graph).
 
 Fixed shapes on devices. Every dispatch on device memory sends all its ``n`` rows to every FFN
 rank (no host-side filtering by expert, which needs the routing on the host), so traffic per
@@ -109,7 +101,7 @@ from typing import Protocol
 import torch
 
 from vllm_afd.errors import FFNTimeout, TransportError
-from vllm_afd.transport.base import TransportSpec
+from vllm_afd.transport.base import TransportSpec, UseForward
 from vllm_afd.transport.control import Part
 from vllm_afd.transport.wait import ViewCache
 
@@ -124,9 +116,6 @@ POSITION_BITS = 16
 PLANE_PREFIX = "vllm_afd_plane_"
 #: How often a waiting host calls its ``watch`` (seconds).
 WATCH_INTERVAL_S = 0.05
-#: ``forward(x [N, H], topk_ids [N, K] int32, topk_weights [N, K] float32, out [N, H]) -> out``,
-#: already weighted and summed over the FFN rank's experts (``testing.reference.FFNForward``).
-Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _words(tensor: torch.Tensor) -> memoryview:
@@ -616,7 +605,7 @@ class FFNPlane:
         view.write_error(message)
         self.memory.signal(view.response, self.steps[a], part.position, failed=True)
 
-    def serve(self, slot: int, parts: Sequence[Part], forward: Forward) -> None:
+    def serve(self, slot: int, parts: Sequence[Part], forward: UseForward) -> None:
         """One use of ``slot``, whole and in stream order (a step served whole, a captured FFN
         step): wait for every part's request, run ``forward`` once over all their rows and
         publish each answer."""
@@ -634,7 +623,7 @@ class FFNPlane:
             self.memory.publish((out,), (answer,), flag, self.steps[a], part.position)
 
     def _serve_gathered(
-        self, views: list[SlotViews], rows: Sequence[int], forward: Forward
+        self, views: list[SlotViews], rows: Sequence[int], forward: UseForward
     ) -> list[torch.Tensor]:
         """One forward over the attention ranks' rows, gathered by one ``cat`` per part;
         returns each part's answer (views of the gathered output)."""

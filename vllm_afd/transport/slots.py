@@ -34,15 +34,14 @@ per step.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, cast
 
 import torch
 
-from vllm_afd.errors import FFNRankLost, FFNServeError, FFNTimeout, ProtocolError, TransportError
-from vllm_afd.host import Creator, UnsafeFileError, shm_platform_problem
+from vllm_afd.errors import FFNTimeout
+from vllm_afd.host import shm_platform_problem
 from vllm_afd.transport.base import (
     AttentionTransport,
     Backend,
@@ -53,279 +52,24 @@ from vllm_afd.transport.base import (
     TransportSpec,
     UseForward,
 )
-from vllm_afd.transport.control import Mode, Part, Step, StepSchedule, Tag, Use
+from vllm_afd.transport.control import Mode, Part, Step, StepSchedule, Use
 from vllm_afd.transport.control_block import ControlBlock, reap_stale_control_blocks
-from vllm_afd.transport.endpoint import AttentionEndpoint
+from vllm_afd.transport.endpoint import AttentionEndpoint, device_waits, plane_memory
 from vllm_afd.transport.slot_plane import (
     CPU_WORD,
     PLANE_PREFIX,
-    POSITION_BITS,
     ROWS_WORD,
-    WATCH_INTERVAL_S,
-    AttentionPlane,
     FFNPlane,
     PlaneLayout,
     PlaneMemory,
     SlotViews,
     value_use,
 )
-from vllm_afd.transport.slot_plane_host import HostPlaneMemory, HostWords, await_word
+from vllm_afd.transport.slot_plane_host import HostWords
 from vllm_afd.transport.wait import Backoff, WaitPolicy, current_cpu
 
 logger = logging.getLogger("vllm.afd")
 WAITS = ("host", "device")
-
-
-def device_waits(settings: Mapping[str, Any]) -> bool:
-    """The plane's waits are the device's (``waits: device``; set on GPUs)."""
-    waits: object = settings.get("waits", "host")
-    return waits == "device"
-
-
-def plane_memory(spec: TransportSpec, prefix: str = PLANE_PREFIX + "data_") -> PlaneMemory:
-    """The plane's memory in this process: with the device's waits the current GPU's where
-    CUDA is; else the host's (data segments named ``<prefix>...``), also for CPU attention
-    ranks whose FFN ranks compute on a GPU."""
-    waits = device_waits(spec.config)
-    if waits and torch.cuda.is_available():
-        from vllm_afd.transport.slot_plane_cuda import CudaPlaneMemory
-
-        return CudaPlaneMemory(torch.cuda.current_device(), spec.timeout_s)
-    return HostPlaneMemory(spec.timeout_s, prefix, device_waits=waits)
-
-
-class PlaneAttentionTransport(AttentionEndpoint):
-    """The attention endpoint's wire on the slot plane: maps every FFN rank's control block
-    (``spec.addresses``) and request buffer, and owns an answer buffer for each; dispatches
-    only inside announced steps (``begin_step``), microbatch ``s`` in slot ``s``; a request's
-    identity is its use's value (``step << POSITION_BITS | position + 1``: ``slot_plane``)."""
-
-    backend_name = "slot plane"
-
-    def __init__(self, spec: TransportSpec, rank: int, wait: WaitPolicy | None = None) -> None:
-        super().__init__(spec, rank, wait)
-        self.layout = layout = PlaneLayout.of(spec)
-        self.memory = self._make_memory()
-        self.controls = [self._connect(f, a) for f, a in enumerate(self.addresses)]
-        self._creators = [self._watch(f, c) for f, c in enumerate(self.controls)]
-        self.filters_rows = not self.memory.records_waits  # fixed shapes where waits record
-        self.plane = AttentionPlane(layout, self.memory, rank, [c.handle for c in self.controls])
-        for control, handle in zip(self.controls, self.plane.answer_handles, strict=True):
-            control.offer_answers(rank, handle)
-        self.step = self.plane.last_step()
-        #: The announced step's layer positions, and its microbatches' tokens (one per slot).
-        self._positions: dict[int, int] = {}
-        self._tokens: tuple[int, ...] = ()
-        #: Per slot, the position of its last use in this step (a use's value is sent once).
-        self._used = [-1] * spec.num_slots
-        #: Per FFN rank and slot: the rows last sent.
-        self._sent = [[0] * spec.num_slots for _ in self.controls]
-        self._cpu = -1
-        self._closed = threading.Event()
-        self._watching = None
-        if self.memory.records_waits:  # a wait cannot watch: a thread watches for it
-            name = f"afd-plane-watchdog-{rank}"
-            self._watching = threading.Thread(target=self._watchdog, name=name, daemon=True)
-            self._watching.start()
-
-    def _make_memory(self) -> PlaneMemory:
-        return plane_memory(self.spec)
-
-    def _connect(self, ffn_rank: int, address: str) -> ControlBlock:
-        """FFN rank ``ffn_rank``'s control block at ``address``, mapped."""
-        try:
-            return ControlBlock.attach(address, self.layout, self.spec.moe_layers)
-        except FileNotFoundError:
-            raise TransportError(
-                f"FFN rank {ffn_rank}: control block {address!r} not found (FFN rank not "
-                "started, or already gone)"
-            ) from None
-        except UnsafeFileError as exc:
-            raise TransportError(f"FFN rank {ffn_rank}: {exc}") from None
-
-    def _watch(self, ffn_rank: int, control: ControlBlock) -> Creator:
-        """FFN rank ``ffn_rank``'s process, watched (``host.Creator``)."""
-        return watch_creator(ffn_rank, control, control.pid_namespace)
-
-    def _watchdog(self) -> None:
-        """With the device's waits: every ``WATCH_INTERVAL_S``, the FFN ranks' liveness, as a
-        host wait's watch checks it; a lost one aborts the step's waits at once
-        (``RecordedWaits.abort``: the next announcement raises its ``FFNRankLost``) instead of
-        letting each spin to its bound."""
-        while not self._closed.wait(WATCH_INTERVAL_S):
-            try:
-                self._check_alive(range(len(self.controls)))
-            except TransportError as lost:
-                self.memory.abort(lost)  # type: ignore[attr-defined]
-
-    def _announce(self, schedule: StepSchedule) -> None:
-        """Raise what the last step's device waits recorded, then start ``schedule``'s step
-        (a step abandoned half-way leaves its slots to this one). A CUDA-graph capture touches
-        neither: reading the device word would sync inside the capture, and a step word set
-        there would be baked into the graph; each replay's own announcement sets it."""
-        if schedule.mode != Mode.CAPTURE:
-            self.memory.check()
-            self.plane.begin(schedule.step)
-        self._positions = {layer: i for i, layer in enumerate(schedule.layers)}
-        self._tokens = schedule.microbatch_tokens[: self.spec.num_slots]
-        self._free = list(range(self.spec.num_slots - 1, -1, -1))
-        self._used = [-1] * self.spec.num_slots
-        super()._announce(schedule)
-
-    def _announce_to(self, ffn_rank: int, schedule: StepSchedule) -> None:
-        self.controls[ffn_rank].announce(self.rank, schedule)
-
-    def _take_slot(self, tag: Tag, num_tokens: int) -> int:
-        """Slot ``tag.microbatch``, as the layer's use of the announced step (its position in
-        the step is kept in ``_used`` until the slot's next use: ``_send`` reads it there).
-
-        Raises:
-            ProtocolError: outside an announced step, past what it announced, or for a layer
-                of the microbatch at or before one it already sent in this step (the layers
-                of a microbatch go in the schedule's order, each once).
-            RuntimeError: while the slot's last dispatch is not combined.
-        """
-        position, slot, tokens = self._positions.get(tag.layer), tag.microbatch, self._tokens
-        if (
-            position is None
-            or not 0 <= slot < len(tokens)
-            or num_tokens > tokens[slot]
-            or position <= self._used[slot]
-        ):
-            raise self._misuse(tag, num_tokens)
-        try:
-            self._free.remove(slot)
-        except ValueError:
-            raise RuntimeError(
-                f"slot {slot} is busy: combine its dispatch before dispatching again"
-            ) from None
-        self._used[slot] = position
-        return slot
-
-    def _misuse(self, tag: Tag, num_tokens: int) -> ProtocolError:
-        """What ``_take_slot`` refused, explained."""
-        schedule, rank, layer, slot = self.schedule, self.rank, tag.layer, tag.microbatch
-        if schedule is None or layer not in self._positions:
-            return ProtocolError(
-                f"slot plane: attention rank {rank} dispatched layer {layer} outside an "
-                f"announced step (schedule: {schedule}); the FFN ranks serve announced steps"
-            )
-        if not 0 <= slot < len(self._tokens) or num_tokens > self._tokens[slot]:
-            return ProtocolError(
-                f"slot plane: attention rank {rank} dispatched {num_tokens} tokens of "
-                f"microbatch {slot}; step {schedule.step} announced "
-                f"{list(schedule.microbatch_tokens)} (slots: {self.spec.num_slots})"
-            )
-        return ProtocolError(
-            f"slot plane: attention rank {rank} dispatched layer {layer} of microbatch {slot} "
-            f"after layer {schedule.layers[self._used[slot]]} in step {schedule.step}: each "
-            "layer once, in the schedule's order"
-        )
-
-    def _begin_dispatch(self) -> None:
-        """Record the CPU this dispatch runs on (FFN ranks on it skip their spin stage)."""
-        self._cpu = current_cpu()
-
-    def _send(
-        self,
-        ffn_rank: int,
-        slot: int,
-        tag: Tag,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        rows: torch.Tensor,
-        deadline: float,
-    ) -> int:
-        """Write the request into ``slot`` of FFN rank ``ffn_rank`` and signal it; returns its
-        value. Never blocks (``deadline`` is unused): the slot is this dispatch's alone."""
-        position = self._used[slot]
-        n = rows.shape[0]
-        index = None if n == x.shape[0] else rows
-        self.plane.send(ffn_rank, slot, position, x, topk_ids, topk_weights, index, self._cpu)
-        self._sent[ffn_rank][slot] = n
-        return tag.step << POSITION_BITS | position + 1  # the use's value
-
-    def _wait(
-        self,
-        ffn_rank: int,
-        slot: int,
-        seq: int,
-        tag: Tag,
-        deadline: float,
-        awaited: Collection[int],
-    ) -> torch.Tensor:
-        """FFN rank ``ffn_rank``'s answer to the use ``seq`` of ``slot``: ``[N, H]``, a view of
-        this rank's answer buffer (read before the slot's next use). On host memory waits for
-        exactly ``seq`` (the answer) or ``-seq`` (an error answer: ``FFNServeError``), checking
-        every ``awaited`` FFN rank's liveness meanwhile; on the device's waits, queues the wait
-        (``memory.check`` raises what it records)."""
-        if self.memory.records_waits:
-            self.plane.await_answer(ffn_rank, slot, value_use(seq)[1])
-            return self.plane.answer(ffn_rank, slot, self._sent[ffn_rank][slot])
-        answer = self.plane.answers[ffn_rank][slot]
-        line = answer.response_words
-        assert line is not None  # host memory: waits are the host's
-        found: int | None = line[0]
-        if found != seq:
-            backoff = Backoff(self.wait, spin=line[CPU_WORD] != self._cpu, pump=self.memory.pump)
-            watch = lambda: self._check_alive(awaited)  # noqa: E731
-            found = await_word(line, seq, deadline, backoff, watch, exact=True)
-            if found is None:
-                raise FFNTimeout(
-                    f"FFN rank {ffn_rank} (pid {self._creators[ffn_rank].pid}) did not answer "
-                    f"within timeout_s={self.spec.timeout_s} ({tag})"
-                )
-        if found != seq:
-            raise FFNServeError(f"FFN rank {ffn_rank}: {answer.read_error()}")
-        return self.plane.answer(ffn_rank, slot, self._sent[ffn_rank][slot])
-
-    def _check_alive(self, ffn_ranks: Collection[int]) -> None:
-        """Raise ``FFNRankLost`` for the first of ``ffn_ranks`` that closed its endpoint, died,
-        or that the failover supervisor declared lost (a wedged rank: ``_check_superseded``)."""
-        for f in ffn_ranks:
-            control, creator = self.controls[f], self._creators[f]
-            if control.closed:
-                raise FFNRankLost(f, f"FFN rank {f} (pid {creator.pid}) closed its endpoint")
-            if creator.died():
-                raise FFNRankLost(f, f"FFN rank {f} (pid {creator.pid}) died")
-            self._check_superseded(f)
-
-    def reconnect(self, ffn_rank: int, address: str) -> None:
-        """Map the replacement's control block and request buffer (``address``: its control
-        block; the old mappings stay until ``close``) and offer it this rank's answer buffer."""
-        control = self._connect(ffn_rank, address)
-        self._creators[ffn_rank] = self._watch(ffn_rank, control)
-        self.controls[ffn_rank], old = control, self.controls[ffn_rank]
-        old.close()
-        self.plane.attach(ffn_rank, control.handle)
-        control.offer_answers(self.rank, self.plane.answer_handles[ffn_rank])
-
-    def close(self) -> None:
-        """Unmap everything; unlink this rank's answer buffers (the FFN side unlinks its own)."""
-        self._closed.set()
-        if self._watching is not None:
-            self._watching.join()  # before the control blocks it reads go
-        for control in self.controls:
-            control.close()
-        self.controls = []
-        self.memory.close()
-
-
-def watch_creator(ffn_rank: int, control: ControlBlock, pid_ns: int) -> Creator:
-    """FFN rank ``ffn_rank``'s process (its pid in ``control``, of pid namespace ``pid_ns``),
-    watched (``host.Creator``).
-
-    Raises:
-        TransportError: if it is dead already.
-    """
-    creator = Creator.watch(control.pid, pid_ns)
-    if creator is None:
-        raise TransportError(
-            f"FFN rank {ffn_rank}: its process (pid {control.pid}) of control block "
-            f"{control.name[:80]!r} is dead"
-        )
-    return creator
 
 
 class _PlaneFFN(FFNTransport):
@@ -605,7 +349,7 @@ class SlotsBackend(Backend):
     FFN ranks serve requests as they come with host waits, whole steps with the device's."""
 
     name = "slots"
-    attention = PlaneAttentionTransport
+    attention = AttentionEndpoint
     ffn = PlaneFFN
     needs_steps = True
     maps_peer_gpu_memory = True

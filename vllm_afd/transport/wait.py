@@ -12,9 +12,8 @@ peer last ran on this very CPU (``current_cpu``): there a spin only keeps the pe
 and makes the round trip several times slower.
 
 Decode-sized messages are dominated by per-call PyTorch overhead (a tensor slice costs as much as
-copying a few KiB; measured numbers: docs/benchmarks.md), so ``ViewCache`` (and ``RowViews``, its
-one-buffer case) caches the ``[:n]`` views of preallocated buffers that the hot paths reuse on
-every call.
+copying a few KiB; measured numbers: docs/benchmarks.md), so ``ViewCache`` caches the ``[:n]``
+views of preallocated buffers that the hot paths reuse on every call.
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
-
-import torch
 
 from vllm_afd import envs
 
@@ -56,15 +53,6 @@ class ViewCache(Generic[V]):
                 self._cache.clear()
             views = self._cache[n] = self._make(n)
         return views
-
-
-class RowViews(ViewCache[torch.Tensor]):
-    """Cached leading-row views ``buffer[:n]`` of one preallocated ``[max_rows, ...]`` buffer."""
-
-    __slots__ = ()
-
-    def __init__(self, buffer: torch.Tensor) -> None:
-        super().__init__(lambda n: buffer[:n])
 
 
 def _poll_window_s() -> float:
@@ -110,23 +98,17 @@ class Backoff:
     def set_spin(self, spin: bool) -> None:
         self.spin_s = self.policy.spin_s if spin else 0.0
 
-    def poll_pause(self) -> bool:
-        """Pause as the spin or yield stage says; ``False`` once both are over."""
-        elapsed = time.perf_counter() - self.start
-        if elapsed < self.spin_s:
-            return True
-        if elapsed < self.policy.yield_s:
-            os.sched_yield()
-            return True
-        return False
-
     def pause(self) -> float:
-        """Pause as the stage reached says (then sleeping); return ``time.perf_counter()``."""
+        """Pause as the stage reached says (spin, yield, then sleep); return
+        ``time.perf_counter()``."""
         if self.pump is not None:
             self.pump()
-        if not self.poll_pause():
+        elapsed = time.perf_counter() - self.start
+        if elapsed >= self.policy.yield_s:
             time.sleep(self.sleep_s)
             self.sleep_s = min(2 * self.sleep_s, self.policy.sleep_max_s)
+        elif elapsed >= self.spin_s:
+            os.sched_yield()
         return time.perf_counter()
 
 

@@ -25,9 +25,7 @@ from vllm_afd.transport.slots import PlaneFFN, SteppedPlaneFFN
 
 def test_unknown_backend_names_allowed_values() -> None:
     spec = make_spec("nccl-magic", 1, 1)
-    with pytest.raises(
-        ValueError, match=r"'nccl-magic'.*allowed: nixl, shm, slots or a module"
-    ):
+    with pytest.raises(ValueError, match=r"'nccl-magic'.*allowed: nixl, shm, slots or a module"):
         create_attention_transport(spec, 0)
     with pytest.raises(ValueError, match=r"cannot load 'no_such_module:Backend'"):
         backend("no_such_module:Backend")
