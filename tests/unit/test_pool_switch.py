@@ -152,10 +152,14 @@ def test_a_rank_inside_a_step_switches_before_its_next_step(pools):
     with session.step(None):  # as the runner holds it for a whole step (W1)
         directory.publish_pool(specs[0].directory, directory.Pool(2, specs[1].to_json()))
         assert _wait(lambda: session.pending is not None), "the watcher did not see the pool"
+        # connected ahead, outside the step: the switch only swaps endpoints
+        pool, ahead = session.pending
+        assert pool.epoch == 2 and len(ahead.controls) == 2
         time.sleep(3 * sessions.POOL_POLL_S)
         assert session.epoch == 1  # not in the middle of the step
         remote_experts_impl(*inputs, layers[1])
         assert session.epoch == 2  # the op's call began a new step: it switched first
+        assert session.endpoint is ahead
     assert _wait(lambda: all(_served(e) == 1 for e in ranks[1]))
     assert _served(ranks[0][0]) == 1
     torch.testing.assert_close(

@@ -86,10 +86,12 @@ class AttentionSession:
     step_lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
     #: The FFN pool it serves on (1: the one the front-end started).
     epoch: int = 1
-    #: A newer pool to switch to at the next step boundary (set by ``PoolWatcher``).
-    pending: directory.Pool | None = None
+    #: A newer pool to switch to at the next step boundary, and the endpoint already connected
+    #: to its FFN ranks (``connect_ahead``, run by ``PoolWatcher``).
+    pending: tuple[directory.Pool, AttentionTransport] | None = None
     watcher: PoolWatcher | None = None
     _switching: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    _closed: bool = False
 
     def __post_init__(self) -> None:
         #: Decode step periods, into this rank's block (W1 calls ``periods.started``).
@@ -133,30 +135,40 @@ class AttentionSession:
 
     # -- live scaling ---------------------------------------------------------------------
 
+    def connect_ahead(self, pool: directory.Pool) -> None:
+        """Connect to ``pool``'s FFN ranks now, outside any step (the pool watcher's thread),
+        and make it the pool to switch to at the next step boundary: the switch then only
+        swaps endpoints (connecting held the step 25-160 ms over NIXL). A pool whose ranks
+        cannot be reached is logged and not retried: this rank stays on its pool, and the
+        scale that published it times out naming this rank.
+
+        Raises:
+            Exception: what connecting raised (the watcher gives the pool up).
+        """
+        spec = dataclasses.replace(
+            TransportSpec.from_json(pool.spec),
+            attention_rank_offset=self.endpoint.spec.attention_rank_offset,
+        )
+        endpoint = create_attention_transport(spec, self.endpoint.rank)
+        with self._switching:
+            if not self._closed:
+                self.pending = (pool, endpoint)
+                return
+        endpoint.close()  # the session closed meanwhile
+
     def switch_pending(self) -> None:
         """At a step boundary (no dispatch outstanding): serve on the pending pool from now on,
-        and say so (``directory.publish_switch``). A pool whose ranks cannot be reached is
-        logged and not retried: this rank stays on its pool, and the scale that published it
-        times out naming this rank."""
+        and say so (``directory.publish_switch``, with how long the step was held)."""
         with self._switching:
-            pool, self.pending = self.pending, None
-            if pool is None or pool.epoch <= self.epoch:
+            pending, self.pending = self.pending, None
+            if pending is None:
+                return
+            pool, endpoint = pending
+            if pool.epoch <= self.epoch:
+                endpoint.close()
                 return
             start = time.perf_counter()
             old = self.endpoint
-            spec = dataclasses.replace(
-                TransportSpec.from_json(pool.spec),
-                attention_rank_offset=old.spec.attention_rank_offset,
-            )
-            try:
-                endpoint = create_attention_transport(spec, old.rank)
-            except Exception:  # noqa: BLE001 - serving goes on on the old pool
-                logger.exception(
-                    "AFD: attention rank %d cannot switch to FFN pool %d", old.rank, pool.epoch
-                )
-                if self.watcher is not None:
-                    self.watcher.given_up = pool.epoch
-                return
             endpoint.step = old.step  # step numbers keep increasing across pools
             if self.stats is not None:
                 self.stats.close()
@@ -165,6 +177,7 @@ class AttentionSession:
             self.epoch = pool.epoch
             old.close()
             stall = time.perf_counter() - start
+            spec = endpoint.spec
             directory.publish_switch(spec.directory, directory.Switch(old.rank, pool.epoch, stall))
             logger.info(
                 "AFD: attention rank %d serves on FFN pool %d (%d FFN rank(s)) after a %.1f ms "
@@ -178,14 +191,19 @@ class AttentionSession:
     def close(self) -> None:
         if self.watcher is not None:
             self.watcher.stop()
+        with self._switching:
+            self._closed = True
+            pending, self.pending = self.pending, None
+        if pending is not None:
+            pending[1].close()
         self.endpoint.close()
 
 
 class PoolWatcher:
     """A thread of the attention worker that looks for a new FFN pool every ``POOL_POLL_S``
-    (a ``stat`` of ``pool.json``), hands it to the session for its next step boundary, and
-    switches an idle rank itself (one not inside a step: the step lock is free), so that a
-    scale completes on a server with no traffic too."""
+    (a ``stat`` of ``pool.json``), connects to it and hands it to the session for its next
+    step boundary (``connect_ahead``), and switches an idle rank itself (one not inside a
+    step: the step lock is free), so that a scale completes on a server with no traffic too."""
 
     def __init__(self, session: AttentionSession) -> None:
         self.session = session
@@ -202,24 +220,32 @@ class PoolWatcher:
     def _run(self) -> None:
         session, seen = self.session, None
         while not self._stop.wait(POOL_POLL_S):
-            try:
-                mtime = os.stat(self.path).st_mtime_ns
-            except OSError:
-                continue
-            if mtime == seen:
-                continue
-            pool = directory.read_pool(session.endpoint.spec.directory)
-            if pool is None or pool.epoch <= max(session.epoch, self.given_up):
+            if session.pending is None:
+                try:
+                    mtime = os.stat(self.path).st_mtime_ns
+                except OSError:
+                    continue
+                if mtime == seen:
+                    continue
                 seen = mtime
-                continue
-            session.pending = pool
+                pool = directory.read_pool(session.endpoint.spec.directory)
+                if pool is None or pool.epoch <= max(session.epoch, self.given_up):
+                    continue
+                try:
+                    session.connect_ahead(pool)
+                except Exception:  # noqa: BLE001 - serving goes on on the old pool
+                    logger.exception(
+                        "AFD: attention rank %d cannot switch to FFN pool %d",
+                        session.endpoint.rank,
+                        pool.epoch,
+                    )
+                    self.given_up = pool.epoch
+                    continue
             if session.step_lock.acquire(timeout=POOL_POLL_S):  # idle: no step runs
                 try:
                     session.switch_pending()
                 finally:
                     session.step_lock.release()
-            if session.pending is None:
-                seen = mtime
 
 
 # --------------------------------------------------------------------------------------------
