@@ -1,6 +1,8 @@
 """One FFN group, several front-ends: `vllm-afd ffn-server` and `vllm-afd serve --afd-join`.
 
-An FFN group of one FFN rank for two attention ranks runs on its own; two servers of one
+An FFN group of one FFN rank for two attention ranks runs on its own, over NIXL (the transport
+of a group shared by front-ends on several hosts; its transport-level sharing runs over every
+backend in tests/unit/transport's contract suites); two servers of one
 attention rank each join it and serve concurrent requests with colocated's greedy tokens. A
 front-end that disagrees with the group (dtype) and one more front-end than the group has
 attention ranks for are refused before they start anything (exit 2, the reason named). When one
@@ -70,7 +72,9 @@ def _wait_ready(proc: subprocess.Popen, log: Path, timeout_s: float = 300.0) -> 
 def test_two_front_ends_share_one_ffn_group(tiny_qwen3, tmp_path):
     group_file, ffn_log = tmp_path / "group.json", tmp_path / "ffn.log"
     ffn = subprocess.Popen(
-        _vllm_afd("ffn-server", tiny_qwen3, "--afd-ratio", "2:1", *FFN_FLAGS),
+        _vllm_afd(
+            "ffn-server", tiny_qwen3, "--afd-ratio", "2:1", "--afd-transport", "nixl", *FFN_FLAGS
+        ),
         env=child_env(),
         stdout=ffn_log.open("w"),
         stderr=subprocess.STDOUT,
@@ -132,7 +136,7 @@ def test_two_front_ends_share_one_ffn_group(tiny_qwen3, tmp_path):
         status, live = http_request(
             servers[1].url + "/afd/status", headers=servers[1].admin_headers()
         )
-        assert (live["num_ffn_ranks"], live["pool"]) == (2, 2), live
+        assert (live["num_ffn_ranks"], live["pool"], live["transport"]) == (2, 2, "nixl"), live
         assert "serves on FFN pool 2 (2 FFN rank(s))" in servers[1].log.read_text()
     finally:
         for server in servers:
