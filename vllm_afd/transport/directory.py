@@ -156,9 +156,14 @@ def _read(path: str) -> dict[str, Any] | None:
         return None
 
 
+def _beside(ffn_directory: str, name: str) -> str:
+    """File ``name`` of the deployment whose (any epoch's) FFN directory is ``ffn_directory``,
+    in its private directory, next to the FFN directories."""
+    return os.path.join(os.path.dirname(ffn_directory), name)
+
+
 def pool_path(ffn_directory: str) -> str:
-    """``pool.json`` of the deployment whose (any epoch's) FFN directory is ``ffn_directory``."""
-    return os.path.join(os.path.dirname(ffn_directory), "pool.json")
+    return _beside(ffn_directory, "pool.json")
 
 
 def publish_pool(ffn_directory: str, pool: Pool) -> None:
@@ -199,19 +204,15 @@ def epoch_of(ffn_directory: str) -> int:
     return pool.epoch
 
 
-def _switch_path(ffn_directory: str, rank: int) -> str:
-    return os.path.join(os.path.dirname(ffn_directory), f"attention{rank}.json")
-
-
 def publish_switch(ffn_directory: str, switch: Switch) -> None:
-    _write(_switch_path(ffn_directory, switch.rank), dataclasses.asdict(switch))
+    _write(_beside(ffn_directory, f"attention{switch.rank}.json"), dataclasses.asdict(switch))
 
 
 def switches(ffn_directory: str, ranks: Iterable[int]) -> list[Switch | None]:
     """Each attention rank's last switch (``None``: it never switched: epoch 1)."""
     out: list[Switch | None] = []
     for rank in ranks:
-        data = _read(_switch_path(ffn_directory, rank))
+        data = _read(_beside(ffn_directory, f"attention{rank}.json"))
         try:
             out.append(None if data is None else Switch(**data))
         except TypeError:
@@ -223,14 +224,10 @@ def switches(ffn_directory: str, ranks: Iterable[int]) -> list[Switch | None]:
 # that holds the FFN group, read by ``/afd/status`` and ``/metrics`` in every API server.
 
 
-def _advice_path(ffn_directory: str) -> str:
-    return os.path.join(os.path.dirname(ffn_directory), "advice.json")
-
-
 def publish_advice(ffn_directory: str, advice: dict[str, Any]) -> None:
-    _write(_advice_path(ffn_directory), advice)
+    _write(_beside(ffn_directory, "advice.json"), advice)
 
 
 def read_advice(ffn_directory: str) -> dict[str, Any] | None:
     """The latest advice (``None``: none yet, or a directory-less spec)."""
-    return _read(_advice_path(ffn_directory)) if ffn_directory else None
+    return _read(_beside(ffn_directory, "advice.json")) if ffn_directory else None

@@ -6,9 +6,9 @@ on every memory (``slots.py``: host shared memory, device memory; ``nixl.py``: N
 FFN rank its rows (``slot_plane.AttentionPlane.send``); ``combine`` waits for every FFN rank's
 answer until one deadline, sums the answers into the original order and frees the slot
 (``combine_hook`` splits the two for vLLM's DBO). A request's identity is its use's value
-(``step << POSITION_BITS | position + 1``: ``slot_plane``). A backend of another memory
-supplies only the memory (``_make_memory``), how an FFN rank's control block is reached
-(``_connect``) and how its process is watched (``_watch``).
+(``step << POSITION_BITS | position + 1``: ``slot_plane``). A backend of another memory than
+this process's (``plane_memory``) supplies only the memory (``_make_memory``), how an FFN
+rank's control block is reached (``_connect``) and how its process is watched (``_watch``).
 
 Failover. A wait raises ``FFNRankLost`` when an FFN rank is gone (its process died, it closed
 its endpoint, the failover supervisor declared it lost). With failover on (``spec.directory``),

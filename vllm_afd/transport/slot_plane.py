@@ -81,15 +81,14 @@ layer is ``n x H x F`` each way, against ``n x H x (FFN ranks a token touches)``
 sends: equal at F = 1 (7:1), 4 against 3.6 for Qwen3-235B at 28 + 4. The FFN side masks the
 experts it does not hold.
 
-Failure. A host wait raises ``FFNTimeout`` after its deadline and reports a flag that moved
-past the awaited value to its caller; its ``watch`` callback (every ``WATCH_INTERVAL_S``) lets
-the caller end it early (the FFN process died, the sender announced a newer step). A device
-wait gives up at its deadline (the GPU's global timer), or on an error answer, a peer that
-moved on or an abort word a host watchdog sets when the peer dies (``RecordedWaits.abort``: the
-step's later waits end at once), records it in a device word and lets the stream go on (a
-kernel cannot raise);
-``check()`` reads that word on the host (at step boundaries, where the host looks anyway) and
-raises.
+Failure. A host wait raises ``FFNTimeout`` after its deadline and reports a flag that moved past
+the awaited value to its caller; its ``watch`` callback (every ``WATCH_INTERVAL_S``:
+``slot_plane_host.await_word``) lets the caller end it early (the FFN process died, the sender
+announced a newer step). A device wait gives up at its deadline (the GPU's global timer), or on
+an error answer, a peer that moved on or an abort word a host watchdog sets when the peer dies
+(``RecordedWaits.abort``: the step's later waits end at once), records it in a device word and
+lets the stream go on (a kernel cannot raise); ``check()`` reads that word on the host (at step
+boundaries, where the host looks anyway) and raises.
 """
 
 from __future__ import annotations
@@ -344,7 +343,6 @@ class PlaneMemory(Protocol):
         step: torch.Tensor,
         position: int,
         what: str,
-        watch: Watch | None = None,
     ) -> int | None:
         """Until ``|flag|`` reaches the use's value (acquire), bounded; ``what`` names the flag
         in errors. Returns the flag's value on the host (the caller tells an answer, an error
@@ -491,15 +489,13 @@ class AttentionPlane:
         if self._push is not None:
             self._push(parts, view.request_line[: CPU_WORD + 1])
 
-    def await_answer(
-        self, ffn_rank: int, slot: int, position: int, watch: Watch | None = None
-    ) -> None:
+    def await_answer(self, ffn_rank: int, slot: int, position: int) -> None:
         """Wait for FFN rank ``ffn_rank``'s answer to the use of ``slot`` at ``position``
         (on devices with streams, queue the wait). On the host raises ``PlaneError`` for an
         error answer (its text) or an answer to another use."""
         view = self.answers[ffn_rank][slot]
         what = f"response of FFN rank {ffn_rank} to attention rank {self.rank}, slot {slot}"
-        found = self.memory.wait(view.response, self.step, position, what, watch)
+        found = self.memory.wait(view.response, self.step, position, what)
         if found is None:
             return
         want = int(self.step) + position + 1
@@ -552,14 +548,14 @@ class FFNPlane:
         """Serve ``step`` of ``attention_rank`` (its announced schedule) from now on."""
         _set_step(self.steps[attention_rank], step)
 
-    def take(self, slot: int, part: Part, watch: Watch | None = None) -> SlotViews:
+    def take(self, slot: int, part: Part) -> SlotViews:
         """Wait for ``part``'s request in ``slot``; returns the slot's views (the request's
         rows are ``[:part.rows]``). On the host raises ``PlaneError`` when the attention rank
         moved past this use."""
         a = part.attention_rank
         view = self.slots[slot][a]
         what = self._request_name(a, slot)
-        found = self.memory.wait(view.request, self.steps[a], part.position, what, watch)
+        found = self.memory.wait(view.request, self.steps[a], part.position, what)
         self._check_taken(part, slot, found)
         return view
 

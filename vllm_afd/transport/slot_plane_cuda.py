@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from vllm_afd.transport.slot_plane import RecordedWaits, Watch, publish_by_copies
+from vllm_afd.transport.slot_plane import RecordedWaits, publish_by_copies
 
 #: Polls a wait makes before it gives up where there is no device clock to bound it by (the
 #: interpreter in the suite); on a GPU a wait is bounded by time (``CudaPlaneMemory``).
@@ -213,7 +213,6 @@ class TritonWaits(RecordedWaits):
         step: torch.Tensor,
         position: int,
         what: str,
-        watch: Watch | None = None,
     ) -> None:
         self._wait(flag, 0, 1, step, position)
 

@@ -148,9 +148,9 @@ class HostWords(RecordedWaits):
         step: torch.Tensor,
         position: int,
         what: str,
-        watch: Watch | None = None,
     ) -> int | None:
         want = self.word(step)[0] + position + 1
+        watch = None
         if self.device_waits:
             if self.word(self.aborted)[0]:  # a step whose peer died: its waits end at once
                 self.errors += 1

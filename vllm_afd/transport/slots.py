@@ -160,7 +160,7 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
 
     def recv(self, timeout_s: float) -> list[FFNRequest]:
         """See ``ServesRequests.recv``: every pending request, in dispatch order per rank."""
-        self._cpu = current_cpu()
+        cpu = self._cpu = current_cpu()
         requests = self._poll()
         if requests:
             self._idle = False
@@ -168,7 +168,8 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
         if not self._idle:  # first wait after serving: start again from the spin stage
             self._idle = True
             self._backoff.reset()
-        self._backoff.set_spin(self._spin_ok())
+        # spin only if no attention rank last dispatched from the CPU this one runs on
+        self._backoff.set_spin(all(line[CPU_WORD] != cpu for *_, line in self._channels))
         deadline = time.perf_counter() + timeout_s
         while True:
             now = self._backoff.pause()
@@ -178,11 +179,6 @@ class PlaneFFN(_PlaneFFN, ServesRequests):
                 return requests
             if now >= deadline:
                 return []
-
-    def _spin_ok(self) -> bool:
-        """Spin only if no attention rank last dispatched from the CPU we run on."""
-        cpu = self._cpu
-        return all(request[CPU_WORD] != cpu for _, _, _, request in self._channels)
 
     def _poll(self) -> list[FFNRequest]:
         requests = []

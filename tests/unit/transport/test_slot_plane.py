@@ -299,9 +299,9 @@ class _CountingMemory(HostPlaneMemory):
         self._count("signal")
         super().signal(flag, step, position, failed)
 
-    def wait(self, flag, step, position, what, watch=None):
+    def wait(self, flag, step, position, what):
         self._count("wait")
-        return super().wait(flag, step, position, what, watch)
+        return super().wait(flag, step, position, what)
 
 
 @pytest.mark.parametrize("attention_ranks", [1, 2])
