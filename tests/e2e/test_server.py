@@ -18,7 +18,7 @@ tests run in file order on it, each leaving it serving:
 6. last, SIGTERM with streams in flight: every stream completes, then nothing is left
    (processes, Ray's daemons, no new file in /dev/shm, metrics blocks).
 
-A SIGTERM or SIGINT to the whole process group, and a SIGKILL of it: test_stop_e2e.py.
+A SIGKILL of the whole process group, then a SIGTERM to it: test_stop_e2e.py (``make test-all``).
 
 With failover off, a lost FFN rank fails requests fast: test_ffn_failure.py.
 """
