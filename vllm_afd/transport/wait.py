@@ -104,11 +104,13 @@ class Backoff:
         if self.pump is not None:
             self.pump()
         elapsed = time.perf_counter() - self.start
-        if elapsed >= self.policy.yield_s:
+        if elapsed < self.spin_s:
+            pass  # the spin stage, even past a poll window shorter than it
+        elif elapsed < self.policy.yield_s:
+            os.sched_yield()
+        else:
             time.sleep(self.sleep_s)
             self.sleep_s = min(2 * self.sleep_s, self.policy.sleep_max_s)
-        elif elapsed >= self.spin_s:
-            os.sched_yield()
         return time.perf_counter()
 
 
