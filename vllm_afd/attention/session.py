@@ -139,8 +139,8 @@ class AttentionSession:
         """Connect to ``pool``'s FFN ranks now, outside any step (the pool watcher's thread),
         and make it the pool to switch to at the next step boundary: the switch then only
         swaps endpoints (connecting held the step 25-160 ms over NIXL). A pool whose ranks
-        cannot be reached is logged and not retried: this rank stays on its pool, and the
-        scale that published it times out naming this rank.
+        cannot be reached raises here; the watcher logs it and gives the pool up: this rank
+        stays on its pool, and the scale that published it times out naming this rank.
 
         Raises:
             Exception: what connecting raised (the watcher gives the pool up).
