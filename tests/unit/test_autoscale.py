@@ -421,3 +421,18 @@ def test_another_api_server_reads_the_live_pool_after_a_scale(tmp_path, monkeypa
     directory.publish_pool(old.directory, directory.Pool(2, new.to_json()))
     assert TransportSpec.from_json(directory.live_runtime(old.to_json())) == new
     assert ffn_group_problems() == []
+
+
+def test_a_window_shows_the_round_trip_served_where_it_can():
+    """One microbatch: the exposed wait is the whole round trip; two: the other microbatch's
+    stage (half the attention time per layer) plus the wait, unless the wait is under a tenth
+    of the stage (the round trip hid); a disturbed window shows none. Tokens per FFN rank:
+    the batch over the ratio, per microbatch, times the positions of a speculative step."""
+    from vllm_afd.planner.auto_ratio import ServedRoundTrip
+
+    window = autoscale.Window(10.0, 20, 90.0, 4.0, 100.0, 2.0, 1.5, 1.2)
+    assert window.served(1, 1, 1) == ServedRoundTrip(1, 4.0, pytest.approx(1.5e-3))
+    assert window.served(2, 1, 2, draft_length=1) == ServedRoundTrip(1, 8.0, pytest.approx(2.5e-3))
+    hidden = dataclasses.replace(window, exposed_ffn_ms=0.05)
+    assert hidden.served(1, 1, 2) is None and hidden.served(1, 1, 1) is not None
+    assert dataclasses.replace(window, disturbed="a failover").served(1, 1, 1) is None

@@ -109,6 +109,7 @@ def window_row(phase: str, window: dict) -> dict[str, Any]:
     measured = gauge("vllm_afd_window_step_seconds")
     predicted = gauge("vllm_afd_planner_predicted_step_seconds", f'num_ffn_ranks="{live}"')
     advice = status.get("live") or {}
+    parts = advice.get("window", {})
     return {
         "phase": phase,
         "num_ffn_ranks": live,
@@ -118,7 +119,9 @@ def window_row(phase: str, window: dict) -> dict[str, Any]:
         "measured_ms": None if measured is None else 1e3 * measured,
         "predicted_ms": None if predicted is None else 1e3 * predicted,
         "predicted_over_measured": None if not (measured and predicted) else predicted / measured,
-        "disturbed": advice.get("window", {}).get("disturbed", ""),
+        # the window's parts (ms): attention per layer, exposed FFN wait and FFN service
+        **{k: parts.get(k) for k in ("attention_ms", "exposed_ffn_ms", "ffn_ms")},
+        "disturbed": parts.get("disturbed", ""),
         "rule": advice.get("rule"),
         "reason": advice.get("reason"),
         "model": advice.get("model"),
@@ -174,13 +177,15 @@ def _row_text(row: dict) -> str:
         f"{row['phase']:<18} {row['ratio']:>5} {f(row['batch']):>6}"
         f" {f(row['context'], '{:.0f}'):>7}"
         f" {f(row['measured_ms']):>9} {f(row['predicted_ms']):>9}"
-        f" {f(row['predicted_over_measured'], '{:.3f}'):>10}  {row['disturbed'] or '-'}"
+        f" {f(row['predicted_over_measured'], '{:.3f}'):>10}"
+        f" {f(row.get('attention_ms'), '{:.3f}'):>10} {f(row.get('exposed_ffn_ms'), '{:.3f}'):>8}"
+        f" {f(row.get('ffn_ms'), '{:.3f}'):>6}  {row['disturbed'] or '-'}"
     )
 
 
 HEADER = (
     f"{'phase':<18} {'A:F':>5} {'batch':>6} {'context':>7} {'meas ms':>9} {'pred ms':>9} "
-    f"{'pred/meas':>10}  disturbed"
+    f"{'pred/meas':>10} {'attn/layer':>10} {'exposed':>8} {'ffn':>6}  disturbed"
 )
 
 

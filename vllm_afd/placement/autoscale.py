@@ -14,7 +14,9 @@ rank hides behind more attention ranks). The process that holds the FFN group ru
    platform: the CPU step model of a ``vllm-afd profile`` file on the CPU build, the
    analytical model on GPUs) what every FFN rank count the experts allow would give at the
    measured batch and context, more FFN ranks than attention ranks included, and why it
-   cannot predict a count;
+   cannot predict a count; with A2's tau refitted from the round trips served in the last
+   ``SERVED_WINDOWS`` undisturbed windows before this one (``Window.served``), since the
+   profile's tau, measured on an idle machine, is not what serving pays;
 3. decides (``decide``): scale to the planner's best count when it promises at least
    ``--afd-autoscale-margin`` more tokens/s per device than the live one, in two undisturbed
    windows in a row, and the last scale (its own or a ``POST /afd/scale``) is at least
@@ -42,6 +44,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +61,12 @@ from vllm_afd.metrics.blocks import (
     A_STEP_SECONDS,
     A_STEPS,
 )
-from vllm_afd.planner.auto_ratio import Candidate, candidate_ffn_ranks, predict_ffn_counts
+from vllm_afd.planner.auto_ratio import (
+    Candidate,
+    ServedRoundTrip,
+    candidate_ffn_ranks,
+    predict_ffn_counts,
+)
 from vllm_afd.transport import TransportSpec, directory
 
 logger = logging.getLogger("vllm.afd")
@@ -66,6 +74,8 @@ logger = logging.getLogger("vllm.afd")
 WINDOW_S = 10.0
 #: Decode steps (all attention ranks) a window needs before it is planned on.
 MIN_STEPS = 8
+#: Undisturbed windows whose served round trips refit the planner's tau (their median).
+SERVED_WINDOWS = 3
 
 
 @dataclass(frozen=True)
@@ -132,6 +142,27 @@ class Window:
     ffn_ms: float
     #: What in the window makes it no measure of the steady load (a scale, a failover), or "".
     disturbed: str = ""
+
+    def served(
+        self, attention_ranks: int, ffn_ranks: int, microbatches: int, draft_length: int = 0
+    ) -> ServedRoundTrip | None:
+        """The FFN round trip as served in this window, for the planner's tau refit; ``None``
+        where the window cannot show it (disturbed, or hidden behind the other microbatch).
+
+        One microbatch: the attention rank waits out the whole round trip, so the exposed
+        time is the round trip. Two: it runs the other microbatch's stage (half the attention
+        time per layer) before it waits, so the round trip is that stage plus the exposed
+        time, seen only where the wait is at least a tenth of the stage."""
+        if self.disturbed:
+            return None
+        k = min(max(1, microbatches), 2)
+        tokens = self.batch * (1 + draft_length) * attention_ranks / ffn_ranks / k
+        if k == 1:
+            return ServedRoundTrip(ffn_ranks, tokens, self.exposed_ffn_ms / 1e3)
+        stage_ms = self.attention_ms / 2
+        if self.exposed_ffn_ms < 0.1 * stage_ms:
+            return None
+        return ServedRoundTrip(ffn_ranks, tokens, (stage_ms + self.exposed_ffn_ms) / 1e3)
 
 
 #: ``Totals`` fields that are counters (the rest say what the pool is and how it is doing).
@@ -290,6 +321,8 @@ class Advisor:
         self._stop = threading.Event()
         self._best_before: int | None = None
         self._last_said: tuple | None = None
+        #: The served round trips of the last undisturbed windows (``Window.served``).
+        self._served: deque[ServedRoundTrip] = deque(maxlen=SERVED_WINDOWS)
         self._thread = threading.Thread(target=self._run, name="afd-advisor", daemon=True)
         self._thread.start()
 
@@ -348,10 +381,17 @@ class Advisor:
                 what="the planner in the loop",
                 counts=candidate_ffn_ranks(d.info, d.attention_ranks, whole_ratios=False),
                 microbatches=d.microbatches,
+                served=tuple(self._served),
             )
         except (AFDConfigError, ValueError, OSError) as exc:
             advice.update(rule="no_planner", reason=f"no planner prediction: {exc}")
             return advice
+        # this window refits tau for the next ones, not for its own prediction
+        served = window.served(
+            d.attention_ranks, spec.num_ffn_ranks, d.microbatches, d.draft_length
+        )
+        if served is not None:
+            self._served.append(served)
         candidates = predictions.candidates
         decision = decide(
             spec.num_ffn_ranks,

@@ -24,14 +24,26 @@ Each platform is predicted by the model fitted for it (``planner_inputs``):
 
 A count that cannot be predicted (its experts do not fit, it leaves the NVLink domain, the
 context is outside the profile) is left out with the reason (``Predictions.unpredicted``).
+
+In the loop, A2's intercept tau (the fixed cost of one FFN round trip) is refitted from the
+round trips the deployment served (``ServedRoundTrip``): the profile measures tau between two
+processes on an otherwise idle machine, serving pays it next to the front-end, the engine core
+and Ray (on two CPU cores: 1.6-2.0 ms per round trip against the profile's 1.07-1.18). The
+measured round trip less the model's weight and token terms is the tau served; every FFN rank
+count is then predicted with it, the profile's u and u_c unchanged. This is Dynamo's planner's
+correction factor (observed over expected ITL) put on the FFN round trip alone; the attention
+side stays the profile's (docs/benchmarks.md: in serving on two cores it too runs above it).
+Only where the platform measured is the one modelled (not the CPU build modelling a device).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterable
+import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,6 +76,48 @@ class PlannerInputs:
             return f"CPU step model ({self.profile_path}, {self.cpu.hardware.name})"
         assert self.hardware is not None
         return f"analytical model on {self.hardware.name}"
+
+    def ffn_hardware(self) -> Hardware:
+        """The hardware A2 (``analytical.ffn_service``) predicts the FFN service on."""
+        if self.cpu is not None:
+            return self.cpu.hardware
+        from vllm_afd.planner.planning import apply_calibration
+
+        assert self.hardware is not None
+        return apply_calibration(self.hardware, self.profile)
+
+    def with_intercept(self, tau_s: float) -> PlannerInputs:
+        """These inputs with A2's intercept tau replaced by ``tau_s``."""
+        hw = dataclasses.replace(self.ffn_hardware(), dispatch_intercept=tau_s)
+        if self.cpu is not None:
+            return dataclasses.replace(self, cpu=dataclasses.replace(self.cpu, hardware=hw))
+        profile = self.profile
+        if profile is not None and profile.dispatch_intercept_us is not None:
+            profile = dataclasses.replace(profile, dispatch_intercept_us=tau_s * 1e6)
+        return dataclasses.replace(self, hardware=hw, profile=profile)
+
+
+@dataclass(frozen=True)
+class ServedRoundTrip:
+    """FFN round trips as the deployment served them (what the planner in the loop measured
+    over one window): ``seconds`` each, ``tokens`` routed tokens to each of ``ffn_ranks``."""
+
+    ffn_ranks: int
+    tokens: float
+    seconds: float
+
+
+def served_intercept(
+    inputs: PlannerInputs, model: ModelSpec, served: Sequence[ServedRoundTrip]
+) -> float:
+    """A2's tau as served (seconds, >= 0): the median over ``served`` of the round trip less
+    the model's weight and token terms (``analytical.ffn_service`` without its tau)."""
+    from vllm_afd.planner.analytical import ffn_service
+
+    hw = inputs.ffn_hardware()
+    fixed = hw.dispatch_intercept
+    taus = [rt.seconds - ffn_service(model, hw, rt.tokens, rt.ffn_ranks) + fixed for rt in served]
+    return max(0.0, statistics.median(taus))
 
 
 def planner_inputs(platform_is_cpu: bool, what: str = "--afd-ratio auto") -> PlannerInputs:
@@ -163,6 +217,7 @@ def predict_ffn_counts(
     what: str = "--afd-ratio auto",
     counts: Iterable[int] | None = None,
     microbatches: int = 2,
+    served: Sequence[ServedRoundTrip] = (),
 ) -> Predictions:
     """``Predictions`` for ``attention_ranks`` at ``batch`` requests per attention rank and
     ``context`` tokens of context, for each FFN rank count in ``counts`` (default: the whole
@@ -172,11 +227,22 @@ def predict_ffn_counts(
     0 without speculation: each request then sends ``1 + d`` tokens per step through the FFN.
     ``microbatches``: the engine's (1 or 2; the CPU step model tells them apart, the analytical
     model is Eq. 3's two). ``what`` plans (named in the error without planner inputs).
+    ``served``: round trips the deployment measured, to refit tau from (the module
+    docstring); ignored where the CPU build models a device.
     """
     from vllm_afd.planner import load_hf_config
 
     inputs = planner_inputs(platform_is_cpu, what)
     model = load_hf_config(model_dir)
+    said = inputs.model
+    if served and (inputs.cpu is not None or not platform_is_cpu):
+        profiled = inputs.ffn_hardware().dispatch_intercept
+        tau = served_intercept(inputs, model, served)
+        inputs = inputs.with_intercept(tau)
+        said += (
+            f", tau {tau * 1e6:.0f} us as served over {len(served)} window(s) "
+            f"(profiled {profiled * 1e6:.0f} us)"
+        )
     out, unpredicted = [], {}
     for ffn in candidate_ffn_ranks(info, attention_ranks) if counts is None else counts:
         problem = ffn_ranks_problem(info.num_experts, ffn)
@@ -203,7 +269,7 @@ def predict_ffn_counts(
             unpredicted[ffn] = str(exc)
             continue
         out.append(_candidate(attention_ranks, ffn, batch, step_s, covered))
-    return Predictions(inputs.model, tuple(out), unpredicted)
+    return Predictions(said, tuple(out), unpredicted)
 
 
 def _candidate(attention: int, ffn: int, batch: float, step_s: float, covered: bool) -> Candidate:
@@ -252,10 +318,9 @@ def _analytical_step(
     experts fit the FFN devices, attention and FFN devices share one NVLink domain, the
     profile covers the context. ValueError says which fails."""
     from vllm_afd.planner.memory import check_ffn_fits
-    from vllm_afd.planner.planning import apply_calibration, predict_ratio, resolve_point
+    from vllm_afd.planner.planning import predict_ratio, resolve_point
 
-    assert inputs.hardware is not None
-    hw = apply_calibration(inputs.hardware, inputs.profile)
+    hw = inputs.ffn_hardware()
     if attention + ffn > hw.nvlink_domain:
         raise ValueError(
             f"{attention} attention + {ffn} FFN GPUs exceed the {hw.name} NVLink domain of "

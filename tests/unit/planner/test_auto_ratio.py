@@ -90,3 +90,66 @@ def test_the_cpu_build_predicts_with_the_profile_s_cpu_step_model(
         steps[batch, context] = got.candidates[0].step_ms
     # the prediction follows the batch and the context
     assert steps[2.75, 100.0] < steps[4.0, 100.0] < steps[4.0, 900.0]
+
+
+def test_the_loop_refits_tau_from_the_round_trips_served(tiny_qwen3, tmp_path, monkeypatch):
+    """The round trips a deployment served refit A2's tau: a round trip 0.5 ms longer than
+    the profile's F(m) raises every count's predicted step by 0.5 ms per MoE layer (tau is per
+    round trip), the median of the windows given (one outlier changes nothing), never below 0;
+    where the CPU build models a device, served round trips are no measure of it."""
+    from vllm_afd.planner import load_hf_config
+    from vllm_afd.planner.analytical import ffn_service
+    from vllm_afd.planner.auto_ratio import ServedRoundTrip, predict_ffn_counts
+
+    fit = _cpu_profile(tmp_path / "p.json")
+    monkeypatch.setenv("VLLM_AFD_PLAN_PROFILE", str(tmp_path / "p.json"))
+    monkeypatch.delenv("VLLM_AFD_PLAN_HARDWARE", raising=False)
+    model = load_hf_config(tiny_qwen3)
+
+    def predict(*served):
+        got = predict_ffn_counts(
+            INFO, 1, tiny_qwen3, 100.0, 4.0, True, counts=[1, 2], microbatches=1, served=served
+        )
+        return got.model, [c.step_ms for c in got.candidates]
+
+    plain, steps = predict()
+    f_m = ffn_service(model, fit.hardware, 4.0, 1)  # 4 tokens on 1 FFN rank
+    slow = ServedRoundTrip(1, 4.0, f_m + 0.5e-3)
+    said, refitted = predict(slow, ServedRoundTrip(1, 4.0, 1.0), slow)
+    tau = fit.hardware.dispatch_intercept + 0.5e-3
+    assert said == f"{plain}, tau {tau * 1e6:.0f} us as served over 3 window(s) " + (
+        f"(profiled {fit.hardware.dispatch_intercept * 1e6:.0f} us)"
+    )
+    for before, after in zip(steps, refitted, strict=True):
+        assert after - before == pytest.approx(0.5 * model.num_moe_layers)
+    _, fast = predict(ServedRoundTrip(2, 2.0, 0.0))  # faster than the weights stream: tau 0
+    assert fast[0] < steps[0]
+    _, at_zero = predict(ServedRoundTrip(2, 2.0, -1.0))
+    assert at_zero == fast
+    monkeypatch.setenv("VLLM_AFD_PLAN_PROFILE", "")
+    monkeypatch.setenv("VLLM_AFD_PLAN_HARDWARE", "h200")
+    device = predict_ffn_counts(INFO, 1, tiny_qwen3, 100.0, 4.0, True, counts=[1], served=(slow,))
+    assert device.model == "analytical model on h200"
+
+
+def test_the_advisor_refits_tau_from_the_windows_before_the_one_it_predicts(
+    tiny_qwen3, tmp_path, monkeypatch
+):
+    """A window's prediction is the planner's with tau as served in the undisturbed windows
+    before it (never its own measurement): the first window is predicted from the profile."""
+    from vllm_afd.placement.autoscale import Advisor, Deployment, Policy, Window
+    from vllm_afd.transport import TransportSpec
+
+    _cpu_profile(tmp_path / "p.json")
+    monkeypatch.setenv("VLLM_AFD_PLAN_PROFILE", str(tmp_path / "p.json"))
+    monkeypatch.delenv("VLLM_AFD_RUNTIME", raising=False)  # the advisor's thread ends at once
+    advisor = Advisor(Deployment(INFO, 1, tiny_qwen3, True, microbatches=1), Policy(0, 60, 0.1))
+    spec = TransportSpec("shm", 1, 1, 8, 16, 2, 16, addresses=("a",))
+    window = Window(10.0, 20, 9.0, 4.0, 100.0, 2.0, 3.0, 1.2)
+    scaled = Window(10.0, 20, 9.0, 4.0, 100.0, 2.0, 9.0, 1.2, "a scale of the FFN pool")
+    said = [advisor.advise(spec, w)["model"] for w in (window, scaled, window, window)]
+    assert "as served" not in said[0]
+    assert said[1].endswith("us as served over 1 window(s) (profiled 100 us)"), said[1]
+    assert "over 1 window(s)" in said[2]  # the disturbed window refits nothing
+    assert "over 2 window(s)" in said[3]
+    advisor.stop()
