@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from failoverlib import colocated_job, streams_around
@@ -69,7 +70,6 @@ def test_the_pool_scaled_live_1_2_1_under_streams_gives_colocated_text(
     ranks and back to one: each scale answers 200 while the streams are in flight, and every
     stream ends with colocated's exact text and tokens. ``/afd/status`` and ``/metrics`` show
     the live pool and both scales; a count the experts cannot split into is refused (400)."""
-    streamed = run_once(colocated_job(smollm2_moe))
     shm_before = set(os.listdir(SHM_DIR))
     server = Server(
         smollm2_moe,
@@ -78,7 +78,10 @@ def test_the_pool_scaled_live_1_2_1_under_streams_gives_colocated_text(
         env={"VLLM_PLUGINS": "afd"},
     )
     try:
-        server.wait_healthy()
+        with ThreadPoolExecutor(1) as pool:  # the streams' reference while the server starts
+            streamed = pool.submit(run_once, colocated_job(smollm2_moe))
+            server.wait_healthy()
+            streamed = streamed.result()
         for prompt, expected in zip(PROMPTS, colocated["token_ids"], strict=True):
             status, body = server.complete(prompt, MAX_TOKENS)
             assert status == 200, body

@@ -1,8 +1,8 @@
-"""Every way a server stops leaves nothing behind (issue 44): an AFD server at 2:1, stopped as
-a process manager stops it.
+"""Every way a server stops leaves nothing behind (issue 44): an AFD server stopped as a
+process manager stops it.
 
-- SIGKILL to the whole group (a grace period run out): what it leaves, the next start on the
-  host reclaims and says so in one log line;
+- SIGKILL to the whole group of a 1:1 server (a grace period run out): what it leaves, the next
+  start on the host (2:1: two engine cores) reclaims and says so in one log line;
 - SIGTERM to that server's whole process group (systemd's control-group stop, ``kill --
   -PGID``): every process of the deployment ends within 30 s, Ray's daemons and the FFN rank
   included, and /dev/shm is as it was before the first server started (ours, and vLLM's
@@ -27,16 +27,14 @@ from vllm_afd.host import LEDGER, MP_SEGMENT_PREFIXES, PRIVATE_PREFIX, SHM_DIR
 
 pytestmark = pytest.mark.slow
 
-RATIO = ("--afd-ratio", "2:1")
-
 
 def _shm() -> set[str]:
     return set(os.listdir(SHM_DIR))
 
 
-def _serving(model: str, log) -> Server:
-    """A 2:1 server that answered one completion."""
-    server = Server(model, log, extra=RATIO)
+def _serving(model: str, log, ratio: str) -> Server:
+    """A server at ``ratio`` that answered one completion."""
+    server = Server(model, log, extra=("--afd-ratio", ratio))
     server.wait_healthy()
     status, body = server.complete("The capital of France is", 4)
     assert status == 200, body
@@ -69,7 +67,7 @@ def test_a_group_sigkill_is_reclaimed_by_the_next_start_and_a_group_sigterm_leav
     tiny_qwen3, tmp_path
 ):
     before = _shm()
-    first = _serving(tiny_qwen3, tmp_path / "first.log")
+    first = _serving(tiny_qwen3, tmp_path / "first.log", "1:1")
     try:
         made = _shm() - before
         theirs = {n for n in made if n.startswith(MP_SEGMENT_PREFIXES)}
@@ -89,7 +87,7 @@ def test_a_group_sigkill_is_reclaimed_by_the_next_start_and_a_group_sigterm_leav
     left = _shm() - before
     assert theirs <= left, "a SIGKILL leaves vLLM's segments: else this test shows nothing"
 
-    second = _serving(tiny_qwen3, tmp_path / "second.log")
+    second = _serving(tiny_qwen3, tmp_path / "second.log", "2:1")
     try:
         lines = re.findall(r"AFD: reclaimed what killed deployments left: .*", second.tail(10**9))
         assert len(lines) == 1, lines

@@ -67,7 +67,8 @@ def _building_draft() -> bool:
     target's ``"backbone"``)."""
     from vllm.compilation import backends
 
-    return backends.model_tag != "backbone"
+    tag: str = backends.model_tag
+    return tag != "backbone"
 
 
 def _discard_expert_weight(
@@ -107,7 +108,7 @@ def _stock_expert_parameters(
     )
     scratch = _ScratchExperts(layer)
     with torch.device("meta"):
-        stock.create_weights(layer=scratch, **create_kwargs)  # type: ignore[arg-type]
+        stock.create_weights(layer=scratch, **create_kwargs)
     return dict(scratch.named_parameters(recurse=False))
 
 
@@ -131,7 +132,7 @@ class AFDRemoteExpertsMethod(FusedMoEMethodBase):
 
         self.layer_index = extract_layer_index(layer_name)
 
-    def create_weights(  # type: ignore[override]  # FusedMoEMethodBase's own signature
+    def create_weights(
         self,
         layer: RoutedExperts,
         num_experts: int,

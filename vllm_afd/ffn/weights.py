@@ -73,7 +73,7 @@ def engine_config(model_dir: str | Path, dtype: torch.dtype) -> VllmConfig:
 
     return EngineArgs(
         model=str(model_dir),
-        dtype=str(dtype).removeprefix("torch."),  # type: ignore[arg-type]  # torch's names
+        dtype=str(dtype).removeprefix("torch."),  # torch's names
         enforce_eager=True,
         skip_tokenizer_init=True,
         max_model_len=_MAX_MODEL_LEN,
@@ -91,8 +91,7 @@ def _ensure_world() -> None:
     """
     from vllm.distributed import parallel_state
 
-    # vLLM leaves ``model_parallel_is_initialized`` unannotated
-    if parallel_state.model_parallel_is_initialized():  # type: ignore[no-untyped-call]
+    if parallel_state.model_parallel_is_initialized():
         return
     private = None
     if not torch.distributed.is_initialized():
