@@ -152,7 +152,8 @@ def reference(prefill):
     return tokens
 
 
-def test_offline_afd_decode_loads_the_prefill_kv(tiny_qwen3, kv_store, reference):
+def test_offline_afd_decode_loads_the_prefill_kv(tiny_qwen3, kv_store, reference, decoder):
+    """(``decoder``: the next test's server starts while this one runs offline.)"""
     job = {
         "model": tiny_qwen3,
         "prompts": PROMPTS,
@@ -184,7 +185,8 @@ def test_offline_afd_decode_loads_the_prefill_kv(tiny_qwen3, kv_store, reference
 def decoder(tiny_qwen3, kv_store, tmp_path_factory):
     """The AFD decode instance, 2:1 on the slot plane (the GPU data plane's protocol, on host
     memory): two data-parallel attention ranks, which vLLM steps together (an idle one with a
-    dummy batch), and one FFN rank serving a step of both at once."""
+    dummy batch), and one FFN rank serving a step of both at once. Started, not yet healthy:
+    ``test_server_afd_decode_pool_behind_stock_prefill`` waits for it."""
     server = Server(
         tiny_qwen3,
         tmp_path_factory.mktemp("decode") / "decode_2_1.log",
@@ -198,13 +200,13 @@ def decoder(tiny_qwen3, kv_store, tmp_path_factory):
         ),
     )
     try:
-        server.wait_healthy()
         yield server
     finally:
         stop(server)
 
 
 def test_server_afd_decode_pool_behind_stock_prefill(decoder, prefill, reference):
+    decoder.wait_healthy()
     log = decoder.log.read_text()
     assert "AFD: decode instance of a disaggregated deployment" in log
     assert "2 data-parallel attention ranks" in log

@@ -1,14 +1,16 @@
-"""Every way a server stops leaves nothing behind (issue 44): an AFD server stopped as a
+"""Every way a server stops leaves nothing behind (issue 44): an AFD server at 1:1 (its twelve
+processes: the front-end, its engine core, Ray's daemons and workers, the FFN rank) stopped as a
 process manager stops it.
 
-- SIGKILL to the whole group of a 1:1 server (a grace period run out): what it leaves, the next
-  start on the host (2:1: two engine cores) reclaims and says so in one log line;
+- SIGKILL to the whole group (a grace period run out): what it leaves, the next start on the
+  host reclaims and says so in one log line;
 - SIGTERM to that server's whole process group (systemd's control-group stop, ``kill --
   -PGID``): every process of the deployment ends within 30 s, Ray's daemons and the FFN rank
   included, and /dev/shm is as it was before the first server started (ours, and vLLM's
   multiprocessing queues and locks).
 
-A SIGTERM to the server process alone, with streams in flight: test_server.py (``make test``).
+A SIGTERM to the server process alone, with streams in flight, at 2:1 (two engine cores):
+test_server.py (``make test``).
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ def _shm() -> set[str]:
     return set(os.listdir(SHM_DIR))
 
 
-def _serving(model: str, log, ratio: str) -> Server:
-    """A server at ``ratio`` that answered one completion."""
-    server = Server(model, log, extra=("--afd-ratio", ratio))
+def _serving(model: str, log) -> Server:
+    """A 1:1 server that answered one completion."""
+    server = Server(model, log, extra=("--afd-ratio", "1:1"))
     server.wait_healthy()
     status, body = server.complete("The capital of France is", 4)
     assert status == 200, body
@@ -67,7 +69,7 @@ def test_a_group_sigkill_is_reclaimed_by_the_next_start_and_a_group_sigterm_leav
     tiny_qwen3, tmp_path
 ):
     before = _shm()
-    first = _serving(tiny_qwen3, tmp_path / "first.log", "1:1")
+    first = _serving(tiny_qwen3, tmp_path / "first.log")
     try:
         made = _shm() - before
         theirs = {n for n in made if n.startswith(MP_SEGMENT_PREFIXES)}
@@ -87,7 +89,7 @@ def test_a_group_sigkill_is_reclaimed_by_the_next_start_and_a_group_sigterm_leav
     left = _shm() - before
     assert theirs <= left, "a SIGKILL leaves vLLM's segments: else this test shows nothing"
 
-    second = _serving(tiny_qwen3, tmp_path / "second.log", "2:1")
+    second = _serving(tiny_qwen3, tmp_path / "second.log")
     try:
         lines = re.findall(r"AFD: reclaimed what killed deployments left: .*", second.tail(10**9))
         assert len(lines) == 1, lines

@@ -208,6 +208,7 @@ def test_a_rank_the_supervisor_declared_lost_is_left_while_it_lives(backend, sta
     had not answered to the replacement; the old process is never heard from again (here it is
     alive, 30 s late)."""
     spec, cluster = _cluster(start_ffn, backend, tmp_path, delay_rank1=30.0)
+    wedged = cluster.current[1]
     att = cluster.connect(0)
     x = routing(8, spec, seed=7)
     handle = att.dispatch(0, *x)
@@ -225,3 +226,4 @@ def test_a_rank_the_supervisor_declared_lost_is_left_while_it_lives(backend, sta
     assert time.monotonic() - start < 10.0
     assert torch.equal(out, reference_moe_combine(*x, SCALES, 8, 2))
     assert (att.replacements, att.redispatched) == (1, 1)
+    wedged.kill()  # it would answer 30 s late: not worth the teardown's 5 s wait
