@@ -143,7 +143,7 @@ def test_the_advisor_refits_tau_from_the_windows_before_the_one_it_predicts(
     _cpu_profile(tmp_path / "p.json")
     monkeypatch.setenv("VLLM_AFD_PLAN_PROFILE", str(tmp_path / "p.json"))
     monkeypatch.delenv("VLLM_AFD_RUNTIME", raising=False)  # the advisor's thread ends at once
-    advisor = Advisor(Deployment(INFO, 1, tiny_qwen3, True, microbatches=1), Policy(0, 60, 0.1))
+    advisor = Advisor(Deployment(INFO, 1, tiny_qwen3, True, microbatches=1), Policy(False, 60, 0.1))
     spec = TransportSpec("shm", 1, 1, 8, 16, 2, 16, addresses=("a",))
     window = Window(10.0, 20, 9.0, 4.0, 100.0, 2.0, 3.0, 1.2)
     scaled = Window(10.0, 20, 9.0, 4.0, 100.0, 2.0, 9.0, 1.2, "a scale of the FFN pool")
