@@ -335,8 +335,10 @@ class Advisor:
         before, at = None, time.monotonic()
         while not self._stop.wait(self.policy.window_s):
             spec = _live_spec()
+            if spec is None and envs.runtime_starting():
+                continue
             if spec is None:
-                return  # the FFN group stopped (``lifecycle.stop_ffn_group``)
+                return  # the FFN group stopped (``lifecycle.stop_ffn_group``), or never started
             if not spec.directory:
                 continue
             try:

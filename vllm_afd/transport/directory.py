@@ -220,6 +220,11 @@ def switches(ffn_directory: str, ranks: Iterable[int]) -> list[Switch | None]:
     return out
 
 
+def runtime_path(ffn_directory: str) -> str:
+    """Where a starting group's spec is handed on (``envs.write_runtime_file``)."""
+    return _beside(ffn_directory, "runtime.json")
+
+
 # The planner in the loop's latest advice (``placement/autoscale.py``): written by the process
 # that holds the FFN group, read by ``/afd/status`` and ``/metrics`` in every API server.
 
