@@ -436,3 +436,13 @@ def test_a_window_shows_the_round_trip_served_where_it_can():
     hidden = dataclasses.replace(window, exposed_ffn_ms=0.05)
     assert hidden.served(1, 1, 2) is None and hidden.served(1, 1, 1) is not None
     assert dataclasses.replace(window, disturbed="a failover").served(1, 1, 1) is None
+
+
+def test_a_window_shows_the_attention_side_served_unless_disturbed():
+    """The attention side per step: the attention time per layer over the model's layers, at
+    the window's batch and context; none from a disturbed window."""
+    from vllm_afd.planner.auto_ratio import ServedAttention
+
+    window = autoscale.Window(10.0, 20, 90.0, 4.0, 100.0, 2.0, 1.5, 1.2)
+    assert window.served_attention(30) == ServedAttention(4.0, 100.0, pytest.approx(0.06))
+    assert dataclasses.replace(window, disturbed="a scale").served_attention(30) is None

@@ -15,8 +15,9 @@ rank hides behind more attention ranks). The process that holds the FFN group ru
    analytical model on GPUs) what every FFN rank count the experts allow would give at the
    measured batch and context, more FFN ranks than attention ranks included, and why it
    cannot predict a count; with A2's tau refitted from the round trips served in the last
-   ``SERVED_WINDOWS`` undisturbed windows before this one (``Window.served``), since the
-   profile's tau, measured on an idle machine, is not what serving pays;
+   ``SERVED_WINDOWS`` undisturbed windows before this one (``Window.served``), and the CPU
+   step model's attention side rescaled to theirs (``Window.served_attention``), since the
+   profile, measured on an idle machine, is not what serving pays;
 3. decides (``decide``): scale to the planner's best count when it promises at least
    ``--afd-autoscale-margin`` more tokens/s per device than the live one, in two undisturbed
    windows in a row, and the last scale (its own or a ``POST /afd/scale``) is at least
@@ -63,6 +64,7 @@ from vllm_afd.metrics.blocks import (
 )
 from vllm_afd.planner.auto_ratio import (
     Candidate,
+    ServedAttention,
     ServedRoundTrip,
     candidate_ffn_ranks,
     predict_ffn_counts,
@@ -163,6 +165,13 @@ class Window:
         if self.exposed_ffn_ms < 0.1 * stage_ms:
             return None
         return ServedRoundTrip(ffn_ranks, tokens, (stage_ms + self.exposed_ffn_ms) / 1e3)
+
+    def served_attention(self, num_layers: int) -> ServedAttention | None:
+        """The attention side of a step as served in this window, for the planner's rescaling
+        of it; ``None`` for a disturbed window."""
+        if self.disturbed:
+            return None
+        return ServedAttention(self.batch, self.context, self.attention_ms * num_layers / 1e3)
 
 
 #: ``Totals`` fields that are counters (the rest say what the pool is and how it is doing).
@@ -323,6 +332,8 @@ class Advisor:
         self._last_said: tuple | None = None
         #: The served round trips of the last undisturbed windows (``Window.served``).
         self._served: deque[ServedRoundTrip] = deque(maxlen=SERVED_WINDOWS)
+        #: Their attention side (``Window.served_attention``).
+        self._attention: deque[ServedAttention] = deque(maxlen=SERVED_WINDOWS)
         self._thread = threading.Thread(target=self._run, name="afd-advisor", daemon=True)
         self._thread.start()
 
@@ -384,6 +395,7 @@ class Advisor:
                 counts=candidate_ffn_ranks(d.info, d.attention_ranks, whole_ratios=False),
                 microbatches=d.microbatches,
                 served=tuple(self._served),
+                attention_served=tuple(self._attention),
             )
         except (AFDConfigError, ValueError, OSError) as exc:
             advice.update(rule="no_planner", reason=f"no planner prediction: {exc}")
@@ -394,6 +406,9 @@ class Advisor:
         )
         if served is not None:
             self._served.append(served)
+        attention = window.served_attention(d.info.num_layers)
+        if attention is not None:
+            self._attention.append(attention)
         candidates = predictions.candidates
         decision = decide(
             spec.num_ffn_ranks,

@@ -30,10 +30,15 @@ round trips the deployment served (``ServedRoundTrip``): the profile measures ta
 processes on an otherwise idle machine, serving pays it next to the front-end, the engine core
 and Ray (on two CPU cores: 1.6-2.0 ms per round trip against the profile's 1.07-1.18). The
 measured round trip less the model's weight and token terms is the tau served; every FFN rank
-count is then predicted with it, the profile's u and u_c unchanged. This is Dynamo's planner's
-correction factor (observed over expected ITL) put on the FFN round trip alone; the attention
-side stays the profile's (docs/benchmarks.md: in serving on two cores it too runs above it).
-Only where the platform measured is the one modelled (not the CPU build modelling a device).
+count is then predicted with it, the profile's u and u_c unchanged. The CPU step model's
+attention side (A and D_V) is rescaled the same way (``ServedAttention``): the profile times
+the colocated engine alone, serving runs it next to the API server and the load (on two cores
+47-60 ms a step against the profile's 37, docs/benchmarks.md), so A and D_V are multiplied by
+the median of the attention side as served over the model's at each window's batch and
+context. This is Dynamo's planner's correction factor (observed over expected ITL), put on
+each side of the step separately, so that the FFN rank counts are still told apart by the
+model's shape; the advice says both factors. Only where the platform measured is the one
+modelled (not the CPU build modelling a device); the analytical model (GPUs) refits tau only.
 """
 
 from __future__ import annotations
@@ -105,6 +110,36 @@ class ServedRoundTrip:
     ffn_ranks: int
     tokens: float
     seconds: float
+
+
+@dataclass(frozen=True)
+class ServedAttention:
+    """The attention side of a step as the deployment served it over one window: ``seconds``
+    per step (attention and the auxiliary time: the step less its exposed FFN waits) at
+    ``batch`` requests per attention rank and ``context`` tokens of context."""
+
+    batch: float
+    context: float
+    seconds: float
+
+
+def served_attention_scale(
+    fit: CpuFit,
+    model: ModelSpec,
+    served: Sequence[ServedAttention],
+    microbatches: int,
+    draft_length: int,
+) -> float:
+    """The attention side as served over the CPU step model's: the median over ``served`` of
+    the measured seconds per step over the model's A and D_V at that batch and context."""
+    from vllm_afd.planner.cpu import predict_afd
+
+    k = min(max(1, microbatches), 2)
+    ratios = []
+    for window in served:
+        p = predict_afd(fit, model, window.batch, 1.0, 1, window.context, k, draft_length)
+        ratios.append(window.seconds / (p.attention_s + p.aux_s))
+    return statistics.median(ratios)
 
 
 def served_intercept(
@@ -218,6 +253,7 @@ def predict_ffn_counts(
     counts: Iterable[int] | None = None,
     microbatches: int = 2,
     served: Sequence[ServedRoundTrip] = (),
+    attention_served: Sequence[ServedAttention] = (),
 ) -> Predictions:
     """``Predictions`` for ``attention_ranks`` at ``batch`` requests per attention rank and
     ``context`` tokens of context, for each FFN rank count in ``counts`` (default: the whole
@@ -227,8 +263,9 @@ def predict_ffn_counts(
     0 without speculation: each request then sends ``1 + d`` tokens per step through the FFN.
     ``microbatches``: the engine's (1 or 2; the CPU step model tells them apart, the analytical
     model is Eq. 3's two). ``what`` plans (named in the error without planner inputs).
-    ``served``: round trips the deployment measured, to refit tau from (the module
-    docstring); ignored where the CPU build models a device.
+    ``served``: round trips the deployment measured, to refit tau from, and
+    ``attention_served``: its attention side, to rescale the CPU step model's (the module
+    docstring); both ignored where the CPU build models a device.
     """
     from vllm_afd.planner import load_hf_config
 
@@ -243,6 +280,12 @@ def predict_ffn_counts(
             f", tau {tau * 1e6:.0f} us as served over {len(served)} window(s) "
             f"(profiled {profiled * 1e6:.0f} us)"
         )
+    if attention_served and inputs.cpu is not None:
+        scale = served_attention_scale(
+            inputs.cpu, model, attention_served, microbatches, draft_length
+        )
+        inputs = dataclasses.replace(inputs, cpu=inputs.cpu.with_attention_scale(scale))
+        said += f", attention x{scale:.2f} as served over {len(attention_served)} window(s)"
     out, unpredicted = [], {}
     for ffn in candidate_ffn_ranks(info, attention_ranks) if counts is None else counts:
         problem = ffn_ranks_problem(info.num_experts, ffn)

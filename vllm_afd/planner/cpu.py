@@ -70,6 +70,18 @@ class CpuFit:
     def kernel_s(self, m: float) -> float:
         return self.kernel[0] + self.kernel[1] * m
 
+    def with_attention_scale(self, factor: float) -> CpuFit:
+        """This fit with A and D_V (the attention side) ``factor`` times the profile's."""
+        return dataclasses.replace(
+            self,
+            attention=(
+                factor * self.attention[0],
+                factor * self.attention[1],
+                factor * self.attention[2],
+            ),
+            aux=(factor * self.aux[0], factor * self.aux[1]),
+        )
+
 
 def cpu_fit_from_dict(data: dict[str, Any]) -> CpuFit:
     """Build from a profile file's ``"cpu"`` section; ValueError names a missing key."""

@@ -132,6 +132,59 @@ def test_the_loop_refits_tau_from_the_round_trips_served(tiny_qwen3, tmp_path, m
     assert device.model == "analytical model on h200"
 
 
+def test_the_loop_rescales_the_cpu_attention_side_to_the_one_served(
+    tiny_qwen3, tmp_path, monkeypatch
+):
+    """The attention side a deployment served rescales the CPU step model's A and D_V: served
+    at 1.2 times the model's (at each window's own batch and context), every count's step
+    grows by 0.2 times the model's attention side, with one and with two microbatches; the
+    median of the windows given (one outlier changes nothing); not where the CPU build models
+    a device."""
+    from vllm_afd.planner import load_hf_config
+    from vllm_afd.planner.auto_ratio import ServedAttention, predict_ffn_counts
+    from vllm_afd.planner.cpu import predict_afd
+
+    fit = _cpu_profile(tmp_path / "p.json")
+    monkeypatch.setenv("VLLM_AFD_PLAN_PROFILE", str(tmp_path / "p.json"))
+    monkeypatch.delenv("VLLM_AFD_PLAN_HARDWARE", raising=False)
+    model = load_hf_config(tiny_qwen3)
+
+    def predict(k, *served):
+        got = predict_ffn_counts(
+            INFO,
+            1,
+            tiny_qwen3,
+            100.0,
+            4.0,
+            True,
+            counts=[1],
+            microbatches=k,
+            attention_served=served,
+        )
+        return got.model, got.candidates[0].step_ms / 1e3
+
+    def as_served(k, batch, context, factor):
+        p = predict_afd(fit, model, batch, 1.0, 1, context, k)
+        return ServedAttention(batch, context, factor * (p.attention_s + p.aux_s))
+
+    for k in (1, 2):
+        plain, step = predict(k)
+        windows = (as_served(k, 2.0, 50.0, 1.2), as_served(k, 3.0, 80.0, 9.0))
+        said, rescaled = predict(k, *windows, as_served(k, 4.0, 300.0, 1.2))
+        assert said == f"{plain}, attention x1.20 as served over 3 window(s)"
+        p = predict_afd(fit, model, 4.0, 1.0, 1, 100.0, k)
+        if k == 1:  # in series: the attention side's share of the step grows by a fifth
+            assert rescaled - step == pytest.approx(0.2 * (p.attention_s + p.aux_s))
+        else:
+            assert rescaled > step
+    monkeypatch.setenv("VLLM_AFD_PLAN_HARDWARE", "h200")
+    monkeypatch.setenv("VLLM_AFD_PLAN_PROFILE", "")
+    device = predict_ffn_counts(
+        INFO, 1, tiny_qwen3, 100.0, 4.0, True, counts=[1], attention_served=windows
+    )
+    assert "as served" not in device.model
+
+
 def test_the_advisor_refits_tau_from_the_windows_before_the_one_it_predicts(
     tiny_qwen3, tmp_path, monkeypatch
 ):
@@ -149,7 +202,7 @@ def test_the_advisor_refits_tau_from_the_windows_before_the_one_it_predicts(
     scaled = Window(10.0, 20, 9.0, 4.0, 100.0, 2.0, 9.0, 1.2, "a scale of the FFN pool")
     said = [advisor.advise(spec, w)["model"] for w in (window, scaled, window, window)]
     assert "as served" not in said[0]
-    assert said[1].endswith("us as served over 1 window(s) (profiled 100 us)"), said[1]
+    assert "us as served over 1 window(s) (profiled 100 us), attention x" in said[1], said[1]
     assert "over 1 window(s)" in said[2]  # the disturbed window refits nothing
     assert "over 2 window(s)" in said[3]
     advisor.stop()
