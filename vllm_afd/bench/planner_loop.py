@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_afd import envs
-from vllm_afd.bench.server import ServeProcess, http_request
+from vllm_afd.bench.server import ServeProcess, exit_on_sigterm, http_request
 from vllm_afd.bench.soak import client_prompt, parse_metrics
 
 #: The advisor's gauges read per window (``metrics.collector``).
@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     log = json_path.with_suffix(".server.log")
     env = {"VLLM_PLUGINS": "afd", envs.PLAN_PROFILE: str(Path(args.profile).resolve())}
     flags = ("--afd-ratio", args.ratio, "--afd-microbatches", str(args.microbatches))
+    exit_on_sigterm()  # its ``finally`` stops the server
     server = ServeProcess(args.model, log, flags, env=env)
     print(f"planner_loop: server pid {server.proc.pid} on {server.url}, log {log}", flush=True)
     try:

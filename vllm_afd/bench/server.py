@@ -6,6 +6,9 @@ sends greedy completions (whole or streamed, chunk by chunk as a client reads th
 FFN ranks' pids in the log, and stops it: SIGTERM, then SIGKILL for whatever of its session is
 still alive. The flags are the suite's: float32 (greedy text comparable request by request),
 eager mode, chunked prefill and prefix caching, 64 batched tokens, 512 tokens of context.
+
+A benchmark that starts one calls ``exit_on_sigterm`` first: the server's session is its own,
+so a SIGTERM to the benchmark reaches only the benchmark, which must then stop the server.
 """
 
 from __future__ import annotations
@@ -23,6 +26,12 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+def exit_on_sigterm() -> None:
+    """A SIGTERM to this process raises ``SystemExit`` (143) in its main thread, so that the
+    ``finally`` that stops its server runs (Python's default is to die at once)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
 
 @dataclass

@@ -81,7 +81,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_afd.bench.server import ServeProcess, http_request
+from vllm_afd.bench.server import ServeProcess, exit_on_sigterm, http_request
 from vllm_afd.bench.window import percentile
 
 #: One prompt per client (client i takes PROMPTS[i % len] plus its number): different lengths,
@@ -595,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     settings["scale_to"] = list(args.scale_to)
     settings["model_name"] = Path(args.model).name
     flags = ("--afd-ratio", args.ratio, "--afd-transport", args.transport)
+    exit_on_sigterm()  # its ``finally`` stops the server
     server = ServeProcess(args.model, log, flags, env={"VLLM_PLUGINS": "afd"})
     print(f"soak: server pid {server.proc.pid} on {server.url}, log {log}", flush=True)
     leftovers: list[int] = []
