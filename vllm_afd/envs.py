@@ -44,7 +44,7 @@ Variables the product sets (the front-end's hand-off to every process it starts 
     The running FFN group's ``TransportSpec`` as JSON (``TransportSpec.to_json``); its
     ``directory`` says where each FFN rank is now (``transport/directory.py``). While the
     group starts, ``@<path>``: the file the front-end writes the spec to once the FFN ranks
-    are up (``write_runtime_file``; ``runtime_json`` waits for it).
+    are up (``transport.directory.publish_runtime``; ``runtime_json`` waits for it).
 ``VLLM_AFD_FRONT_END``
     What the front-end tells its API server processes, as JSON: vLLM's labels for the AFD
     series (``metrics.collector.MetricLabels``: the served model name, and how this
@@ -183,7 +183,8 @@ def ffn_cpu_lists(num_ffn_ranks: int) -> list[list[int]] | None:
 # A starting group (``placement.lifecycle.start_ffn_group``): the front-end starts vLLM's
 # engine cores while its FFN ranks come up (each side spends seconds importing and loading),
 # handing them ``VLLM_AFD_RUNTIME=@<path>``; once the ranks are up it writes their spec to
-# ``<path>``, or why they did not come up (``write_runtime_file``).
+# ``<path>``, or why they did not come up (``transport.directory.publish_runtime``: JSON,
+# ``{"spec": <the spec's JSON> or null, "error": <why> or ""}``).
 
 #: The mark of ``VLLM_AFD_RUNTIME=@<path>``.
 RUNTIME_FILE = "@"
@@ -192,16 +193,6 @@ RUNTIME_FILE = "@"
 START_WAIT_S = 360.0
 #: How often it looks.
 START_POLL_S = 0.02
-
-
-def write_runtime_file(path: str, spec: str | None, error: str = "") -> None:
-    """The started group's ``spec`` (JSON), or ``error``: why it did not start (a whole file
-    renamed into place: a reader sees none or all of it)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump({"spec": spec, "error": error}, fh)
-    os.replace(tmp, path)
 
 
 def _runtime() -> tuple[str | None, str]:

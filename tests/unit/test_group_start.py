@@ -44,7 +44,7 @@ def test_a_starting_group_has_no_spec_until_it_is_up(starting, tmp_path):
     with pytest.raises(RuntimeError, match=r"did not come up within 0.1s \(.*runtime.json"):
         envs.runtime_json(timeout_s=0.1)
     spec = _spec(tmp_path).to_json()
-    later = threading.Timer(0.2, envs.write_runtime_file, (starting, spec))
+    later = threading.Timer(0.2, directory.publish_runtime, (starting, spec))
     later.start()
     t0 = time.monotonic()
     assert envs.runtime_json(timeout_s=10.0) == spec  # waited for it
@@ -53,7 +53,7 @@ def test_a_starting_group_has_no_spec_until_it_is_up(starting, tmp_path):
 
 
 def test_a_group_that_did_not_start_fails_its_waiters_at_once_with_the_reason(starting):
-    envs.write_runtime_file(starting, None, "ActorDiedError: experts cannot be built")
+    directory.publish_runtime(starting, None, "ActorDiedError: experts cannot be built")
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="did not start: ActorDiedError: experts cannot be"):
         envs.runtime_json(timeout_s=60.0)
@@ -133,7 +133,7 @@ def test_the_advisor_waits_for_a_starting_group(starting, tiny_qwen3):
     try:
         time.sleep(0.3)
         assert advisor._thread.is_alive()
-        envs.write_runtime_file(starting, None, "no")
+        directory.publish_runtime(starting, None, "no")
         advisor._thread.join(timeout=5.0)
         assert not advisor._thread.is_alive()
     finally:

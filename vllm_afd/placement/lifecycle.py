@@ -62,7 +62,7 @@ def start_ffn_group(request: GroupRequest, wait: bool = True) -> FFNGroup:
     ``wait=False`` returns once the ranks are placed: they build and load their experts while
     the caller goes on (vLLM starts its engine cores, which load theirs), and the processes
     started meanwhile get ``@<path>`` as ``VLLM_AFD_RUNTIME`` (``envs.runtime_json`` waits
-    for the spec there; ``envs.write_runtime_file``). A group that fails to come
+    for the spec there; ``directory.publish_runtime``). A group that fails to come
     up is stopped, and the reason written there, within ``START_TIMEOUT_S``.
     """
     afd, model, model_dir, device = request.afd, request.model, request.model_dir, request.device
@@ -132,20 +132,15 @@ def _come_up(group: FFNGroup, wait: bool) -> None:
                 return
             reason = f"{type(exc).__name__}: {exc}"
             logger.error("AFD: the FFN group did not start: %s", reason)
-            envs.write_runtime_file(directory.runtime_path(group.spec.directory), None, reason)
-            stop_ranks(group)
-            if group.owns_ray:
-                import ray
-
-                group.owns_ray = False
-                ray.shutdown()
+            directory.publish_runtime(directory.runtime_path(group.spec.directory), None, reason)
+            _stop_with_ray(group)
         return
     with _LOCK:
         if _GROUP is not group:
             return
         supervise(group)
         runtime = os.environ[envs.RUNTIME] = group.spec.to_json()
-        envs.write_runtime_file(directory.runtime_path(group.spec.directory), runtime)
+        directory.publish_runtime(directory.runtime_path(group.spec.directory), runtime)
 
 
 def supervise(group: FFNGroup) -> None:
@@ -170,13 +165,19 @@ def _launch(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) ->
     try:
         _wait_up(group)
     except BaseException:
-        stop_ranks(group)
-        if group.owns_ray:
-            import ray
-
-            ray.shutdown()
+        _stop_with_ray(group)
         raise
     return group
+
+
+def _stop_with_ray(group: FFNGroup) -> None:
+    """Stop ``group``'s ranks (``stop_ranks``) and the Ray instance it started, if it did."""
+    stop_ranks(group)
+    if group.owns_ray:
+        import ray
+
+        group.owns_ray = False
+        ray.shutdown()
 
 
 def _place(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) -> FFNGroup:
