@@ -56,7 +56,7 @@ def ffn_server(argv: list[str]) -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     import vllm_afd
-    from vllm_afd import envs, placement
+    from vllm_afd import placement
     from vllm_afd.config import AFDConfig
     from vllm_afd.deployment import checkpoint_dir
     from vllm_afd.errors import AFDConfigError
@@ -79,7 +79,6 @@ def ffn_server(argv: list[str]) -> None:
         signal.signal(signum, lambda *_: stop.set())
     try:
         vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
-        envs.runtime_json()  # the group is up (or raises why not) before its file is written
         model_dir = checkpoint_dir(vllm_config.model_config.model)
         path = placement.write_group_file(placement.current_group(), args.group_file, model_dir)
         print(f"vllm-afd ffn-server: FFN group ready; join with --afd-join {path}", flush=True)

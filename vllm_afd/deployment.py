@@ -5,8 +5,8 @@ after vLLM has validated its own arguments and before any engine core or worker 
 AFD input is validated here first (``check_settings``: the flags, the vLLM config, this host,
 the variables and the Ray address), so bad input fails with one
 ``AFDConfigError`` naming the flag or variable and what is allowed (``vllm-afd serve`` exits 2
-with it) and nothing running; then the FFN group is started (its ranks come up while vLLM
-starts the engine cores) and its spec handed to the attention ranks.
+with it) and nothing running; then the FFN group is started and its address exported to the
+attention ranks.
 """
 
 from __future__ import annotations
@@ -164,15 +164,14 @@ def setup_afd(vllm_config) -> None:
     log_kv_transfer_requirements(vllm_config)
     from vllm_afd.placement import start_ffn_group
 
-    # its ranks load while vLLM starts the engine cores (which wait for them at model load)
-    group = start_ffn_group(_group_request(afd, info, ranks, model_dir, vllm_config), wait=False)
+    group = start_ffn_group(_group_request(afd, info, ranks, model_dir, vllm_config))
     _export_front_end(vllm_config, info, ranks, model_dir, first_attention_rank=0)
     from vllm_afd.placement.autoscale import Deployment, start_advisor
 
     on_cpu, draft = _attention_device() == "cpu", _draft_length(vllm_config)
     start_advisor(Deployment(info, ranks, model_dir, on_cpu, draft, afd.microbatches), afd)
     logger.info(
-        "AFD on: %d attention rank(s) : %d FFN rank(s) starting, transport %s",
+        "AFD on: %d attention rank(s) : %d FFN rank(s), transport %s",
         ranks,
         group.spec.num_ffn_ranks,
         group.spec.backend,

@@ -42,9 +42,7 @@ Variables the product sets (the front-end's hand-off to every process it starts 
 
 ``VLLM_AFD_RUNTIME``
     The running FFN group's ``TransportSpec`` as JSON (``TransportSpec.to_json``); its
-    ``directory`` says where each FFN rank is now (``transport/directory.py``). While the
-    group starts, ``@<path>``: the file the front-end writes the spec to once the FFN ranks
-    are up (``transport.directory.publish_runtime``; ``runtime_json`` waits for it).
+    ``directory`` says where each FFN rank is now (``transport/directory.py``).
 ``VLLM_AFD_FRONT_END``
     What the front-end tells its API server processes, as JSON: vLLM's labels for the AFD
     series (``metrics.collector.MetricLabels``: the served model name, and how this
@@ -54,9 +52,7 @@ Variables the product sets (the front-end's hand-off to every process it starts 
 
 from __future__ import annotations
 
-import json
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -149,7 +145,7 @@ def _bench_cpus() -> list[int] | None:
 
 
 environment_variables: dict[str, Callable[[], Any]] = {
-    RUNTIME: lambda: _runtime()[0],
+    RUNTIME: lambda: _text(RUNTIME),
     FFN_CPUS: _ffn_cpus,
     FFN_THREADS: _ffn_threads,
     POLL_MS: _poll_ms,
@@ -180,65 +176,15 @@ def ffn_cpu_lists(num_ffn_ranks: int) -> list[list[int]] | None:
     return lists
 
 
-# A starting group (``placement.lifecycle.start_ffn_group``): the front-end starts vLLM's
-# engine cores while its FFN ranks come up (each side spends seconds importing and loading),
-# handing them ``VLLM_AFD_RUNTIME=@<path>``; once the ranks are up it writes their spec to
-# ``<path>``, or why they did not come up (``transport.directory.publish_runtime``: JSON,
-# ``{"spec": <the spec's JSON> or null, "error": <why> or ""}``).
-
-#: The mark of ``VLLM_AFD_RUNTIME=@<path>``.
-RUNTIME_FILE = "@"
-#: How long an attention rank waits for a starting group: longer than the front-end's own
-#: bound on the start (``placement.cluster.START_TIMEOUT_S``), which answers first.
-START_WAIT_S = 360.0
-#: How often it looks.
-START_POLL_S = 0.02
-
-
-def _runtime() -> tuple[str | None, str]:
-    """(``VLLM_AFD_RUNTIME``'s spec JSON: ``None`` while unset or the group starts; why the
-    group did not start, if it failed)."""
-    text = _text(RUNTIME)
-    if text is None or not text.startswith(RUNTIME_FILE):
-        return text, ""
-    try:
-        with open(text[len(RUNTIME_FILE) :]) as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
-        return None, ""
-    spec, error = data.get("spec"), data.get("error")
-    return (spec if isinstance(spec, str) else None), (str(error) if error else "")
-
-
-def runtime_starting() -> bool:
-    """The group in ``VLLM_AFD_RUNTIME`` is starting: neither up nor failed yet."""
-    text = _text(RUNTIME)
-    return text is not None and text.startswith(RUNTIME_FILE) and _runtime() == (None, "")
-
-
-def runtime_json(timeout_s: float = START_WAIT_S) -> str:
-    """``VLLM_AFD_RUNTIME``'s spec, waiting (at most ``timeout_s``) for a starting group;
-    raises a clear error in a process the front-end did not start, or when the group did not
-    start."""
+def runtime_json() -> str:
+    """``VLLM_AFD_RUNTIME``; raises a clear error in a process the front-end did not start."""
     text = _text(RUNTIME)
     if text is None:
         raise RuntimeError(
             f"AFD is configured but {RUNTIME} is unset: the FFN group was not started by "
             "this deployment's front-end (use `vllm-afd serve` or `vllm serve --afd-ratio`)"
         )
-    deadline = time.monotonic() + timeout_s
-    while True:
-        spec, error = _runtime()
-        if spec is not None:
-            return spec
-        if error:
-            raise RuntimeError(f"AFD: the FFN group did not start: {error}")
-        if time.monotonic() >= deadline:
-            raise RuntimeError(
-                f"AFD: the FFN group did not come up within {timeout_s:g}s "
-                f"({text[len(RUNTIME_FILE) :]} not written)"
-            )
-        time.sleep(START_POLL_S)
+    return text
 
 
 def check_all(num_ffn_ranks: int, timeout_s: float | None = None, local: bool = True) -> None:

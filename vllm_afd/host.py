@@ -193,16 +193,6 @@ def write_private_file(path: str, data: bytes) -> str:
     return path
 
 
-def replace_file(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` as a whole file renamed into place (mode 0600, never through
-    a link): a reader sees the old file or the new one, never half of one."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
-
-
 def read_private_file(path: str, max_bytes: int = 4096) -> bytes:
     """The content of ``path`` if it is this user's own regular file, closed to group and
     others (0600 or 0400), at most ``max_bytes`` long; else ``UnsafeFileError`` (``OSError``

@@ -346,10 +346,8 @@ class Advisor:
         before, at = None, time.monotonic()
         while not self._stop.wait(self.policy.window_s):
             spec = _live_spec()
-            if spec is None and envs.runtime_starting():
-                continue
             if spec is None:
-                return  # the FFN group stopped (``lifecycle.stop_ffn_group``), or never started
+                return  # the FFN group stopped (``lifecycle.stop_ffn_group``)
             if not spec.directory:
                 continue
             try:

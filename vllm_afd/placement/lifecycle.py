@@ -3,10 +3,9 @@ group sized by the ratio (``cluster.py``).
 
 The front-end process (``LLM(...)`` or the API server) owns the group: it is started while
 vLLM builds its engine config, before any engine or worker process exists, so that the
-transport addresses can be handed to every attention rank (a server does not wait for its
-ranks to come up: its engine cores wait at model load, ``start_ffn_group``); and it is
-stopped with the front-end (``atexit``, or explicitly by ``stop_ffn_group``). Ray is started
-locally when no cluster address is given, and shut down again by whoever started it.
+transport addresses can be handed to every attention rank; and it is stopped with the
+front-end (``atexit``, or explicitly by ``stop_ffn_group``). Ray is started locally when no
+cluster address is given, and shut down again by whoever started it.
 """
 
 from __future__ import annotations
@@ -56,15 +55,8 @@ DRAINING: list[FFNGroup] = []
 STOP_WAIT_S = 5.0
 
 
-def start_ffn_group(request: GroupRequest, wait: bool = True) -> FFNGroup:
-    """Start (or reuse, if identical) this process's FFN group and export its address.
-
-    ``wait=False`` returns once the ranks are placed: they build and load their experts while
-    the caller goes on (vLLM starts its engine cores, which load theirs), and the processes
-    started meanwhile get ``@<path>`` as ``VLLM_AFD_RUNTIME`` (``envs.runtime_json`` waits
-    for the spec there; ``directory.publish_runtime``). A group that fails to come
-    up is stopped, and the reason written there, within ``START_TIMEOUT_S``.
-    """
+def start_ffn_group(request: GroupRequest) -> FFNGroup:
+    """Start (or reuse, if identical) this process's FFN group and export its address."""
     afd, model, model_dir, device = request.afd, request.model, request.model_dir, request.device
     num_attention_ranks, max_tokens = request.num_attention_ranks, request.max_tokens
     dtype = request.dtype
@@ -95,52 +87,17 @@ def start_ffn_group(request: GroupRequest, wait: bool = True) -> FFNGroup:
         reap_dead_deployments()
         spec = dataclasses.replace(spec, directory=_ffn_directory())
         try:
-            group = _place(spec, afd, model_dir, device)
+            _GROUP = _launch(spec, afd, model_dir, device)
         except BaseException:
             release_credentials()
             raise
-        group.request = request
-        _GROUP, _GROUP_KEY = group, key
+        _GROUP.request = request
+        _GROUP_KEY = key
+        supervise(_GROUP)
         keep_ledger(private_directory())
-        if wait:
-            _come_up(group, wait=True)
-        else:
-            # The hand-off to every process started from here on (engine cores, workers).
-            os.environ[envs.RUNTIME] = envs.RUNTIME_FILE + directory.runtime_path(spec.directory)
-            threading.Thread(
-                target=_come_up, args=(group, False), name="afd-ffn-start", daemon=True
-            ).start()
-        return group
-
-
-def _come_up(group: FFNGroup, wait: bool) -> None:
-    """Wait for ``group``'s ranks to serve (``_wait_up``), then supervise it and hand its spec
-    on (``VLLM_AFD_RUNTIME``, and the file a starting group's processes wait on).
-
-    A group that does not come up: with ``wait``, this process's group is stopped and the
-    error raised; else the reason is written to that file first (the engine cores fail their
-    start with it) and the ranks are stopped, the group's directory kept for the front-end's
-    exit, which those failures bring."""
-    try:
-        _wait_up(group)
-    except BaseException as exc:
-        with _LOCK:
-            if wait:
-                stop_ffn_group()
-                raise
-            if _GROUP is not group:  # stopped meanwhile: the front-end exits
-                return
-            reason = f"{type(exc).__name__}: {exc}"
-            logger.error("AFD: the FFN group did not start: %s", reason)
-            directory.publish_runtime(directory.runtime_path(group.spec.directory), None, reason)
-            _stop_with_ray(group)
-        return
-    with _LOCK:
-        if _GROUP is not group:
-            return
-        supervise(group)
-        runtime = os.environ[envs.RUNTIME] = group.spec.to_json()
-        directory.publish_runtime(directory.runtime_path(group.spec.directory), runtime)
+        # The hand-off to every process started from here on (engine cores, workers).
+        os.environ[envs.RUNTIME] = _GROUP.spec.to_json()
+        return _GROUP
 
 
 def supervise(group: FFNGroup) -> None:
@@ -159,36 +116,15 @@ def _ffn_directory(epoch: int = 1) -> str:
 
 
 def _launch(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) -> FFNGroup:
-    """Start the FFN ranks of ``spec`` (``_place``) and wait until they serve (``_wait_up``);
-    a group that does not come up is stopped and the error raised."""
-    group = _place(spec, afd, model_dir, device)
-    try:
-        _wait_up(group)
-    except BaseException:
-        _stop_with_ray(group)
-        raise
-    return group
-
-
-def _stop_with_ray(group: FFNGroup) -> None:
-    """Stop ``group``'s ranks (``stop_ranks``) and the Ray instance it started, if it did."""
-    stop_ranks(group)
-    if group.owns_ray:
-        import ray
-
-        group.owns_ray = False
-        ray.shutdown()
-
-
-def _place(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) -> FFNGroup:
-    """Start the FFN ranks of ``spec`` in a placement group of their own; they build and load
-    their experts in the background (``_wait_up`` waits for them).
+    """Start the FFN ranks of ``spec`` in a placement group of their own and publish them in
+    its FFN directory.
 
     A local Ray instance runs FFN ranks only. Its logical CPUs (admission, not the cores the
     ranks compute on: ``VLLM_AFD_FFN_CPUS``) admit twice the most FFN ranks the model can
     have (one per routed expert): a live scale starts the new pool next to the running one.
     Ray would start an idle worker per logical CPU for the first driver; it is told not to.
     """
+    import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     owns_ray = ensure_ray(afd.ray_address, num_cpus=max(os.cpu_count() or 1, 2 * spec.num_experts))
@@ -197,10 +133,6 @@ def _place(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) -> 
     pg = placement_group([dict(bundle) for _ in range(spec.num_ffn_ranks)], strategy="PACK")
     if not wait_ready(pg.ready(), START_TIMEOUT_S):
         remove_placement_group(pg)
-        if owns_ray:
-            import ray
-
-            ray.shutdown()
         raise RuntimeError(
             f"AFD: Ray could not place {spec.num_ffn_ranks} FFN rank(s) with {bundle} each "
             f"within {START_TIMEOUT_S:.0f}s; check the cluster's free resources"
@@ -209,16 +141,15 @@ def _place(spec: TransportSpec, afd: AFDConfig, model_dir: str, device: str) -> 
     group.actors = [
         new_actor(pg, r, spec, model_dir, device, local) for r in range(spec.num_ffn_ranks)
     ]
-    return group
-
-
-def _wait_up(group: FFNGroup) -> None:
-    """Wait (at most ``START_TIMEOUT_S``) until every rank of ``group`` serves; fill in their
-    addresses and publish them in its FFN directory."""
-    import ray
-
-    group.infos = ray.get([a.info.remote() for a in group.actors], timeout=START_TIMEOUT_S)
-    spec = group.spec
+    try:
+        group.infos = ray.get([a.info.remote() for a in group.actors], timeout=START_TIMEOUT_S)
+    except Exception:
+        for a in group.actors:
+            ray.kill(a)
+        remove_placement_group(pg)
+        if owns_ray:
+            ray.shutdown()
+        raise
     group.spec = dataclasses.replace(spec, addresses=tuple(i["address"] for i in group.infos))
     for info in group.infos:
         log_rank_up(info)
@@ -226,6 +157,7 @@ def _wait_up(group: FFNGroup) -> None:
             spec.directory,
             RankEntry(info["rank"], 1, directory.UP, info["address"], info["host"], info["pid"]),
         )
+    return group
 
 
 def current_group() -> FFNGroup | None:

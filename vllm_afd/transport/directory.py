@@ -31,8 +31,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_afd.host import replace_file
-
 UP, RECOVERING, FAILED = "up", "recovering", "failed"
 #: How often a waiting attention rank reads the directory again.
 POLL_S = 0.02
@@ -142,7 +140,11 @@ class Switch:
 
 
 def _write(path: str, data: dict[str, Any]) -> None:
-    replace_file(path, json.dumps(data).encode())
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh)
+    os.replace(tmp, path)
 
 
 def _read(path: str) -> dict[str, Any] | None:
@@ -216,17 +218,6 @@ def switches(ffn_directory: str, ranks: Iterable[int]) -> list[Switch | None]:
         except TypeError:
             out.append(None)
     return out
-
-
-def runtime_path(ffn_directory: str) -> str:
-    """Where a starting group's spec is handed on (``publish_runtime``)."""
-    return _beside(ffn_directory, "runtime.json")
-
-
-def publish_runtime(path: str, spec: str | None, error: str = "") -> None:
-    """The started group's ``spec`` (JSON), or ``error``: why it did not start; read by
-    ``envs.runtime_json`` in the processes the front-end started meanwhile."""
-    _write(path, {"spec": spec, "error": error})
 
 
 # The planner in the loop's latest advice (``placement/autoscale.py``): written by the process
