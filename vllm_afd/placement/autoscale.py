@@ -157,7 +157,9 @@ class Window:
         time, seen only where the wait is at least a tenth of the stage."""
         if self.disturbed:
             return None
-        k = min(max(1, microbatches), 2)
+        from vllm_afd.planner.cpu import modelled_microbatches
+
+        k = modelled_microbatches(microbatches)
         tokens = self.batch * (1 + draft_length) * attention_ranks / ffn_ranks / k
         if k == 1:
             return ServedRoundTrip(ffn_ranks, tokens, self.exposed_ffn_ms / 1e3)

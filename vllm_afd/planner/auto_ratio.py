@@ -132,9 +132,9 @@ def served_attention_scale(
 ) -> float:
     """The attention side as served over the CPU step model's: the median over ``served`` of
     the measured seconds per step over the model's A and D_V at that batch and context."""
-    from vllm_afd.planner.cpu import predict_afd
+    from vllm_afd.planner.cpu import modelled_microbatches, predict_afd
 
-    k = min(max(1, microbatches), 2)
+    k = modelled_microbatches(microbatches)
     ratios = []
     for window in served:
         p = predict_afd(fit, model, window.batch, 1.0, 1, window.context, k, draft_length)
@@ -341,9 +341,9 @@ def _cpu_step(
 ) -> tuple[float, bool]:
     """The CPU step model's ``(step seconds, FFN hidden)``: in series with one microbatch,
     Eq. 3 with two (then hidden when the FFN time is at most the attention side's)."""
-    from vllm_afd.planner.cpu import predict_afd
+    from vllm_afd.planner.cpu import modelled_microbatches, predict_afd
 
-    k = min(max(1, microbatches), 2)
+    k = modelled_microbatches(microbatches)
     p = predict_afd(fit, model, batch, attention / ffn, ffn, context, k, draft_length)
     return p.step_s, k == 2 and p.ffn_s <= p.attention_s + p.aux_s
 

@@ -150,6 +150,11 @@ def predict_colocated(
     return CpuPrediction(aux + attention + moe, attention, aux, moe)
 
 
+def modelled_microbatches(microbatches: int) -> int:
+    """The k the step model takes for an engine's ``microbatches``: 1 or 2 (Eq. 3's)."""
+    return min(max(1, microbatches), 2)
+
+
 def predict_afd(
     fit: CpuFit,
     model: ModelSpec,
