@@ -7,7 +7,10 @@ stages together are the poll window (``VLLM_AFD_POLL_MS``, 20 ms by default, rea
 to sleep, because waking up from a sleep there measurably slows the remote call of a decode step
 on the development machine's vCPUs (measured numbers: docs/benchmarks.md). Yielding hands the
 CPU to anything else runnable on it, so a shared core still serves its other users; past the
-window, an idle endpoint sleeps and costs almost nothing. The spin stage is skipped when the
+window, an idle endpoint sleeps, in naps of at most 200 us, and a wait past a second (an idle
+pool: no request in flight) in naps of 1 ms, so that an idle FFN rank costs about 3% of a core
+rather than 10% (measured: docs/benchmarks.md), and only the first request after the idle
+second waits up to 1 ms longer. The spin stage is skipped when the
 peer last ran on this very CPU (``current_cpu``): there a spin only keeps the peer from running
 and makes the round trip several times slower.
 
@@ -74,6 +77,9 @@ class WaitPolicy:
     yield_s: float = field(default_factory=_poll_window_s)
     sleep_min_s: float = 50e-6
     sleep_max_s: float = 200e-6
+    #: A wait this old (an idle endpoint) sleeps up to ``idle_sleep_s`` at a time.
+    idle_s: float = 1.0
+    idle_sleep_s: float = 1e-3
 
 
 class Backoff:
@@ -110,7 +116,9 @@ class Backoff:
             os.sched_yield()
         else:
             time.sleep(self.sleep_s)
-            self.sleep_s = min(2 * self.sleep_s, self.policy.sleep_max_s)
+            policy = self.policy
+            longest = policy.sleep_max_s if elapsed < policy.idle_s else policy.idle_sleep_s
+            self.sleep_s = min(2 * self.sleep_s, longest)
         return time.perf_counter()
 
 

@@ -110,6 +110,27 @@ def test_backoff_polls_through_the_window_then_sleeps_doubling(monkeypatch) -> N
     assert slept[-1] == 1e-4  # a new wait starts from the shortest sleep again
 
 
+def test_a_wait_past_its_idle_second_naps_longer(monkeypatch) -> None:
+    """An idle endpoint (no request for ``idle_s``) sleeps up to ``idle_sleep_s`` at a time,
+    not ``sleep_max_s``: it keeps a fraction of the CPU an idle pool would burn."""
+    slept: list[float] = []
+    now = [0.0]
+    monkeypatch.setattr(wait.time, "sleep", slept.append)
+    monkeypatch.setattr(wait.time, "perf_counter", lambda: now[0])
+    policy = WaitPolicy(spin_s=0.0, yield_s=0.0, sleep_min_s=1e-4, sleep_max_s=2e-4)
+    backoff = Backoff(policy)
+    for _ in range(3):
+        backoff.pause()
+    assert slept == [1e-4, 2e-4, 2e-4]  # within the idle second: naps of at most 200 us
+    now[0] = policy.idle_s
+    for _ in range(6):
+        backoff.pause()
+    assert slept[3:] == [2e-4, 4e-4, 8e-4, 1e-3, 1e-3, 1e-3]
+    backoff.reset()  # a request came: the next wait naps short again
+    backoff.pause()
+    assert slept[-1] == 1e-4
+
+
 def test_spec_json_round_trip_and_expert_ranges() -> None:
     spec = make_spec("shm", 2, 4, dtype=torch.bfloat16, moe_layers=(1, 3, 5))
     back = TransportSpec.from_json(spec.to_json())
