@@ -324,6 +324,21 @@ def bind_process(cpus: Iterable[int]) -> None:
             pass  # the thread ended meanwhile
 
 
+def cpu_stolen_times() -> tuple[int, int]:
+    """This host's CPU time (all CPUs, in ``/proc/stat`` ticks) stolen by its hypervisor, and
+    the whole, since boot: ``(stolen, total)``; ``(0, 0)`` where ``/proc/stat`` says neither."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+    except OSError:
+        return 0, 0
+    if len(fields) < 9 or fields[0] != b"cpu":
+        return 0, 0
+    # user nice system idle iowait irq softirq steal (guest time is counted in user already)
+    ticks = [int(x) for x in fields[1:9]]
+    return ticks[7], sum(ticks)
+
+
 def pid_namespace() -> int:
     """Inode of this process's pid namespace (0 if unknown): pids compare only within one."""
     try:

@@ -20,6 +20,7 @@ import pytest
 
 from vllm_afd.config import AFDConfig, MoEModelInfo
 from vllm_afd.errors import AFDConfigError
+from vllm_afd.host import cpu_stolen_times
 from vllm_afd.metrics.blocks import AttentionStatsBlock, FFNStatsBlock
 from vllm_afd.patches.request_errors import decode_step
 from vllm_afd.placement import autoscale, scaling
@@ -218,6 +219,20 @@ def test_a_window_is_what_the_ranks_measured_in_it(deployment):
     assert window.ffn_ms == pytest.approx(0.1)
     # the step less its 48 exposed waits, over the model's 48 layers
     assert window.attention_ms == pytest.approx((10.0 - 48 * 0.05) / 48)
+
+
+def test_a_window_says_how_much_of_the_host_s_cpu_its_hypervisor_took(deployment):
+    spec, attention, ffn = deployment
+    stolen, total = cpu_stolen_times()
+    assert total > 0 and 0 <= stolen <= total  # /proc/stat's first line, since boot
+    _load(attention, ffn, steps=10, batch=2, context=50)
+    after = autoscale.read_totals(spec)
+    before = dataclasses.replace(after, steps=0, cpu_stolen=100, cpu_total=10_000)
+    after = dataclasses.replace(after, cpu_stolen=150, cpu_total=11_000)
+    assert measure(before, after, 10.0, 48).cpu_stolen == pytest.approx(0.05)
+    # a scale restarts the pool's counters, not the host's
+    moved = dataclasses.replace(after, pool=("another", "pool"), steps=8, step_s=0.4)
+    assert measure(before, moved, 10.0, 48).cpu_stolen == pytest.approx(0.05)
 
 
 def test_too_few_steps_is_no_window_and_a_scale_or_a_failover_is_marked(deployment):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import threading
@@ -120,7 +121,7 @@ def window_row(phase: str, window: dict) -> dict[str, Any]:
         "predicted_ms": None if predicted is None else 1e3 * predicted,
         "predicted_over_measured": None if not (measured and predicted) else predicted / measured,
         # the window's parts (ms): attention per layer, exposed FFN wait and FFN service
-        **{k: parts.get(k) for k in ("attention_ms", "exposed_ffn_ms", "ffn_ms")},
+        **{k: parts.get(k) for k in ("attention_ms", "exposed_ffn_ms", "ffn_ms", "cpu_stolen")},
         "disturbed": parts.get("disturbed", ""),
         "rule": advice.get("rule"),
         "reason": advice.get("reason"),
@@ -179,13 +180,14 @@ def _row_text(row: dict) -> str:
         f" {f(row['measured_ms']):>9} {f(row['predicted_ms']):>9}"
         f" {f(row['predicted_over_measured'], '{:.3f}'):>10}"
         f" {f(row.get('attention_ms'), '{:.3f}'):>10} {f(row.get('exposed_ffn_ms'), '{:.3f}'):>8}"
-        f" {f(row.get('ffn_ms'), '{:.3f}'):>6}  {row['disturbed'] or '-'}"
+        f" {f(row.get('ffn_ms'), '{:.3f}'):>6} {f(row.get('cpu_stolen'), '{:.1%}'):>7}"
+        f"  {row['disturbed'] or '-'}"
     )
 
 
 HEADER = (
     f"{'phase':<18} {'A:F':>5} {'batch':>6} {'context':>7} {'meas ms':>9} {'pred ms':>9} "
-    f"{'pred/meas':>10} {'attn/layer':>10} {'exposed':>8} {'ffn':>6}  disturbed"
+    f"{'pred/meas':>10} {'attn/layer':>10} {'exposed':>8} {'ffn':>6} {'stolen':>7}  disturbed"
 )
 
 
@@ -229,9 +231,21 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + HEADER)
     for row in rows:
         print(_row_text(row))
-    steady = [r for r in rows if not r["disturbed"] and r["predicted_over_measured"]]
+    steady = [
+        r
+        for r in rows
+        if r["phase"].endswith("streams") and not r["disturbed"] and r["predicted_over_measured"]
+    ]
     within = [r for r in steady if abs(r["predicted_over_measured"] - 1) <= 0.10]
-    print(f"\nundisturbed windows within 10%: {len(within)} of {len(steady)}")
+    print(f"\nundisturbed steady-load windows within 10%: {len(within)} of {len(steady)}")
+    after = [r for r in rows if not r["phase"].endswith("streams") and not r["disturbed"]]
+    if after:
+        last = after[-1]
+        measured, predicted = (last[k] or math.nan for k in ("measured_ms", "predicted_ms"))
+        print(
+            f"after the scale: {last['num_ffn_ranks']} FFN rank(s) live, measured "
+            f"{measured:.2f} ms, predicted {predicted:.2f} ms"
+        )
     if rows and rows[-1].get("model"):
         print(f"planner: {rows[-1]['model']}")
     settings = {k: getattr(args, k) for k in vars(args)}

@@ -53,6 +53,7 @@ from typing import Any
 from vllm_afd import envs
 from vllm_afd.config import AFDConfig, MoEModelInfo
 from vllm_afd.errors import AFDConfigError
+from vllm_afd.host import cpu_stolen_times
 from vllm_afd.metrics.blocks import (
     _A_ROUND_TRIPS,
     _A_SECONDS,
@@ -94,6 +95,9 @@ class Totals:
     exposed_s: float = 0.0
     ffn_batches: float = 0.0
     ffn_s: float = 0.0
+    #: This host's CPU time stolen by its hypervisor, and the whole (``host.cpu_stolen_times``).
+    cpu_stolen: float = 0.0
+    cpu_total: float = 0.0
     #: Failovers of the pool's FFN ranks so far (their directory entries).
     failovers: int = 0
     #: FFN ranks not ``up`` (being replaced, given up on).
@@ -109,6 +113,7 @@ def read_totals(spec: TransportSpec) -> Totals:
     attention = [b.scalars for b in blocks.attention if b is not None]
     ffn = [b for b in blocks.ffn if b is not None]
     ranks = directory.entries(spec.directory, spec.num_ffn_ranks) if spec.directory else []
+    stolen, total = cpu_stolen_times()
     return Totals(
         tuple(spec.addresses),
         steps=sum(s[A_STEPS] for s in attention),
@@ -119,6 +124,8 @@ def read_totals(spec: TransportSpec) -> Totals:
         exposed_s=sum(s[_A_SECONDS] for s in attention),
         ffn_batches=sum(sum(b.hist) for b in ffn),
         ffn_s=sum(b.scalars[_F_SECONDS] for b in ffn),
+        cpu_stolen=stolen,
+        cpu_total=total,
         failovers=sum(e.failovers for e in ranks if e is not None),
         unsettled=sum(e is not None and e.state != directory.UP for e in ranks),
     )
@@ -144,6 +151,9 @@ class Window:
     ffn_ms: float
     #: What in the window makes it no measure of the steady load (a scale, a failover), or "".
     disturbed: str = ""
+    #: Share of this host's CPU time its hypervisor took (a VM's noisy neighbours): shown
+    #: next to the step (``bench.planner_loop``), not acted on.
+    cpu_stolen: float = 0.0
 
     def served(
         self, attention_ranks: int, ffn_ranks: int, microbatches: int, draft_length: int = 0
@@ -191,7 +201,7 @@ def measure(before: Totals, after: Totals, seconds: float, num_layers: int) -> W
     up is measured too (a replaced rank's counters restart: its totals then count from 0);
     both are marked ``disturbed``."""
     if after.pool != before.pool:
-        before = Totals(after.pool)
+        before = Totals(after.pool, cpu_stolen=before.cpu_stolen, cpu_total=before.cpu_total)
         disturbed = f"a scale of the FFN pool to {len(after.pool)} rank(s)"
     elif after.failovers != before.failovers or after.unsettled or before.unsettled:
         disturbed = "a failover of an FFN rank"
@@ -215,6 +225,7 @@ def measure(before: Totals, after: Totals, seconds: float, num_layers: int) -> W
         attention_ms=max(0.0, step_ms - exposed_per_step_ms) / max(1, num_layers),
         exposed_ffn_ms=1e3 * delta["exposed_s"] / max(1.0, delta["round_trips"]),
         ffn_ms=1e3 * delta["ffn_s"] / max(1.0, delta["ffn_batches"]),
+        cpu_stolen=delta["cpu_stolen"] / delta["cpu_total"] if delta["cpu_total"] > 0 else 0.0,
         disturbed=disturbed,
     )
 
