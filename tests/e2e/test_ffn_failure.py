@@ -28,6 +28,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from failoverlib import (
@@ -43,24 +44,42 @@ pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen3, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ffn_failure")
-    srv = Server(
-        tiny_qwen3,
-        tmp / "server.log",
-        # vLLM refuses to start on a VLLM_* variable it does not know (patch E1 declares ours)
-        extra=("--afd-ratio", "1:1", "--afd-failover-timeout", "0", "--fail-on-environ-validation"),
-        env={"VLLM_AFD_FAULT_FILE": str(tmp / "fault")},
-    )
-    srv.fault = tmp / "fault"
+def servers(tiny_qwen3, run_once, tmp_path_factory) -> Iterator[tuple[Server, Server]]:
+    """This module's two servers, started side by side (a start is mostly its processes'
+    imports, on either core), both up before the first test: failover off, then on."""
+    started: list[Server] = []
     try:
-        srv.wait_healthy()
-        yield srv
+        for name, failover, plugins in (
+            ("ffn_failure", ("--afd-failover-timeout", "0"), {}),
+            ("ffn_error_failover", (), {"VLLM_PLUGINS": "afd"}),
+        ):
+            tmp = tmp_path_factory.mktemp(name)
+            srv = Server(
+                tiny_qwen3,
+                tmp / "server.log",
+                # vLLM refuses to start on a VLLM_* variable it does not know (patch E1 declares
+                # ours)
+                extra=("--afd-ratio", "1:1", *failover, "--fail-on-environ-validation"),
+                env={"VLLM_AFD_FAULT_FILE": str(tmp / "fault"), **plugins},
+            )
+            srv.fault = tmp / "fault"
+            started.append(srv)
+        started[1].colocated = run_once(colocated_job(tiny_qwen3))
+        for srv in started:
+            srv.wait_healthy()
+        yield started[0], started[1]
     finally:
-        try:
-            srv.terminate()
-        finally:
-            srv.kill_leftovers()
+        for srv in started:
+            try:
+                srv.terminate()
+            finally:
+                srv.kill_leftovers()
+
+
+@pytest.fixture(scope="module")
+def server(servers) -> Server:
+    """The 1:1 server with failover off."""
+    return servers[0]
 
 
 def _health(server: Server) -> int | str:
@@ -115,26 +134,10 @@ def test_an_ffn_serve_error_fails_the_request_at_once_and_the_engine_serves_on(s
 
 
 @pytest.fixture(scope="module")
-def failover_server(tiny_qwen3, run_once, tmp_path_factory):
-    """A 1:1 server with failover on and the fault file configured (absent at first), and as
+def failover_server(servers) -> Server:
+    """The 1:1 server with failover on and the fault file configured (absent at first), and as
     ``colocated`` the colocated runs of failoverlib's prompts."""
-    tmp = tmp_path_factory.mktemp("ffn_error_failover")
-    srv = Server(
-        tiny_qwen3,
-        tmp / "server.log",
-        extra=("--afd-ratio", "1:1", "--fail-on-environ-validation"),
-        env={"VLLM_AFD_FAULT_FILE": str(tmp / "fault"), "VLLM_PLUGINS": "afd"},
-    )
-    srv.fault = tmp / "fault"
-    try:
-        srv.colocated = run_once(colocated_job(tiny_qwen3))
-        srv.wait_healthy()
-        yield srv
-    finally:
-        try:
-            srv.terminate()
-        finally:
-            srv.kill_leftovers()
+    return servers[1]
 
 
 def test_an_ffn_serve_error_under_streams_is_a_failover_that_loses_nothing(failover_server):

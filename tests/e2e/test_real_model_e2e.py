@@ -26,6 +26,10 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = [PROMPT, "def fibonacci(n):"]
 MAX_TOKENS = 12
+#: Tokens of each stream around the two scales: both end while this model's six streams are
+#: about half through (each scale is mostly a new FFN rank's start, which they share the
+#: cores with).
+SCALE_STREAM_TOKENS = 200
 
 
 def _job(model: str, afd: dict | None = None) -> dict:
@@ -66,7 +70,7 @@ def test_the_pool_scaled_live_1_2_1_under_streams_gives_colocated_text(
     smollm2_moe, colocated, run_once, tmp_path
 ):
     """A 1:1 server (``VLLM_PLUGINS=afd``: the AFD routes) serves colocated's tokens; then,
-    under six streams of 300 tokens, ``POST /afd/scale`` takes the FFN pool to two
+    under six streams of 200 tokens, ``POST /afd/scale`` takes the FFN pool to two
     ranks and back to one: each scale answers 200 while the streams are in flight, and every
     stream ends with colocated's exact text and tokens. ``/afd/status`` and ``/metrics`` show
     the live pool and both scales; a count the experts cannot split into is refused (400)."""
@@ -79,7 +83,8 @@ def test_the_pool_scaled_live_1_2_1_under_streams_gives_colocated_text(
     )
     try:
         with ThreadPoolExecutor(1) as pool:  # the streams' reference while the server starts
-            streamed = pool.submit(run_once, colocated_job(smollm2_moe))
+            reference = colocated_job(smollm2_moe) | {"max_tokens": SCALE_STREAM_TOKENS}
+            streamed = pool.submit(run_once, reference)
             server.wait_healthy()
             streamed = streamed.result()
         for prompt, expected in zip(PROMPTS, colocated["token_ids"], strict=True):
@@ -100,7 +105,9 @@ def test_the_pool_scaled_live_1_2_1_under_streams_gives_colocated_text(
                 answers.append((status, body, began, time.monotonic()))
             return answers
 
-        answers, results, _ = streams_around(server, scale_up_and_down)
+        answers, results, _ = streams_around(
+            server, scale_up_and_down, max_tokens=SCALE_STREAM_TOKENS
+        )
         for count, (status, body, began, ended) in zip((2, 1), answers, strict=True):
             assert status == 200, body
             assert body["num_ffn_ranks"] == count and body["scale"]["to_ranks"] == count, body

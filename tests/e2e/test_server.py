@@ -13,8 +13,8 @@ tests run in file order on it, each leaving it serving:
 4. every listening socket is on loopback and Ray's are token-authenticated even there;
 5. the FFN rank is SIGKILLed, then SIGSTOPped (a hung rank), under streaming load: failover
    replaces it and every stream ends with colocated's text; readiness (``/afd/ready``) is 503
-   until the replacement serves, liveness (``/health``) stays 200 throughout (``test-all``
-   kills it twice more);
+   until the replacement serves, liveness (``/health``) stays 200 throughout (``make
+   test-optional`` kills it twice more);
 6. last, SIGTERM with streams in flight: every stream completes, then nothing is left
    (processes, Ray's daemons, no new file in /dev/shm, metrics blocks).
 
@@ -130,15 +130,20 @@ def _scrape(server: Server) -> str:
 
 
 def _settled_scrape(server: Server, limit_s: float = 10.0) -> str:
-    """/metrics once two scrapes 0.5 s apart agree (an idle DP rank's last dummy step may
-    still be counted on one side when the requests have returned)."""
+    """/metrics once two scrapes 0.5 s apart agree on the plugin's series (an idle DP rank's
+    last dummy step may still be counted on one side when the requests have returned; the
+    process and Python series of the scrape itself move on every scrape)."""
+
+    def afd_series(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("vllm_afd_")]
+
     deadline = time.monotonic() + limit_s
     text = _scrape(server)
     while time.monotonic() < deadline:
         time.sleep(0.5)
         again = _scrape(server)
-        if again == text:
-            break
+        if afd_series(again) == afd_series(text):
+            return again
         text = again
     return text
 
@@ -203,7 +208,7 @@ def test_no_listener_off_loopback_and_ray_requires_its_token(server):
     off = [(ip, port, process_name(p)) for p, ip, port in found if not is_loopback(ip)]
     assert off == [], f"listeners off loopback:\n{table}"
     probed = [(proc, port) for proc, _ip, port in found if port != server.port]
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:  # a silent port costs 2 s
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(probed))) as pool:  # a silent port: 2-4 s
         answers = dict(zip((port for _, port in probed), pool.map(_answer, probed), strict=True))
     ray_grpc = [a for a in answers.values() if a[0] is not None]
     assert len(ray_grpc) >= MIN_RAY_GRPC_LISTENERS, answers
@@ -242,9 +247,12 @@ def test_ffn_rank_killed_then_stopped_under_streaming_load_loses_nothing(server,
 
 
 @pytest.mark.full
+@pytest.mark.optional
 def test_ffn_rank_killed_twice_more_in_a_row_loses_nothing(server, colocated):
     """Repeated losses: a replacement killed within 30 s of its start continues the backoff
-    streak (a delayed restart), and still nothing is lost."""
+    streak (a delayed restart), and still nothing is lost. Outside the full tier's budget
+    (33 s): the test before it loses a rank and then its replacement, and the streak's delays
+    are tests/unit/test_ffn_health.py's."""
     before = len(_replacements(server))
     for _ in range(2):
         lose_the_ffn_rank_under_streams(server, colocated, kill(signal.SIGKILL))
