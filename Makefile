@@ -35,14 +35,16 @@ venv: $(BIN)/.installed
 demo: venv
 	$(BIN)/vllm-afd demo
 
-PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider --durations=10
+PYTEST_FLAGS := -q -p no:cacheprovider --durations=10
+PYTEST := $(BIN)/python -m pytest $(PYTEST_FLAGS)
 
 # The unit tests and the e2e tests not marked `full` (pyproject.toml's markers).
 test: venv
 	$(PYTEST) -m "not full"
 
+# The unit tests run beside the e2e tests, in a second process (scripts/pytest-beside.sh).
 test-all: venv
-	$(PYTEST) -m "not optional"
+	PYTHON=$(BIN)/python scripts/pytest-beside.sh $(PYTEST_FLAGS) -m "not optional"
 
 # What no tier runs, to keep within its budget (pyproject.toml's `optional` marker).
 test-optional: venv
