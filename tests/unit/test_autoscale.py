@@ -235,7 +235,7 @@ def test_a_window_says_how_much_of_the_host_s_cpu_its_hypervisor_took(deployment
     assert measure(before, moved, 10.0, 48).cpu_stolen == pytest.approx(0.05)
 
 
-def test_too_few_steps_is_no_window_and_a_scale_or_a_failover_is_marked(deployment):
+def test_too_few_steps_is_no_window_and_a_scale_or_a_failover_is_marked(deployment, monkeypatch):
     spec, attention, ffn = deployment
     before = autoscale.read_totals(spec)
     _load(attention, ffn, steps=1, batch=2, context=50)  # 2 steps < MIN_STEPS
@@ -248,6 +248,15 @@ def test_too_few_steps_is_no_window_and_a_scale_or_a_failover_is_marked(deployme
     window = measure(after, moved, 10.0, 48)
     assert window.disturbed == "a scale of the FFN pool to 2 rank(s)"
     assert (window.steps, window.step_ms) == (8, pytest.approx(50.0))
+    # a scale under way at either end of a window, before any switch: its new pool starts on
+    # the same hosts, so the live pool's steps are slower than the load makes them
+    assert autoscale.read_totals(spec).scaling is False
+    monkeypatch.setattr(scaling, "_UNDER_WAY", {"from_ranks": 1, "to_ranks": 2, "since": 0.0})
+    under_way = autoscale.read_totals(spec)
+    assert under_way.scaling is True
+    for ends in ((before, under_way), (dataclasses.replace(before, scaling=True), after)):
+        assert measure(*ends, 10.0, 48).disturbed == "a scale of the FFN pool under way"
+    monkeypatch.setattr(scaling, "_UNDER_WAY", None)
     # a failover: the directory counts it; the replaced rank's counters restart at 0
     entry = directory.RankEntry(0, 1, directory.RECOVERING, spec.addresses[0], "h", 1)
     directory.publish(spec.directory, entry)

@@ -156,12 +156,15 @@ def run(server: ServeProcess, args: argparse.Namespace, say: Callable[[str], Non
             say(f"planner_loop: scale to {args.scale_to}: HTTP {status}")
             if status != 200:
                 raise RuntimeError(f"the scale failed: {body}")
-            for _ in range(4):  # the windows holding the scale, then an undisturbed one
+            # the windows holding the scale (marked), then ``--windows`` undisturbed ones
+            undisturbed = 0
+            for _ in range(args.windows + 4):
                 window = next_window(server, at)
                 at = window["at"]
                 rows.append(window_row(f"after scale to {args.scale_to}", window))
                 say(_row_text(rows[-1]))
-                if not rows[-1]["disturbed"]:
+                undisturbed += not rows[-1]["disturbed"]
+                if undisturbed == args.windows:
                     break
     finally:
         if load is not None:
@@ -198,7 +201,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ratio", default="1:1", help="--afd-ratio A:F (default 1:1)")
     p.add_argument("--microbatches", type=int, default=2, help="--afd-microbatches (2)")
     p.add_argument("--batches", default="2,4", help="streams per load step (default 2,4)")
-    p.add_argument("--windows", type=int, default=2, help="windows read per load (default 2)")
+    p.add_argument(
+        "--windows", type=int, default=2, help="windows per load, and after the scale (2)"
+    )
     p.add_argument("--scale-to", type=int, default=2, help="FFN ranks to scale to (0: none)")
     p.add_argument("--max-tokens", type=int, default=96, help="tokens per request (96)")
     p.add_argument("--json", default="planner_loop.json", help="result file")

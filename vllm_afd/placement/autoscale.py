@@ -102,12 +102,16 @@ class Totals:
     failovers: int = 0
     #: FFN ranks not ``up`` (being replaced, given up on).
     unsettled: int = 0
+    #: A scale of the FFN pool was under way (``scaling.in_progress``): its new pool starts on
+    #: the same hosts, so a window it overlaps is no measure of the load, even before the switch.
+    scaling: bool = False
 
 
 def read_totals(spec: TransportSpec) -> Totals:
     """``Totals`` of the deployment ``spec`` from its stats blocks (a missing block adds 0)
     and its FFN directory."""
     from vllm_afd.metrics.collector import read_deployment
+    from vllm_afd.placement.scaling import in_progress
 
     blocks = read_deployment(spec)
     attention = [b.scalars for b in blocks.attention if b is not None]
@@ -128,6 +132,7 @@ def read_totals(spec: TransportSpec) -> Totals:
         cpu_total=total,
         failovers=sum(e.failovers for e in ranks if e is not None),
         unsettled=sum(e is not None and e.state != directory.UP for e in ranks),
+        scaling=in_progress() is not None,
     )
 
 
@@ -188,7 +193,9 @@ class Window:
 
 #: ``Totals`` fields that are counters (the rest say what the pool is and how it is doing).
 _COUNTERS = tuple(
-    f.name for f in dataclasses.fields(Totals) if f.name not in ("pool", "failovers", "unsettled")
+    f.name
+    for f in dataclasses.fields(Totals)
+    if f.name not in ("pool", "failovers", "unsettled", "scaling")
 )
 
 
@@ -199,10 +206,13 @@ def measure(before: Totals, after: Totals, seconds: float, num_layers: int) -> W
     A window in which the pool changed (a scale: the new pool's counters start at 0) is
     measured on the new pool's counters alone; one in which an FFN rank failed over or was not
     up is measured too (a replaced rank's counters restart: its totals then count from 0);
-    both are marked ``disturbed``."""
+    both are marked ``disturbed``, and so is one read while a scale was under way at either
+    end (its new pool starting on the same hosts slows the live one before any switch)."""
     if after.pool != before.pool:
         before = Totals(after.pool, cpu_stolen=before.cpu_stolen, cpu_total=before.cpu_total)
         disturbed = f"a scale of the FFN pool to {len(after.pool)} rank(s)"
+    elif after.scaling or before.scaling:
+        disturbed = "a scale of the FFN pool under way"
     elif after.failovers != before.failovers or after.unsettled or before.unsettled:
         disturbed = "a failover of an FFN rank"
     else:
