@@ -8,8 +8,8 @@ rank hides behind more attention ranks). The process that holds the FFN group ru
    ranks' decode steps (the step period, from one decode step's start to the next's, with
    its requests and context: patch W1 records them in each rank's stats block), their exposed
    FFN time per round trip, and the FFN ranks' service time per layer batch; a window that
-   holds a scale or a failover (the FFN directory's failover counts and states) is marked
-   ``disturbed``;
+   holds a scale or a failover (the FFN directory's failover counts and states), or is read
+   while a scale is under way, is marked ``disturbed``;
 2. asks the planner (``planner.auto_ratio.predict_ffn_counts``, the model fitted for the
    platform: the CPU step model of a ``vllm-afd profile`` file on the CPU build, the
    analytical model on GPUs) what every FFN rank count the experts allow would give at the
