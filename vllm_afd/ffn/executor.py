@@ -32,12 +32,13 @@ apply the routing weight to the input (Llama-4), and the attention side's sum is
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,13 +50,16 @@ from vllm_afd.ffn.weights import expert_bytes, load_routed_experts
 from vllm_afd.metrics.blocks import FFNStatsBlock
 from vllm_afd.transport import FFNRequest, FFNTransport, TransportSpec, create_ffn_transport
 from vllm_afd.transport.base import ServesRequests, ServesSteps, UseForward
-from vllm_afd.transport.control import Part, ScheduleChecker, Tag
+from vllm_afd.transport.control import Part, ScheduleChecker, Step, Tag, Use
 
 if TYPE_CHECKING:
     # a routed-experts layer as vLLM builds it (``ffn/weights.py``)
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts as MoELayer
 
 logger = logging.getLogger("vllm.afd")
+#: How late the stats may take the steps served whole (``FFNExecutor._account_steps``); an
+#: idle serve loop takes them at once.
+ACCOUNT_EVERY_S = 0.5
 
 
 def foreign_experts(layer: MoELayer) -> torch.Tensor | None:
@@ -319,6 +323,9 @@ class FFNExecutor:
         on_gpu = torch.device(device).type == "cuda"
         steps = isinstance(self.transport, ServesSteps)
         self.graphs = StepGraphs() if on_gpu and steps else None
+        #: Steps served whole and not yet in the stats: step -> [times, seconds].
+        self._unaccounted: dict[Step, list[Any]] = {}
+        self._accounted_at = -math.inf
 
     @property
     def address(self) -> str:
@@ -346,10 +353,11 @@ class FFNExecutor:
         On a GPU the step is one CUDA graph per step shape (``StepGraphs``). If serving raises
         on the host, the uses not served are answered with the error (their attention ranks'
         waits end, recorded; with graphs every use of the step, since a capture serves none),
-        and the rank serves on. The step's time is shared evenly by its uses in the stats (a
-        graph's layers are not timed one by one)."""
+        and the rank serves on. The stats take the step later (``_account_steps``)."""
         step = transport.next_step(timeout_s)
         if step is None:
+            if self._unaccounted:
+                self._account_steps()
             return 0
         done = 0
 
@@ -375,13 +383,36 @@ class FFNExecutor:
             done = len(step.uses) - len(rest)
         finally:
             transport.end_step()
-        served = step.uses[:done]
-        dt = (time.perf_counter() - start) / max(len(served), 1)
-        for layer, slot, parts in served:
+        now = time.perf_counter()
+        if done == len(step.uses):
+            pending = self._unaccounted.setdefault(step, [0, 0.0])
+            pending[0] += 1
+            pending[1] += now - start
+        else:  # served in part (an error): counted now
+            self._account_uses(step.uses[:done], (now - start) / max(done, 1))
+        if now - self._accounted_at >= ACCOUNT_EVERY_S:
+            self._account_steps()
+        return sum(len(parts) for _, _, parts in step.uses[:done])
+
+    def _account_steps(self) -> None:
+        """Fold the steps served since the last call into the stats, each step's time shared
+        evenly by its uses (a graph's layers are not timed one by one). Deferred to every
+        ``ACCOUNT_EVERY_S`` and to an idle serve loop: per step it cost about as much as
+        everything else the host does for a step (docs/benchmarks.md, "The FFN rank's host
+        time per step")."""
+        pending, self._unaccounted = self._unaccounted, {}
+        self._accounted_at = time.perf_counter()
+        for step, (count, seconds) in pending.items():
+            if step.uses:
+                self._account_uses(step.uses, seconds / (count * len(step.uses)), count)
+
+    def _account_uses(self, uses: Sequence[Use], dt: float, times: int = 1) -> None:
+        """``uses`` of a step served ``times`` alike, ``dt`` seconds each use."""
+        row_bytes = self.spec.hidden_size * self.spec.dtype.itemsize
+        for layer, slot, parts in uses:
             rows = sum(part.rows for part in parts)
-            nbytes = rows * self.spec.hidden_size * self.spec.dtype.itemsize
-            self._account(layer, [(p.attention_rank, slot) for p in parts], rows, nbytes, dt)
-        return sum(len(parts) for _, _, parts in served)
+            sources = [(part.attention_rank, slot) for part in parts]
+            self._account(layer, sources, rows, rows * row_bytes, dt, times)
 
     def _step_forward(self, layer: int, parts: tuple[Part, ...]) -> UseForward:
         """The layer's experts as the plane's ``forward(x, ids, weights, out)``."""
@@ -469,23 +500,36 @@ class FFNExecutor:
         return x, self.kernel(layer, x, ids, w)
 
     def _account(
-        self, layer: int, sources: list[tuple[int, int]], rows: int, nbytes: int, dt: float
+        self,
+        layer: int,
+        sources: list[tuple[int, int]],
+        rows: int,
+        nbytes: int,
+        dt: float,
+        times: int = 1,
     ) -> None:
-        """One layer batch served: ``sources`` (attention rank, microbatch) of its requests,
-        ``rows`` tokens of ``nbytes`` hidden state, in ``dt`` seconds."""
+        """One layer batch served (``times`` alike): ``sources`` (attention rank, microbatch)
+        of its requests, ``rows`` tokens of ``nbytes`` hidden state, in ``dt`` seconds."""
         s = self.stats
-        s.requests += len(sources)
-        s.later_microbatch_requests += sum(microbatch > 0 for _, microbatch in sources)
+        s.requests += len(sources) * times
+        s.later_microbatch_requests += sum(microbatch > 0 for _, microbatch in sources) * times
         for rank, _ in sources:
-            s.requests_by_source[rank] += 1
-        s.tokens += rows
-        s.bytes_in += nbytes
-        s.busy_s += dt
-        s.per_layer_s[layer] += dt
-        s.per_layer_calls[layer] += 1
+            s.requests_by_source[rank] += times
+        s.tokens += rows * times
+        s.bytes_in += nbytes * times
+        s.busy_s += dt * times
+        s.per_layer_s[layer] += dt * times
+        s.per_layer_calls[layer] += times
         if s.shared is not None:
+            wire = nbytes + rows * self._routing_bytes
             s.shared.record_layer(
-                layer, len(sources), rows, nbytes + rows * self._routing_bytes, nbytes, dt
+                layer,
+                len(sources) * times,
+                rows * times,
+                wire * times,
+                nbytes * times,
+                dt * times,
+                calls=times,
             )
 
     def serve_forever(self) -> None:
@@ -501,6 +545,7 @@ class FFNExecutor:
                 logger.exception("AFD FFN rank %d: serve loop error", self.rank)
                 self._record_failures(1)
                 self._stop.wait(0.1)
+        self._account_steps()
 
     def heartbeat_forever(self, interval_s: float) -> None:
         """Beat into the stats block every ``interval_s`` (``/health`` reads it)."""

@@ -12,8 +12,9 @@ from vllm_afd.transport.control import StepShape
 
 
 class StepGraphs:
-    """Whole FFN steps as CUDA graphs, one per step shape (``control.Step.shape``: the uses of
-    the step, each attention rank's rows and layer positions). A shape seen once runs eagerly
+    """Whole FFN steps as CUDA graphs, one per step shape (``control.Step.shape``: the answer
+    buffers mapped and each attention rank's schedule but its step number, which fix the
+    step's uses, rows and layer positions). A shape seen once runs eagerly
     (it warms the kernels up); seen again, it is captured (a capture runs nothing), then
     replayed, and replayed from then on. The step number is a device word the graph reads, set
     before each replay (``FFNPlane.begin``), so a replay serves the step announced, with no

@@ -228,11 +228,12 @@ class _Writer:
         self._q[_H_STATE] = _STATE_CLOSED
         self._finalizer()
 
-    def _observe(self, layer: int, tokens: int, seconds: float) -> None:
+    def _observe(self, layer: int, tokens: int, seconds: float, calls: int = 1) -> None:
+        """``calls`` calls of ``layer`` alike, ``tokens`` and ``seconds`` in all."""
         d = self.d
-        d[self._o_hist + bisect.bisect_left(self._bounds, seconds)] += 1.0
+        d[self._o_hist + bisect.bisect_left(self._bounds, seconds / calls)] += calls
         if 0 <= layer < self._layers:
-            d[self._o_calls + layer] += 1.0
+            d[self._o_calls + layer] += calls
             d[self._o_seconds + layer] += seconds
             d[self._o_tokens + layer] += tokens
 
@@ -277,15 +278,17 @@ class FFNStatsBlock(_Writer):
         bytes_in: int,
         bytes_out: int,
         seconds: float,
+        calls: int = 1,
     ) -> None:
-        """One batched expert call of ``layer`` served ``requests`` requests in ``seconds``."""
+        """``calls`` batched expert calls of ``layer`` alike (a step served whole, taken
+        ``calls`` times at once) served ``requests`` requests in ``seconds``, in all."""
         d, s = self.d, self._o_scalars
         d[s + _F_REQUESTS] += requests
         d[s + _F_TOKENS] += tokens
         d[s + _F_BYTES_IN] += bytes_in
         d[s + _F_BYTES_OUT] += bytes_out
         d[s + _F_SECONDS] += seconds
-        self._observe(layer, tokens, seconds)
+        self._observe(layer, tokens, seconds, calls)
 
     def beat(self) -> None:
         """The heartbeat: this process runs (a stopped or dead rank stops beating)."""

@@ -183,31 +183,24 @@ class Part:
 
 #: One use of a slot in a step served whole: ``(layer, slot, parts)``.
 Use = tuple[int, int, tuple[Part, ...]]
-#: What a CUDA graph of a whole step is keyed by (``Step.shape``): the answer buffers mapped,
-#: then the step's uses.
-StepShape = tuple[int | Use, ...]
+#: What a CUDA graph of a whole step is keyed by (``Step.shape``): the answer buffers the FFN
+#: side mapped, then per attention rank in the step its schedule's words after the step number
+#: (``StepSchedule.words``: a few small ints, cheap to hash at every step).
+StepShape = tuple[int, tuple[tuple[int, tuple[int, ...]], ...]]
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Step:
-    """A step served whole by an FFN rank (``base.ServesSteps``): every attention rank's
-    schedule in it and the uses of its slots in order."""
+    """A step shape served whole by an FFN rank (``base.ServesSteps``): the uses of its slots
+    in order, layer by layer and the microbatches of a layer in turn. The step numbers are not
+    in it (they are device words the uses read), so an FFN endpoint builds one ``Step`` per
+    shape and hands the same object out at every step of that shape; compared by identity."""
 
-    schedules: dict[int, StepSchedule]
-    #: Layer by layer, the microbatches of a layer in turn.
-    uses: list[Use]
-    #: Answer buffers the FFN side mapped so far: a graph captured before an attention rank
-    #: offered a new one writes into the old.
-    buffers: int = 0
-
-    @property
-    def shape(self) -> StepShape:
-        """What a CUDA graph of the whole step is keyed by (the step number is not in it: it
-        is a device word the graph reads)."""
-        return (self.buffers, *self.uses)
+    uses: tuple[Use, ...]
+    shape: StepShape
 
     @classmethod
-    def of(cls, schedules: dict[int, StepSchedule], buffers: int = 0) -> Step:
+    def of(cls, schedules: dict[int, StepSchedule], shape: StepShape) -> Step:
         layers = sorted({layer for s in schedules.values() for layer in s.layers})
         slots = max((len(s.microbatch_tokens) for s in schedules.values()), default=0)
         uses: list[Use] = []
@@ -220,4 +213,4 @@ class Step:
                 )
                 if parts:
                     uses.append((layer, slot, parts))
-        return cls(schedules, uses, buffers)
+        return cls(tuple(uses), shape)

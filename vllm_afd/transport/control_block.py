@@ -238,14 +238,21 @@ class ControlBlock:
 
     def schedule(self, attention_rank: int) -> StepSchedule | None:
         """``attention_rank``'s last schedule, or ``None`` if none or being written."""
+        encoded = self.schedule_words(attention_rank)
+        return None if encoded is None else StepSchedule.from_words(encoded)
+
+    def schedule_words(self, attention_rank: int) -> tuple[int, ...] | None:
+        """``attention_rank``'s last schedule as its words (``StepSchedule.words``: decoding
+        them is left to a reader that has not seen them before), or ``None`` if none or being
+        written."""
         words, base = self.words, self._base(attention_rank)
         step = words[base]
         if not step:
             return None
-        encoded = words[base : base + self.words_per].tolist()
+        encoded = tuple(words[base : base + self.words_per])
         if words[base] != step:
             return None
-        return StepSchedule.from_words(encoded)
+        return encoded
 
     def close(self, creator: bool = False) -> None:
         """Unmap; the creator marks the block closed (waiting attention ranks fail fast) and

@@ -52,7 +52,7 @@ from vllm_afd.transport.base import (
     TransportSpec,
     UseForward,
 )
-from vllm_afd.transport.control import Mode, Part, Step, StepSchedule, Use
+from vllm_afd.transport.control import Mode, Part, Step, StepSchedule, StepShape, Use
 from vllm_afd.transport.control_block import ControlBlock, reap_stale_control_blocks
 from vllm_afd.transport.endpoint import AttentionEndpoint, device_waits, plane_memory
 from vllm_afd.transport.slot_plane import (
@@ -70,6 +70,8 @@ from vllm_afd.transport.wait import Backoff, WaitPolicy, current_cpu
 
 logger = logging.getLogger("vllm.afd")
 WAITS = ("host", "device")
+#: Step shapes an FFN endpoint serving whole steps keeps built (``SteppedPlaneFFN._step``).
+_MAX_SHAPES = 1024
 
 
 class _PlaneFFN(FFNTransport):
@@ -270,7 +272,8 @@ class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
         self._served = [0] * spec.num_attention_ranks  # the last step taken, per rank
         self._first_seen: float | None = None  # a step announced while others are awaited
         self._left_out: set[int] = set()  # ranks left out of a step (logged once each)
-        self._buffers = 0  # answer buffers mapped so far: in a step's shape (``Step.buffers``)
+        self._buffers = 0  # answer buffers mapped so far: in a step's shape (``Step.shape``)
+        self._shapes: dict[StepShape, Step] = {}
         self._backoff = Backoff(self._wait, pump=self.memory.pump)
 
     def next_step(self, timeout_s: float) -> Step | None:
@@ -284,9 +287,9 @@ class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
             fresh = {}
             for a in range(everyone):
                 if self.control.announced_step(a) > self._served[a]:
-                    schedule = self.control.schedule(a)
-                    if schedule is not None and schedule.step > self._served[a]:
-                        fresh[a] = schedule
+                    words = self.control.schedule_words(a)
+                    if words is not None and words[0] > self._served[a]:
+                        fresh[a] = words
             now = time.perf_counter()
             if fresh:
                 self._first_seen = self._first_seen or now
@@ -297,7 +300,8 @@ class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
                 return None
             self._backoff.pause()
 
-    def _start(self, fresh: dict[int, StepSchedule]) -> Step:
+    def _start(self, fresh: dict[int, tuple[int, ...]]) -> Step:
+        """Start the step of the schedules ``fresh`` (their words, by attention rank)."""
         missing = set(range(self.spec.num_attention_ranks)) - set(fresh)
         for a in missing - self._left_out:
             logger.warning(
@@ -308,16 +312,29 @@ class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
                 self.spec.timeout_s / 2,
             )
         self._left_out |= missing
-        running = {}
-        for a, schedule in fresh.items():
-            self._served[a] = schedule.step
+        running = []
+        for a, words in fresh.items():
+            self._served[a] = words[0]
             if self._map_answers(a):
                 self._buffers += 1
-            if schedule.mode == Mode.CAPTURE:  # recorded, not sent: nothing to wait for
+            if words[1] == Mode.CAPTURE:  # recorded, not sent: nothing to wait for
                 continue
-            self.plane.begin(a, schedule.step)
-            running[a] = schedule
-        return Step.of(running, self._buffers)
+            self.plane.begin(a, words[0])
+            running.append((a, words[1:]))
+        return self._step((self._buffers, tuple(running)))
+
+    def _step(self, shape: StepShape) -> Step:
+        """The ``Step`` of ``shape``, built once per shape (decoding the schedules and laying
+        out their uses costs about a millisecond at 7 attention ranks and 48 layers, a cache
+        lookup a microsecond: docs/benchmarks.md). At ``_MAX_SHAPES`` shapes the cache starts
+        again (prefill chunks of every size are shapes too)."""
+        step = self._shapes.get(shape)
+        if step is None:
+            if len(self._shapes) >= _MAX_SHAPES:
+                self._shapes.clear()
+            schedules = {a: StepSchedule.from_words((1, *rest)) for a, rest in shape[1]}
+            step = self._shapes[shape] = Step.of(schedules, shape)
+        return step
 
     def serve_use(self, slot: int, parts: tuple[Part, ...], forward: UseForward) -> None:
         """One use of a step in stream order (``FFNPlane.serve``): every part's rows in one

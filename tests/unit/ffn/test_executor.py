@@ -304,6 +304,14 @@ def test_with_device_waits_the_executor_serves_whole_steps_and_fails_what_it_can
         assert not fault.exists()
         for (layer, x, ids, weights), got in step(4, (4,)):
             assert torch.equal(got, executor.kernel(layer, x, ids.int(), weights))
+        # the stats take the steps served whole late (ACCOUNT_EVERY_S), at once when idle:
+        # steps 1 and 4 (step 2 failed, step 3 was refused at its announcement)
+        deadline = time.monotonic() + 5
+        while executor.stats.requests < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = executor.stats.snapshot()
+        assert stats["requests"] == 6 and stats["later_microbatch_requests"] == 2
+        assert stats["tokens"] == 2 * (3 + 2 + 4) and stats["per_layer_calls"] == {0: 3, 1: 3}
     finally:
         if endpoint is not None:
             endpoint.close()

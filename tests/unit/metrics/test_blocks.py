@@ -63,3 +63,22 @@ def test_close_marks_closed_and_unlinks():
     block.close()  # idempotent
     assert blocks.read_block(block.name) is None
     block.record_layer(3, 1, 1, 1, 1, 0.1)  # a late record after close does not fail
+
+
+def test_calls_alike_recorded_at_once_count_each():
+    """An FFN rank serving whole steps takes several steps of one shape at once
+    (``FFNExecutor._account_steps``): ``calls`` calls of a layer, each in the histogram's
+    bucket of the mean call."""
+    addresses = new_addresses(1)
+    block = blocks.FFNStatsBlock(addresses[0], 0, layers=[2])
+    try:
+        block.record_layer(2, 6, 48, 4800, 4000, 0.003, calls=3)  # three calls of 1 ms
+        block.record_layer(2, 2, 16, 1600, 1300, 3.0)  # one of 3 s
+        snapshot = blocks.read_block(block.name)
+        assert snapshot is not None
+        assert snapshot.layers == {2: (4.0, pytest.approx(3.003), 64.0)}
+        assert sum(snapshot.hist) == 4 and snapshot.hist[-1] == 1
+        bucket = snapshot.hist.index(3)  # the 1 ms calls' bucket, not the 3 ms one
+        assert block._bounds[bucket] >= 0.001 and (bucket == 0 or block._bounds[bucket - 1] < 0.001)
+    finally:
+        block.close()

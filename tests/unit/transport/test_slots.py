@@ -27,7 +27,7 @@ from vllm_afd.transport import (
     create_ffn_transport,
 )
 from vllm_afd.transport.base import ServesSteps
-from vllm_afd.transport.control import Mode, StepSchedule
+from vllm_afd.transport.control import Mode, Step, StepSchedule
 from vllm_afd.transport.control_block import ControlBlock
 from vllm_afd.transport.slot_plane import PlaneLayout
 
@@ -356,3 +356,48 @@ def test_a_schedule_read_while_it_is_written_is_not_taken():
             ControlBlock.attach(block.name, PlaneLayout(2, 2, 4, 8, 3, torch.float32), LAYERS)
     finally:
         block.close(creator=True)
+
+
+def test_a_step_shape_is_laid_out_once_and_handed_out_again():
+    """An FFN rank serving whole steps decodes the schedules and lays out a step's uses once
+    per shape (the step numbers are not in it: they are device words), so every step of a
+    shape gets the same ``Step``; other tokens, a capture, or an answer buffer offered again
+    make another shape."""
+    spec = _spec(attention=2, ffn=1, config={"waits": "device"})
+    ffn = create_ffn_transport(spec, 0)
+    assert isinstance(ffn, ServesSteps)
+    layout = ffn.plane.layout
+    block = ControlBlock.attach(ffn.address, layout, LAYERS)
+
+    def announce(step: int, tokens: list[tuple[int, ...]], mode: Mode = Mode.RUN):
+        for a, counts in enumerate(tokens):
+            block.announce(a, StepSchedule(step, counts, LAYERS, mode))
+        served = ffn.next_step(1.0)
+        ffn.end_step()
+        return served
+
+    try:
+        first = announce(1, [(3, 2), (4, 1)])
+        assert (
+            first.uses
+            == Step.of(
+                {0: StepSchedule(1, (3, 2), LAYERS), 1: StepSchedule(1, (4, 1), LAYERS)},
+                first.shape,
+            ).uses
+        )
+        assert [len(parts) for _, _, parts in first.uses] == [2] * 2 * len(LAYERS)
+        assert announce(2, [(3, 2), (4, 1)]) is first
+        assert [int(w) >> 16 for w in ffn.plane.steps] == [2, 2]  # each rank's step word
+        other = announce(3, [(3, 2), (4, 2)])
+        assert other is not first and other.shape != first.shape
+        capture = announce(4, [(3, 2), (8, 8)], Mode.CAPTURE)  # recorded, not sent
+        assert capture.uses == () and capture is not first
+        assert announce(5, [(3, 2), (4, 1)]) is first
+        _, handle = ffn.memory.create(layout.answer_bytes)  # a restarted front-end's
+        block.offer_answers(1, handle)
+        again = announce(6, [(3, 2), (4, 1)])
+        assert again is not first and again.uses == first.uses
+        assert again.shape[0] == first.shape[0] + 1  # graphs write into the buffers they saw
+    finally:
+        block.close()
+        ffn.close()
