@@ -31,6 +31,7 @@ apply the routing weight to the input (Llama-4), and the attention side's sum is
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -359,15 +360,13 @@ class FFNExecutor:
             if self._unaccounted:
                 self._account_steps()
             return 0
-        done = 0
-
-        def run() -> None:
-            nonlocal done
-            for layer, slot, parts in step.uses:
-                transport.serve_use(slot, parts, self._step_forward(layer, parts))
-                done += 1
-
+        if step.capture:
+            self._capture_ahead(transport, step)
+            return 0
+        served = [0]  # uses served, as they are
+        run = functools.partial(self._run_uses, transport, step, served)
         start = time.perf_counter()
+        done = 0
         try:
             if self.graphs is None:
                 run()
@@ -375,7 +374,7 @@ class FFNExecutor:
                 self.graphs.run(step.shape, run)
             done = len(step.uses)
         except Exception as exc:
-            rest = step.uses[0 if self.graphs is not None else done :]
+            rest = step.uses[0 if self.graphs is not None else served[0] :]
             message = f"layer {rest[0][0]}: {type(exc).__name__}: {exc}"
             logger.exception("AFD FFN rank %d failed serving %s", self.rank, message)
             self._record_failures(sum(len(parts) for _, _, parts in rest))
@@ -393,6 +392,33 @@ class FFNExecutor:
         if now - self._accounted_at >= ACCOUNT_EVERY_S:
             self._account_steps()
         return sum(len(parts) for _, _, parts in step.uses[:done])
+
+    def _run_uses(
+        self, transport: ServesSteps, step: Step, served: list[int] | None = None
+    ) -> None:
+        """Serve ``step``'s uses in order (eagerly, or recorded into a graph), counting them
+        in ``served[0]``."""
+        for layer, slot, parts in step.uses:
+            transport.serve_use(slot, parts, self._step_forward(layer, parts))
+            if served is not None:
+                served[0] += 1
+
+    def _capture_ahead(self, transport: ServesSteps, step: Step) -> None:
+        """The attention ranks capture CUDA graphs of ``step`` (``Step.capture``): capture the
+        FFN side's graph of it now, at start (``StepGraphs.capture``), so that its replays
+        never capture on the token path. A capture that fails leaves the shape to run eagerly
+        (logged); nothing is served either way."""
+        try:
+            if self.graphs is not None:
+                self.graphs.capture(step.shape, functools.partial(self._run_uses, transport, step))
+        except Exception:
+            logger.exception(
+                "AFD FFN rank %d: capturing the graph of a step ahead failed; steps of its "
+                "shape run eagerly",
+                self.rank,
+            )
+        finally:
+            transport.end_step()
 
     def _account_steps(self) -> None:
         """Fold the steps served since the last call into the stats, each step's time shared

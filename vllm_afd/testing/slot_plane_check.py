@@ -456,7 +456,7 @@ def _slots_ffn_main(kind: str, dtype: torch.dtype, steps: int, to_attention, don
         served += 1
     if device.type == "cuda":
         torch.cuda.synchronize()
-    to_attention.put(0 if graphs is None else len(graphs._graphs))
+    to_attention.put(0 if graphs is None else len(graphs))
     done.get(timeout=60)  # the attention ranks are done with the buffer
     transport.close()
 

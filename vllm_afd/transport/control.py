@@ -194,13 +194,20 @@ class Step:
     """A step shape served whole by an FFN rank (``base.ServesSteps``): the uses of its slots
     in order, layer by layer and the microbatches of a layer in turn. The step numbers are not
     in it (they are device words the uses read), so an FFN endpoint builds one ``Step`` per
-    shape and hands the same object out at every step of that shape; compared by identity."""
+    shape and hands the same object out at every step of that shape; compared by identity.
+
+    ``capture``: the attention ranks are capturing CUDA graphs of a step (``Mode.CAPTURE``:
+    nothing is sent); its uses and shape are those of the steps their replays will announce,
+    so that an FFN rank with graphs captures its own now, at start, not on the token path."""
 
     uses: tuple[Use, ...]
     shape: StepShape
+    capture: bool = False
 
     @classmethod
-    def of(cls, schedules: dict[int, StepSchedule], shape: StepShape) -> Step:
+    def of(
+        cls, schedules: dict[int, StepSchedule], shape: StepShape, capture: bool = False
+    ) -> Step:
         layers = sorted({layer for s in schedules.values() for layer in s.layers})
         slots = max((len(s.microbatch_tokens) for s in schedules.values()), default=0)
         uses: list[Use] = []
@@ -213,4 +220,4 @@ class Step:
                 )
                 if parts:
                     uses.append((layer, slot, parts))
-        return cls(tuple(uses), shape)
+        return cls(tuple(uses), shape, capture)

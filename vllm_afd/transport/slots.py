@@ -273,7 +273,7 @@ class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
         self._first_seen: float | None = None  # a step announced while others are awaited
         self._left_out: set[int] = set()  # ranks left out of a step (logged once each)
         self._buffers = 0  # answer buffers mapped so far: in a step's shape (``Step.shape``)
-        self._shapes: dict[StepShape, Step] = {}
+        self._shapes: dict[tuple[StepShape, bool], Step] = {}
         self._backoff = Backoff(self._wait, pump=self.memory.pump)
 
     def next_step(self, timeout_s: float) -> Step | None:
@@ -312,28 +312,35 @@ class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
                 self.spec.timeout_s / 2,
             )
         self._left_out |= missing
-        running = []
+        running, captures = [], []
         for a, words in fresh.items():
             self._served[a] = words[0]
             if self._map_answers(a):
                 self._buffers += 1
             if words[1] == Mode.CAPTURE:  # recorded, not sent: nothing to wait for
+                captures.append(words)
                 continue
             self.plane.begin(a, words[0])
             running.append((a, words[1:]))
+        if captures and not running:
+            # the steps their replays will announce: vLLM pads data-parallel ranks to one
+            # size, so every attention rank at this schedule
+            replayed = (int(Mode.RUN), *captures[0][2:])
+            everyone = range(self.spec.num_attention_ranks)
+            return self._step((self._buffers, tuple((a, replayed) for a in everyone)), True)
         return self._step((self._buffers, tuple(running)))
 
-    def _step(self, shape: StepShape) -> Step:
+    def _step(self, shape: StepShape, capture: bool = False) -> Step:
         """The ``Step`` of ``shape``, built once per shape (decoding the schedules and laying
         out their uses costs about a millisecond at 7 attention ranks and 48 layers, a cache
         lookup a microsecond: docs/benchmarks.md). At ``_MAX_SHAPES`` shapes the cache starts
         again (prefill chunks of every size are shapes too)."""
-        step = self._shapes.get(shape)
+        step = self._shapes.get((shape, capture))
         if step is None:
             if len(self._shapes) >= _MAX_SHAPES:
                 self._shapes.clear()
             schedules = {a: StepSchedule.from_words((1, *rest)) for a, rest in shape[1]}
-            step = self._shapes[shape] = Step.of(schedules, shape)
+            step = self._shapes[shape, capture] = Step.of(schedules, shape, capture)
         return step
 
     def serve_use(self, slot: int, parts: tuple[Part, ...], forward: UseForward) -> None:

@@ -318,6 +318,69 @@ def test_with_device_waits_the_executor_serves_whole_steps_and_fails_what_it_can
         executor.stop()
 
 
+class _Graphs:
+    """``StepGraphs``' part the executor calls, on CPU: a capture records the shape, a step
+    runs eagerly (standing in for its replay) and records whether it was captured ahead."""
+
+    def __init__(self) -> None:
+        self.captured: list[object] = []
+        self.runs: list[tuple[object, bool]] = []
+
+    def capture(self, shape, step) -> None:
+        self.captured.append(shape)
+
+    def run(self, shape, step) -> None:
+        self.runs.append((shape, shape in self.captured))
+        step()
+
+
+def test_an_attention_ranks_capture_is_captured_ahead_and_its_replays_find_it(tiny_qwen3):
+    """The attention rank announces a CUDA-graph capture (``Mode.CAPTURE``: nothing sent): the
+    FFN rank captures its graph of the step the replays will announce then, not on the token
+    path; the replay's step finds that graph and is answered exactly."""
+    from vllm_afd.transport.control import Mode, StepSchedule
+
+    spec = TransportSpec(
+        backend="slots",
+        num_attention_ranks=1,
+        num_ffn_ranks=1,
+        num_experts=8,
+        hidden_size=128,
+        top_k=2,
+        max_tokens=8,
+        timeout_s=5.0,
+        moe_layers=(0, 1),
+        config={"waits": "device"},
+    )
+    executor = FFNExecutor(spec, 0, tiny_qwen3, "cpu")
+    executor.graphs = graphs = _Graphs()
+    endpoint = None
+    try:
+        executor.start()
+        spec = TransportSpec(**{**spec.__dict__, "addresses": (executor.address,)})
+        endpoint = create_attention_transport(spec, 0)
+        endpoint.begin_step(StepSchedule(1, (4, 4), (0, 1), Mode.CAPTURE))
+        deadline = time.monotonic() + 5
+        while not graphs.captured and time.monotonic() < deadline:
+            time.sleep(0.01)
+        [ahead] = graphs.captured
+        assert graphs.runs == [] and executor.stats.requests == 0  # nothing was served
+        endpoint.begin_step(StepSchedule(2, (4, 4), (0, 1)))  # its replay, announced
+        g = torch.Generator().manual_seed(0)
+        for layer in (0, 1):
+            for mb in (0, 1):
+                x = torch.randn(4, 128, generator=g)
+                ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(4)])
+                weights = torch.rand(4, 2, generator=g)
+                got = endpoint.combine(endpoint.dispatch(layer, x, ids, weights, mb))
+                assert torch.equal(got, executor.kernel(layer, x, ids.int(), weights))
+        assert graphs.runs == [(ahead, True)]
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+        executor.stop()
+
+
 def test_a_kernel_that_fails_fails_the_start_with_its_cause(tiny_qwen3, monkeypatch):
     """The dry forward at start (``prepare_device``): a broken kernel stops the FFN rank before
     it serves, naming the layer and the error, not the attention ranks' first forward."""

@@ -361,8 +361,9 @@ def test_a_schedule_read_while_it_is_written_is_not_taken():
 def test_a_step_shape_is_laid_out_once_and_handed_out_again():
     """An FFN rank serving whole steps decodes the schedules and lays out a step's uses once
     per shape (the step numbers are not in it: they are device words), so every step of a
-    shape gets the same ``Step``; other tokens, a capture, or an answer buffer offered again
-    make another shape."""
+    shape gets the same ``Step``; other tokens, or an answer buffer offered again make another
+    shape. The attention ranks' capture of a graph comes as the step its replays will
+    announce (``Step.capture``: every rank at that schedule, nothing to serve)."""
     spec = _spec(attention=2, ffn=1, config={"waits": "device"})
     ffn = create_ffn_transport(spec, 0)
     assert isinstance(ffn, ServesSteps)
@@ -390,12 +391,16 @@ def test_a_step_shape_is_laid_out_once_and_handed_out_again():
         assert [int(w) >> 16 for w in ffn.plane.steps] == [2, 2]  # each rank's step word
         other = announce(3, [(3, 2), (4, 2)])
         assert other is not first and other.shape != first.shape
-        capture = announce(4, [(3, 2), (8, 8)], Mode.CAPTURE)  # recorded, not sent
-        assert capture.uses == () and capture is not first
-        assert announce(5, [(3, 2), (4, 1)]) is first
+        assert not first.capture
+        capture = announce(4, [(8, 8), (8, 8)], Mode.CAPTURE)  # recorded, not sent
+        assert capture.capture and [int(w) >> 16 for w in ffn.plane.steps] == [3, 3]  # unset
+        replay = announce(5, [(8, 8), (8, 8)])
+        assert not replay.capture and replay.shape == capture.shape
+        assert replay.uses == capture.uses and len(replay.uses) == 2 * len(LAYERS)
+        assert announce(6, [(3, 2), (4, 1)]) is first
         _, handle = ffn.memory.create(layout.answer_bytes)  # a restarted front-end's
         block.offer_answers(1, handle)
-        again = announce(6, [(3, 2), (4, 1)])
+        again = announce(7, [(3, 2), (4, 1)])
         assert again is not first and again.uses == first.uses
         assert again.shape[0] == first.shape[0] + 1  # graphs write into the buffers they saw
     finally:
