@@ -1,10 +1,19 @@
 """The slot plane's control block: per FFN rank, in host shared memory whatever the data plane's
 memory (the FFN rank's host reads it, with no device sync): who the FFN process is, the handle
-of its request buffer, and per attention rank the handle of its answer buffer and its last
-announced ``StepSchedule`` (``control.py``). The FFN side of the plane reads a request's
-layer from its sender's schedule (requests served as they come) or serves the uses the
-schedules name (whole steps); an attention endpoint watches the FFN process through it and
-fails fast once it closed."""
+of its request buffer, and per attention rank the handle of its answer buffer and a ring of its
+last ``SCHEDULE_RING`` announced ``StepSchedule``s (``control.py``). The FFN side of the plane
+reads a request's layer from its sender's schedule (requests served as they come) or serves
+the uses the schedules name (whole steps); an attention endpoint watches the FFN process
+through it and fails fast once it closed.
+
+Why a ring. An FFN rank serving whole steps takes every attention rank's next step in order
+(``taken``); an attention rank may announce a few steps before the FFN rank takes the first:
+the CUDA-graph captures at start announce without a device sync (``Mode.CAPTURE``), so one
+rank can capture a size and announce the next warm-up before a slower rank announced its own
+capture, and one mailbox would lose the capture the FFN rank still waits for. Step ``s`` goes
+into entry ``s % SCHEDULE_RING``; an attention rank whose FFN rank serves whole steps announces
+into an entry only once the step there was taken (``untaken``; ``endpoint._announce`` waits
+for it)."""
 
 from __future__ import annotations
 
@@ -27,7 +36,7 @@ from vllm_afd.transport.slot_plane import PLANE_PREFIX, PlaneLayout, Push
 from vllm_afd.transport.slot_plane_host import create_fresh
 
 _MAGIC = 0x3130_5354_4F4C_5341  # b"ASLOTS01" little-endian
-_VERSION = 2
+_VERSION = 3
 _OPEN, _CLOSED = 1, 2
 # header words: magic, version, pid, pid namespace, state, handle bytes, schedule words, then
 # the layout's params from word 8
@@ -36,9 +45,12 @@ _W_PARAMS = 8
 _HEADER_WORDS = 16
 #: Room for a buffer's handle (a segment name; a CUDA IPC handle as JSON).
 HANDLE_BYTES = 1024
-#: Words per attention rank after its schedule: its answer handle's generation (odd while it
-#: is being written: a seqlock) and length.
+#: Words per attention rank after its schedules: its answer handle's generation (odd while it
+#: is being written: a seqlock) and length, then the last of its steps the FFN rank took.
 _ANSWER_WORDS = 2
+_RANK_WORDS = _ANSWER_WORDS + 1
+#: Schedules kept per attention rank (module docstring).
+SCHEDULE_RING = 4
 
 
 class ControlBlock:
@@ -74,7 +86,8 @@ class ControlBlock:
     def size(layout: PlaneLayout, words_per: int) -> int:
         ranks = layout.num_attention_ranks
         return (
-            8 * (_HEADER_WORDS + ranks * (words_per + _ANSWER_WORDS)) + (1 + ranks) * HANDLE_BYTES
+            8 * (_HEADER_WORDS + ranks * (SCHEDULE_RING * words_per + _RANK_WORDS))
+            + (1 + ranks) * HANDLE_BYTES
         )
 
     @classmethod
@@ -200,7 +213,7 @@ class ControlBlock:
         return self.words[self._answer_word(attention_rank)]
 
     def _answer_word(self, attention_rank: int) -> int:
-        return self._base(attention_rank) + self.words_per
+        return self._base(attention_rank) + SCHEDULE_RING * self.words_per
 
     @property
     def pid(self) -> int:
@@ -215,11 +228,16 @@ class ControlBlock:
         return self.words[_W_STATE] == _CLOSED
 
     def _base(self, attention_rank: int) -> int:
-        return _HEADER_WORDS + attention_rank * (self.words_per + _ANSWER_WORDS)
+        return _HEADER_WORDS + attention_rank * (SCHEDULE_RING * self.words_per + _RANK_WORDS)
+
+    def _entry(self, attention_rank: int, step: int) -> int:
+        """The first word of the ring entry of ``attention_rank``'s step ``step``."""
+        return self._base(attention_rank) + step % SCHEDULE_RING * self.words_per
 
     def announce(self, attention_rank: int, schedule: StepSchedule) -> None:
-        """Write ``attention_rank``'s schedule (the seqlock of the class docstring)."""
-        words, base = self.words, self._base(attention_rank)
+        """Write ``attention_rank``'s schedule into its ring entry (the seqlock of the class
+        docstring)."""
+        words, base = self.words, self._entry(attention_rank, schedule.step)
         encoded = schedule.words(self.words_per)
         words[base] = 0
         for i in range(len(encoded) - 1, 0, -1):
@@ -232,27 +250,49 @@ class ControlBlock:
         """Words ``word .. word + count`` of the block, as an int64 tensor (``push``'s line)."""
         return self.buffer[8 * word : 8 * (word + count)].view(torch.int64)
 
+    def announced_steps(self, attention_rank: int) -> list[int]:
+        """The steps in ``attention_rank``'s ring (0: an entry empty or being written)."""
+        words, base, size = self.words, self._base(attention_rank), self.words_per
+        return [words[base + i * size] for i in range(SCHEDULE_RING)]
+
     def announced_step(self, attention_rank: int) -> int:
-        """The step ``attention_rank`` announced last (0: none, or one being written)."""
-        return self.words[self._base(attention_rank)]
+        """The step ``attention_rank`` announced last (0: none)."""
+        return max(self.announced_steps(attention_rank))
 
     def schedule(self, attention_rank: int) -> StepSchedule | None:
         """``attention_rank``'s last schedule, or ``None`` if none or being written."""
-        encoded = self.schedule_words(attention_rank)
+        encoded = self.schedule_words(attention_rank, self.announced_step(attention_rank))
         return None if encoded is None else StepSchedule.from_words(encoded)
 
-    def schedule_words(self, attention_rank: int) -> tuple[int, ...] | None:
-        """``attention_rank``'s last schedule as its words (``StepSchedule.words``: decoding
-        them is left to a reader that has not seen them before), or ``None`` if none or being
-        written."""
-        words, base = self.words, self._base(attention_rank)
-        step = words[base]
-        if not step:
+    def schedule_words(self, attention_rank: int, step: int) -> tuple[int, ...] | None:
+        """``attention_rank``'s schedule of ``step`` as its words (``StepSchedule.words``:
+        decoding them is left to a reader that has not seen them before), or ``None`` if its
+        entry holds another step or is being written."""
+        if step <= 0:
+            return None
+        words, base = self.words, self._entry(attention_rank, step)
+        if words[base] != step:
             return None
         encoded = tuple(words[base : base + self.words_per])
         if words[base] != step:
             return None
         return encoded
+
+    def take(self, attention_rank: int, step: int) -> None:
+        """The FFN rank took ``attention_rank``'s step ``step`` (serving whole steps): its
+        ring entry may be written again (``untaken``)."""
+        self.words[self._answer_word(attention_rank) + _ANSWER_WORDS] = step
+
+    def taken_word(self, attention_rank: int) -> memoryview:
+        """The last step of ``attention_rank`` the FFN rank took, as a one-word view."""
+        at = self._answer_word(attention_rank) + _ANSWER_WORDS
+        return self.words[at : at + 1]
+
+    def untaken(self, attention_rank: int, step: int) -> int:
+        """The step in the ring entry of ``attention_rank``'s ``step`` that the FFN rank has not
+        taken yet (serving whole steps), or 0 when the entry may be written."""
+        held = self.words[self._entry(attention_rank, step)]
+        return 0 if held <= self.taken_word(attention_rank)[0] or held >= step else held
 
     def close(self, creator: bool = False) -> None:
         """Unmap; the creator marks the block closed (waiting attention ranks fail fast) and

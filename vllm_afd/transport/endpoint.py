@@ -56,7 +56,7 @@ from vllm_afd.transport.base import (
     TransportSpec,
 )
 from vllm_afd.transport.control import Mode, StepSchedule, Tag
-from vllm_afd.transport.control_block import ControlBlock
+from vllm_afd.transport.control_block import SCHEDULE_RING, ControlBlock
 from vllm_afd.transport.slot_plane import (
     CPU_WORD,
     PLANE_PREFIX,
@@ -309,10 +309,32 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         for ffn_rank in range(self.spec.num_ffn_ranks):
             while True:
                 try:
+                    if self.memory.records_waits:
+                        self._await_ring(ffn_rank, schedule.step)
                     self.controls[ffn_rank].announce(self.rank, schedule)
                     break
                 except FFNRankLost as lost:
                     self._recover(lost)
+
+    def _await_ring(self, ffn_rank: int, step: int) -> None:
+        """With the device's waits FFN rank ``ffn_rank`` takes whole steps in order: wait until
+        it took the step that ``step`` replaces in its ring of schedules
+        (``control_block.py``), at most ``timeout_s``, watching it meanwhile. At once but for
+        an attention rank ``SCHEDULE_RING`` steps ahead of it (announcements without a device
+        sync: CUDA-graph captures)."""
+        control = self.controls[ffn_rank]
+        held = control.untaken(self.rank, step)
+        if not held:
+            return
+        deadline = time.perf_counter() + self.spec.timeout_s
+        backoff = Backoff(self.wait, pump=self.memory.pump)
+        watch = lambda: self._check_alive((ffn_rank,))  # noqa: E731
+        if await_word(control.taken_word(self.rank), held, deadline, backoff, watch) is None:
+            raise FFNTimeout(
+                f"FFN rank {ffn_rank} (pid {self._creators[ffn_rank].pid}) did not take step "
+                f"{held} of attention rank {self.rank} within timeout_s={self.spec.timeout_s}; "
+                f"its ring of {SCHEDULE_RING} announced schedules is full"
+            )
 
     def dispatch(
         self,

@@ -286,9 +286,11 @@ class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
         while True:
             fresh = {}
             for a in range(everyone):
-                if self.control.announced_step(a) > self._served[a]:
-                    words = self.control.schedule_words(a)
-                    if words is not None and words[0] > self._served[a]:
+                served = self._served[a]
+                ahead = [s for s in self.control.announced_steps(a) if s > served]
+                if ahead:  # its next step, in order (the ring: control_block.py)
+                    words = self.control.schedule_words(a, min(ahead))
+                    if words is not None:
                         fresh[a] = words
             now = time.perf_counter()
             if fresh:
@@ -315,6 +317,7 @@ class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
         running, captures = [], []
         for a, words in fresh.items():
             self._served[a] = words[0]
+            self.control.take(a, words[0])
             if self._map_answers(a):
                 self._buffers += 1
             if words[1] == Mode.CAPTURE:  # recorded, not sent: nothing to wait for

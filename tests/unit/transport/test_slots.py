@@ -28,7 +28,7 @@ from vllm_afd.transport import (
 )
 from vllm_afd.transport.base import ServesSteps
 from vllm_afd.transport.control import Mode, Step, StepSchedule
-from vllm_afd.transport.control_block import ControlBlock
+from vllm_afd.transport.control_block import SCHEDULE_RING, ControlBlock
 from vllm_afd.transport.slot_plane import PlaneLayout
 
 pytestmark = pytest.mark.timeout(120)
@@ -405,4 +405,83 @@ def test_a_step_shape_is_laid_out_once_and_handed_out_again():
         assert again.shape[0] == first.shape[0] + 1  # graphs write into the buffers they saw
     finally:
         block.close()
+        ffn.close()
+
+
+def test_the_ring_keeps_the_last_schedules_and_what_the_ffn_rank_took():
+    layout = PlaneLayout(2, 2, 4, 8, 2, torch.float32)
+    block = ControlBlock.create(layout, LAYERS, "data-handle", "afdtestctl_", 0)
+    try:
+        peer = ControlBlock.attach(block.name, layout, LAYERS)
+        schedules = {s: StepSchedule(s, (s,), LAYERS) for s in range(1, 6)}
+        for s in (1, 2, 3):
+            peer.announce(0, schedules[s])
+        assert sorted(block.announced_steps(0)) == [0, 1, 2, 3] and block.announced_step(0) == 3
+        assert [StepSchedule.from_words(block.schedule_words(0, s)) for s in (1, 2, 3)] == [
+            schedules[1],
+            schedules[2],
+            schedules[3],
+        ]
+        assert block.schedule(0) == schedules[3] and block.schedule_words(0, 4) is None
+        assert block.announced_steps(1) == [0] * SCHEDULE_RING  # the other rank's ring
+        peer.announce(0, schedules[4])
+        assert peer.untaken(0, 5) == 1  # step 5 would write over step 1, not taken yet
+        block.take(0, 1)
+        assert peer.untaken(0, 5) == 0 and peer.taken_word(0)[0] == 1
+        peer.announce(0, schedules[5])
+        assert block.schedule_words(0, 1) is None and block.schedule(0) == schedules[5]
+        peer.close()
+    finally:
+        block.close(creator=True)
+
+
+def test_steps_announced_ahead_are_served_in_order_and_a_slow_ranks_capture_is_not_lost():
+    """Attention rank 0 captures a graph (no device sync) and announces its next warm-up before
+    rank 1 announced its own capture: the FFN rank serving whole steps still takes the capture
+    of both, then the warm-up, each rank's steps in order."""
+    spec = _spec(attention=2, ffn=1, config={"waits": "device"})
+    ffn = create_ffn_transport(spec, 0)
+    assert isinstance(ffn, ServesSteps)
+    block = ControlBlock.attach(ffn.address, ffn.plane.layout, LAYERS)
+    try:
+        block.announce(0, StepSchedule(1, (4,), LAYERS, Mode.CAPTURE))
+        block.announce(0, StepSchedule(2, (2,), LAYERS))
+        block.announce(1, StepSchedule(1, (4,), LAYERS, Mode.CAPTURE))
+        capture = ffn.next_step(1.0)
+        assert capture is not None and capture.capture
+        assert [block.taken_word(a)[0] for a in (0, 1)] == [1, 1]
+        ffn.end_step()
+        block.announce(1, StepSchedule(2, (2,), LAYERS))
+        warm_up = ffn.next_step(1.0)
+        assert warm_up is not None and not warm_up.capture
+        assert {part.rows for _, _, parts in warm_up.uses for part in parts} == {2}
+        assert [int(w) >> 16 for w in ffn.plane.steps] == [2, 2]
+        ffn.end_step()
+        assert ffn.next_step(0.05) is None  # nothing more announced
+    finally:
+        block.close()
+        ffn.close()
+
+
+def test_an_attention_rank_a_full_ring_ahead_waits_for_the_ffn_rank_then_times_out():
+    """With the device's waits an attention rank announces a step into its ring only once the
+    FFN rank took the step it replaces: it waits (here the FFN rank takes step 1 meanwhile),
+    and fails after ``timeout_s`` naming the ring where the FFN rank takes nothing."""
+    spec = _spec(attention=1, ffn=1, timeout_s=1.0, config={"waits": "device"})
+    ffn = create_ffn_transport(spec, 0)
+    assert isinstance(ffn, ServesSteps)
+    endpoint = create_attention_transport(dataclasses.replace(spec, addresses=(ffn.address,)), 0)
+    try:
+        for s in range(1, SCHEDULE_RING + 1):  # captures: no device sync, nothing sent
+            endpoint.begin_step(StepSchedule(s, (2,), LAYERS, Mode.CAPTURE))
+        threading.Timer(0.2, lambda: ffn.next_step(1.0)).start()  # takes step 1
+        start = time.perf_counter()
+        endpoint.begin_step(StepSchedule(SCHEDULE_RING + 1, (2,), LAYERS, Mode.CAPTURE))
+        assert 0.1 < time.perf_counter() - start < 1.0
+        start = time.perf_counter()
+        with pytest.raises(FFNTimeout, match=r"did not take step 2 .* ring of 4 .* is full"):
+            endpoint.begin_step(StepSchedule(SCHEDULE_RING + 2, (2,), LAYERS, Mode.CAPTURE))
+        assert 0.9 < time.perf_counter() - start < 5
+    finally:
+        endpoint.close()
         ffn.close()
