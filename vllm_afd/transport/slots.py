@@ -286,12 +286,14 @@ class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
         while True:
             fresh = {}
             for a in range(everyone):
+                # its next step, in order (the ring: control_block.py); usually the one after
                 served = self._served[a]
-                ahead = [s for s in self.control.announced_steps(a) if s > served]
-                if ahead:  # its next step, in order (the ring: control_block.py)
-                    words = self.control.schedule_words(a, min(ahead))
-                    if words is not None:
-                        fresh[a] = words
+                words = self.control.schedule_words(a, served + 1)
+                if words is None:
+                    ahead = [s for s in self.control.announced_steps(a) if s > served]
+                    words = self.control.schedule_words(a, min(ahead)) if ahead else None
+                if words is not None:
+                    fresh[a] = words
             now = time.perf_counter()
             if fresh:
                 self._first_seen = self._first_seen or now
