@@ -337,6 +337,19 @@ class PlaneMemory(Protocol):
         """One use's payload and flag: copy each of ``srcs`` into its ``dsts`` (the same
         shapes; converted to the destination's dtype), then ``signal`` ``flag`` after them."""
 
+    def publish_all(
+        self,
+        dsts: Sequence[torch.Tensor],
+        srcs: Sequence[torch.Tensor],
+        flags: Sequence[torch.Tensor],
+        steps: Sequence[torch.Tensor],
+        positions: Sequence[int],
+    ) -> None:
+        """``publish`` of several uses at once, each one part: ``srcs[i]`` into ``dsts[i]``,
+        then ``flags[i]`` its use's value (step word ``steps[i]``, ``positions[i]``). One
+        operation on a device (an FFN rank's answers of one use to every attention rank, each
+        into that rank's own buffer)."""
+
     def wait(
         self,
         flag: torch.Tensor,
@@ -381,6 +394,20 @@ def publish_by_copies(
     if dsts:
         torch._foreach_copy_(list(dsts), list(srcs))
     signal(flag, step, position)
+
+
+def publish_each(
+    publish: Callable[..., None],
+    dsts: Sequence[torch.Tensor],
+    srcs: Sequence[torch.Tensor],
+    flags: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    positions: Sequence[int],
+) -> None:
+    """``publish_all`` as one ``publish`` per part (host memory; on a device, parts its fused
+    kernel does not take)."""
+    for dst, src, flag, step, position in zip(dsts, srcs, flags, steps, positions, strict=True):
+        publish((dst,), (src,), flag, step, position)
 
 
 def step_word(device: torch.device) -> torch.Tensor:
@@ -604,7 +631,7 @@ class FFNPlane:
     def serve(self, slot: int, parts: Sequence[Part], forward: UseForward) -> None:
         """One use of ``slot``, whole and in stream order (a step served whole, a captured FFN
         step): wait for every part's request, run ``forward`` once over all their rows and
-        publish each answer."""
+        publish every answer (one ``publish_all``)."""
         views = self.take_all(slot, parts)
         rows = [part.rows for part in parts]
         outs = [self.answers[part.attention_rank][slot].rows(part.rows) for part in parts]
@@ -613,10 +640,10 @@ class FFNPlane:
             self.answer(slot, parts[0])
             return
         answers = self._serve_gathered(views, rows, forward)
-        for part, out, answer in zip(parts, outs, answers, strict=True):
-            a = part.attention_rank
-            flag = self.answers[a][slot].response
-            self.memory.publish((out,), (answer,), flag, self.steps[a], part.position)
+        flags = [self.answers[part.attention_rank][slot].response for part in parts]
+        steps = [self.steps[part.attention_rank] for part in parts]
+        positions = [part.position for part in parts]
+        self.memory.publish_all(outs, answers, flags, steps, positions)
 
     def _serve_gathered(
         self, views: list[SlotViews], rows: Sequence[int], forward: UseForward
@@ -682,4 +709,5 @@ __all__ = [
     "RecordedWaits",
     "SlotViews",
     "publish_by_copies",
+    "publish_each",
 ]

@@ -1,5 +1,6 @@
 """The slot plane's device layer (``slot_plane.py``): buffers in device memory shared by CUDA
-IPC, and three Triton kernels: publish, signal and wait. Everything else is the shared protocol.
+IPC, and four Triton kernels: publish, publish_all, signal and wait. Everything else is the
+shared protocol.
 PyTorch and Triton only (the GPU machine this project is lent has no vLLM or DeepEP).
 
 Why these primitives. ``publish`` is a use's whole send in one kernel (issue 41: one operation
@@ -8,9 +9,12 @@ copies the parts element by element into the peer's slot (the expert ids convert
 slot's int32), a CTA barrier orders its threads' stores, then the flag is stored with release
 semantics at system scope (a store, not a remote atomic read-modify-write, which PCIe peers
 lack); a strided part, or a use over ``FUSED_MAX_BYTES`` (a prefill chunk), goes by the copy
-engines and ``signal``. ``signal`` is an ``atomic_xchg`` with release semantics at system
-scope: the payload copies queued before it on the stream have finished (stream order) and
-their stores are visible to any peer that acquires the flag. The value either stores is
+engines and ``signal``. ``publish_all`` is an FFN rank's answers of one use to every attention
+rank in one kernel, a program per attention rank, each publishing into its own rank's buffer
+(their addresses in a small table on the device, built once per set of parts). ``signal`` is
+an ``atomic_xchg`` with release semantics at system scope: the payload copies queued before
+it on the stream have finished (stream order) and their stores are visible to any peer that
+acquires the flag. The value either stores is
 computed on the device from the sender's step word (``slot_plane``: the use's value), so a
 captured graph publishes the right value on every replay without Python. ``wait`` spins on an
 acquire load (``atomic_add(flag, 0)``) at system scope until ``|flag|`` reaches the awaited
@@ -36,6 +40,7 @@ NOT YET RUN ON A GPU unless the closing note of issue 19 says otherwise.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Sequence
 from functools import cache
@@ -43,7 +48,7 @@ from typing import Any
 
 import torch
 
-from vllm_afd.transport.slot_plane import RecordedWaits, publish_by_copies
+from vllm_afd.transport.slot_plane import RecordedWaits, publish_by_copies, publish_each
 
 #: Polls a wait makes before it gives up where there is no device clock to bound it by (the
 #: interpreter in the suite); on a GPU a wait is bounded by time (``CudaPlaneMemory``).
@@ -56,10 +61,12 @@ DEFAULT_MAX_SPINS = 1 << 26
 FUSED_MAX_BYTES = 1 << 20
 #: Elements each step of the fused copy moves.
 _FUSED_BLOCK = 4096
+#: ``publish_all`` tables kept per memory (one per set of parts: slot and attention ranks).
+_MAX_TABLES = 4096
 
 
 @cache
-def _kernels() -> tuple[Any, Any, Any]:
+def _kernels() -> tuple[Any, Any, Any, Any]:
     import triton
     import triton.language as tl
 
@@ -131,7 +138,29 @@ def _kernels() -> tuple[Any, Any, Any]:
         value = tl.load(step_ptr) + offset
         tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
 
-    return signal_kernel, wait_kernel, publish_kernel
+    @triton.jit  # type: ignore[untyped-decorator]
+    def publish_all_kernel(  # type: ignore[no-untyped-def]
+        table, dst_type, src_type, BLOCK: tl.constexpr
+    ):
+        # program i publishes part i, its row of ``table`` (int64 words: destination, source,
+        # elements, flag, step word, offset; addresses, since each destination is another
+        # attention rank's buffer): the copy, the CTA's barrier, the flag's release store;
+        # ``dst_type``, ``src_type``: the first part's tensors, for the element types
+        row = table + tl.program_id(0) * 6
+        dst = tl.load(row).to(dst_type.dtype)
+        src = tl.load(row + 1).to(src_type.dtype)
+        n = tl.load(row + 2)
+        flag = tl.load(row + 3).to(tl.pointer_type(tl.int64))
+        step = tl.load(row + 4).to(tl.pointer_type(tl.int64))
+        for start in range(0, n, BLOCK):
+            at = start + tl.arange(0, BLOCK)
+            part = tl.load(src + at, mask=at < n).to(dst_type.dtype.element_ty)
+            tl.store(dst + at, part, mask=at < n)
+        tl.debug_barrier()
+        value = tl.load(step) + tl.load(row + 5)
+        tl.atomic_xchg(flag, value, sem="release", scope="sys")
+
+    return signal_kernel, wait_kernel, publish_kernel, publish_all_kernel
 
 
 def _fusable(
@@ -206,6 +235,69 @@ class TritonWaits(RecordedWaits):
             args += [d, s, d.numel()]
         args += [flag, flag, 0] * (3 - len(parts))  # absent parts: no words to copy
         _kernels()[2][(1,)](*args, flag, step, position + 1, BLOCK=_FUSED_BLOCK, num_warps=4)
+
+    @functools.cached_property
+    def _tables(self) -> dict[tuple[tuple[int, ...], ...], torch.Tensor]:
+        """``publish_all``'s tables by their rows (``_table``)."""
+        return {}
+
+    def publish_all(
+        self,
+        dsts: Sequence[torch.Tensor],
+        srcs: Sequence[torch.Tensor],
+        flags: Sequence[torch.Tensor],
+        steps: Sequence[torch.Tensor],
+        positions: Sequence[int],
+    ) -> None:
+        """One kernel, a program per part, where every part is fusable and of one pair of
+        types; otherwise one ``publish`` each."""
+        table = self._table(dsts, srcs, flags, steps, positions)
+        if table is None:
+            publish_each(self.publish, dsts, srcs, flags, steps, positions)
+            return
+        _kernels()[3][(len(dsts),)](table, dsts[0], srcs[0], BLOCK=_FUSED_BLOCK, num_warps=4)
+
+    def _table(
+        self,
+        dsts: Sequence[torch.Tensor],
+        srcs: Sequence[torch.Tensor],
+        flags: Sequence[torch.Tensor],
+        steps: Sequence[torch.Tensor],
+        positions: Sequence[int],
+    ) -> torch.Tensor | None:
+        """``publish_all``'s table on the memory's device (its rows: each part's destination,
+        source, elements, flag, step word, offset), built once per set of parts (a CUDA graph
+        replays the one its capture read); ``None`` where the kernel does not take the parts,
+        or where a capture would have to build it (a copy to the device is no graph node: the
+        step's eager run before its capture builds it)."""
+        if len(dsts) < 2:
+            return None
+        rows = []
+        for dst, src, flag, step, position in zip(dsts, srcs, flags, steps, positions, strict=True):
+            if dst.dtype != dsts[0].dtype or src.dtype != srcs[0].dtype:
+                return None
+            if _fusable((dst,), (src,)) is None:
+                return None
+            rows.append(
+                (
+                    dst.data_ptr(),
+                    src.data_ptr(),
+                    dst.numel(),
+                    flag.data_ptr(),
+                    step.data_ptr(),
+                    position + 1,
+                )
+            )
+        key = tuple(rows)
+        table = self._tables.get(key)
+        if table is None:
+            if flags[0].is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            if len(self._tables) >= _MAX_TABLES:
+                self._tables.clear()
+            table = torch.tensor(rows, dtype=torch.int64, device=flags[0].device)
+            self._tables[key] = table
+        return table
 
     def wait(
         self,

@@ -26,6 +26,7 @@ from vllm_afd.transport.slot_plane import (
     Watch,
     _words,
     publish_by_copies,
+    publish_each,
 )
 from vllm_afd.transport.wait import Backoff, WaitPolicy
 
@@ -141,6 +142,16 @@ class HostWords(RecordedWaits):
         position: int,
     ) -> None:
         publish_by_copies(self.signal, dsts, srcs, flag, step, position)
+
+    def publish_all(
+        self,
+        dsts: Sequence[torch.Tensor],
+        srcs: Sequence[torch.Tensor],
+        flags: Sequence[torch.Tensor],
+        steps: Sequence[torch.Tensor],
+        positions: Sequence[int],
+    ) -> None:
+        publish_each(self.publish, dsts, srcs, flags, steps, positions)
 
     def wait(
         self,

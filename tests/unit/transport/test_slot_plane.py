@@ -278,16 +278,23 @@ class _CountingMemory(HostPlaneMemory):
 
     def _one(self, operation: str, run):
         self._count(operation)
+        outer = getattr(self._inside, "operation", False)
         self._inside.operation = True
         try:
             return run()
         finally:
-            self._inside.operation = False
+            self._inside.operation = outer
 
     def publish(self, dsts, srcs, flag, step, position) -> None:
         self._one(
             "publish",
             lambda: super(_CountingMemory, self).publish(dsts, srcs, flag, step, position),
+        )
+
+    def publish_all(self, dsts, srcs, flags, steps, positions) -> None:
+        self._one(
+            "publish_all",
+            lambda: super(_CountingMemory, self).publish_all(dsts, srcs, flags, steps, positions),
         )
 
     def wait_all(self, flags, steps, position, what):
@@ -309,8 +316,9 @@ def test_a_use_is_one_protocol_operation_per_side_and_direction(attention_ranks)
     """Through the memory interface, one use (a layer of one microbatch, fixed shapes, one FFN
     rank) is, per attention rank, one ``publish`` (payload and flag: one kernel on a device)
     and one ``wait``; on the FFN rank one wait for every attention rank's request (``wait_all``:
-    one kernel on a device) and one answer each (a ``signal`` after experts that wrote in
-    place, or a ``publish`` of its share of a gathered forward), around the MoE kernel."""
+    one kernel on a device) and one answer to all (a ``signal`` after experts that wrote in
+    place, or a ``publish_all`` of each rank's share of a gathered forward: one kernel on a
+    device), around the MoE kernel."""
     memory = _CountingMemory()
     spec = _spec(attention=attention_ranks, ffn=1)
     layout = PlaneLayout.of(spec)
@@ -341,6 +349,6 @@ def test_a_use_is_one_protocol_operation_per_side_and_direction(attention_ranks)
         (me, "publish"): attention_ranks,
         (me, "wait"): attention_ranks,
         ("ffn", "wait" if alone else "wait_all"): 1,
-        ("ffn", "signal" if alone else "publish"): attention_ranks,
+        ("ffn", "signal" if alone else "publish_all"): 1,
     }
     memory.close()

@@ -35,6 +35,7 @@ SCRIPT = textwrap.dedent(
             kind.signal is TritonWaits.signal,
             kind.wait is TritonWaits.wait,
             kind.publish is TritonWaits.publish and not memory.stores_on_host,
+            kind.publish_all is TritonWaits.publish_all,
         ]
         # two processes, two attention ranks (the FFN rank gathers their rows and publishes
         # each share), the toy model's 4 layers x 2 microbatches x 2 steps, vLLM's DBO order
@@ -58,6 +59,18 @@ SCRIPT = textwrap.dedent(
         memory.wait(flag, step, 2, "a signalled flag")
         memory.check()
         out["flag"] = int(flag)
+        # an FFN rank's answers to two attention ranks, each into its own buffer: one kernel
+        # (its table built once), every row converted to the destination's type, then each flag
+        answers = [memory.create(256)[0] for _ in range(2)]
+        src = torch.arange(24, dtype=torch.float32).reshape(2, 12)
+        dsts = [b[128:152].view(torch.bfloat16) for b in answers]
+        flags = [b[:8].view(torch.int64) for b in answers]
+        other = step_word(memory.device)
+        other.fill_(9 << 16)
+        memory.publish_all(dsts, [src[0], src[1]], flags, [step, other], [4, 0])
+        out["published"] = [dsts[0].float().tolist(), dsts[1].float().tolist()]
+        out["flags"] = [int(f) for f in flags]
+        out["tables"] = len(memory._tables)
         memory.close()
         print(json.dumps(out))
     """
@@ -75,8 +88,10 @@ def test_the_triton_kernels_carry_the_protocol_between_two_processes(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out["kernels"] == [True, True, True]
+    assert out["kernels"] == [True, True, True, True]
     assert out["pair"] == {"max_abs_error": 0.0, "steps_checked": 2}
     assert out["aborted_after_s"] < 2.0  # the bound would be 40,000 polls (~10 s)
     assert out["raised"] == "FFN rank 0 died"
     assert out["flag"] == (7 << 16) + 3
+    assert out["published"] == [list(map(float, range(12))), list(map(float, range(12, 24)))]
+    assert out["flags"] == [(7 << 16) + 5, (9 << 16) + 1] and out["tables"] == 1

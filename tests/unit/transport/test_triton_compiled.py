@@ -1,0 +1,95 @@
+"""The slot plane's Triton kernels (``slot_plane_cuda``) compiled for the GPU this project is
+lent (sm_90, Triton 3.6.0: PTX, then ptxas to a cubin; no GPU needed) on every push, and the
+memory semantics the protocol rests on read from the PTX: the waits' acquire loads at system
+scope and their global-timer deadline, the flags' release stores at system scope after a CTA
+barrier. The interpreter test runs the kernels' logic; this one what the GPU would run.
+
+Triton comes from ``.venv/triton`` (off the venv's import path: vLLM's CPU build must not see
+it), in a child process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+TRITON = Path(sys.prefix) / "triton"
+
+SCRIPT = textwrap.dedent(
+    """
+    import json
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from vllm_afd.transport import slot_plane_cuda
+
+    signal, wait, publish, publish_all = slot_plane_cuda._kernels()
+    i64, p64 = "i64", "*i64"
+    kernels = {
+        "signal": (signal, dict(flag_ptr=p64, step_ptr=p64, offset=i64, sign=i64), {}),
+        "wait": (
+            wait,
+            dict(
+                flag_ptr=p64, flag_stride=i64, count=i64, step_ptr=p64, offset=i64,
+                error_ptr=p64, abort_ptr=p64, bound=i64, TIMED="constexpr",
+            ),
+            {"TIMED": True},
+        ),
+        "publish": (
+            publish,
+            dict(
+                d0="*bf16", s0="*bf16", n0=i64, d1="*i32", s1=p64, n1=i64, d2="*fp32",
+                s2="*fp32", n2=i64, flag_ptr=p64, step_ptr=p64, offset=i64, BLOCK="constexpr",
+            ),
+            {"BLOCK": 4096},
+        ),
+        "publish_all": (
+            publish_all,
+            dict(table=p64, dst_type="*bf16", src_type="*bf16", BLOCK="constexpr"),
+            {"BLOCK": 4096},
+        ),
+    }
+    out = {}
+    for name, (fn, signature, constexprs) in kernels.items():
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        lines = [line.strip() for line in compiled.asm["ptx"].splitlines()]
+        out[name] = {
+            "cubin": len(compiled.asm["cubin"]),
+            "code": [line for line in lines if line and not line.startswith("//")],
+        }
+    print(json.dumps(out))
+    """
+)
+
+
+def _index(code: list[str], needle: str) -> int:
+    return next(i for i, line in enumerate(code) if needle in line)
+
+
+def test_the_plane_kernels_compile_for_sm90_with_the_protocols_memory_semantics(tmp_path):
+    assert (TRITON / "triton").is_dir(), f"no Triton in {TRITON}: run `make venv`"
+    script = tmp_path / "compiled.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # compiled here, every time
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TRITON), env.get("PYTHONPATH")) if p)
+    run = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert all(kernel["cubin"] > 0 for kernel in out.values())  # ptxas took the PTX
+    wait = out["wait"]["code"]
+    assert any("ld.global.sys.acquire.b64" in line for line in wait)  # the flag, acquired
+    assert any("%globaltimer" in line for line in wait)  # the deadline is a time
+    assert any("ld.volatile.global" in line for line in wait)  # the abort word, re-read
+    release = "atom.global.sys.release.exch.b64"
+    assert any(release in line for line in out["signal"]["code"])
+    for name in ("publish", "publish_all"):  # the payload's stores, a barrier, then the flag
+        code = out[name]["code"]
+        assert _index(code, "st.global") < _index(code, "bar.sync") < _index(code, release)
