@@ -72,3 +72,7 @@ class StepGraphs:
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    def __contains__(self, shape: StepShape) -> bool:
+        """Whether a step of ``shape`` replays (its graph is captured)."""
+        return shape in self._graphs

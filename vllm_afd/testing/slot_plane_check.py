@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -426,7 +427,8 @@ def _slots_spec(dtype: torch.dtype, waits: str, addresses: tuple[str, ...] = ())
 
 def _slots_ffn_main(kind: str, dtype: torch.dtype, steps: int, to_attention, done) -> None:
     """The FFN process of ``run_slots_pair``: the slots FFN endpoint serving whole steps, as
-    ``FFNExecutor._serve_step`` does, around the toy model's experts."""
+    ``FFNExecutor._serve_step`` does, around the toy model's experts: ``steps`` steps, and the
+    attention ranks' capture announced among them captured ahead (``_capture_ahead``)."""
     from vllm_afd.ffn.step_graphs import StepGraphs
     from vllm_afd.transport import create_ffn_transport
 
@@ -438,7 +440,7 @@ def _slots_ffn_main(kind: str, dtype: torch.dtype, steps: int, to_attention, don
     forwards = [model.experts(layer) for layer in range(LAYERS)]
     graphs = StepGraphs() if kind == "cuda" else None
     to_attention.put(transport.address)
-    served = 0
+    served = eager = 0
     while served < steps:
         step = transport.next_step(60.0)
         if step is None:
@@ -448,15 +450,20 @@ def _slots_ffn_main(kind: str, dtype: torch.dtype, steps: int, to_attention, don
             for layer, slot, parts in step.uses:
                 transport.serve_use(slot, parts, forwards[layer])
 
-        if graphs is None:
+        if step.capture:
+            if graphs is not None:
+                graphs.capture(step.shape, run)
+        elif graphs is None:
             run()
+            eager, served = eager + 1, served + 1
         else:
+            eager += step.shape not in graphs
             graphs.run(step.shape, run)
+            served += 1
         transport.end_step()
-        served += 1
     if device.type == "cuda":
         torch.cuda.synchronize()
-    to_attention.put(0 if graphs is None else len(graphs))
+    to_attention.put((0 if graphs is None else len(graphs), eager))
     done.get(timeout=60)  # the attention ranks are done with the buffer
     transport.close()
 
@@ -489,9 +496,11 @@ def _dbo_step(endpoints: list, model: ToyMoE, xs: list[list[torch.Tensor]]) -> N
 
 def run_slots_pair(kind: str, dtype: torch.dtype, steps: int = 4) -> dict:
     """``steps`` steps of two attention ranks (this process) served by an FFN child through
-    the slots backend; the largest deviation from the reference and the graphs captured."""
+    the slots backend, as vLLM captures a graph at start: the first step an eager warm-up, a
+    capture announced (``Mode.CAPTURE``, nothing sent), then the steps its replays announce;
+    the largest deviation from the reference, the FFN's graphs and its steps run eagerly."""
     from vllm_afd.transport import create_attention_transport
-    from vllm_afd.transport.control import StepSchedule
+    from vllm_afd.transport.control import Mode, StepSchedule
 
     child, to_attention, done = _start_slots_child(kind, dtype, steps)
     endpoints = []
@@ -502,14 +511,19 @@ def run_slots_pair(kind: str, dtype: torch.dtype, steps: int = 4) -> dict:
         model = ToyMoE(dtype, device)
         g = torch.Generator().manual_seed(5)
         worst = 0.0
-        for number in range(1, steps + 1):
+        for number in range(1, steps + 2):
+            schedule = StepSchedule(number, (TOKENS, TOKENS), spec.moe_layers)
+            if number == 2:  # the capture: the FFN rank captures its graph of the step now
+                for endpoint in endpoints:
+                    endpoint.begin_step(dataclasses.replace(schedule, mode=Mode.CAPTURE))
+                continue
             inputs = [
                 [torch.randn(TOKENS, HIDDEN, generator=g).to(dtype).to(device) for _ in "mb"]
                 for _ in endpoints
             ]
             xs = [[x.clone() for x in rank] for rank in inputs]
             for endpoint in endpoints:
-                endpoint.begin_step(StepSchedule(number, (TOKENS, TOKENS), spec.moe_layers))
+                endpoint.begin_step(schedule)
             _dbo_step(endpoints, model, xs)
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -519,12 +533,17 @@ def run_slots_pair(kind: str, dtype: torch.dtype, steps: int = 4) -> dict:
                     worst = max(worst, (x.float() - want.float()).abs().max().item())
         for endpoint in endpoints:  # the last step's device waits
             endpoint.memory.check()
-        graphs = to_attention.get(timeout=60)
+        graphs, eager = to_attention.get(timeout=60)
         done.put("done")
         child.join(60)
         if child.exitcode != 0:
             raise RuntimeError(f"FFN process exited with {child.exitcode}")
-        return {"max_abs_error": worst, "steps_checked": steps, "ffn_graphs": graphs}
+        return {
+            "max_abs_error": worst,
+            "steps_checked": steps,
+            "ffn_graphs": graphs,
+            "ffn_eager_steps": eager,
+        }
     finally:
         for endpoint in endpoints:
             endpoint.close()
@@ -604,8 +623,11 @@ def step_host_slots() -> dict:
 def step_cuda_slots() -> dict:
     _require_cuda()
     result = _bf16_close(run_slots_pair("cuda", torch.bfloat16))
-    if result["ffn_graphs"] != 1:
-        raise AssertionError(f"the FFN steps were not captured as one CUDA graph: {result}")
+    if result["ffn_graphs"] != 1 or result["ffn_eager_steps"] != 1:
+        raise AssertionError(
+            "the FFN steps were not one CUDA graph captured at the announced capture, every "
+            f"step after the warm-up replayed: {result}"
+        )
     return result
 
 
