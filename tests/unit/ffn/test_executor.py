@@ -245,6 +245,21 @@ def test_requests_are_counted_per_attention_rank():
     assert snapshot["later_microbatch_requests"] == 1 and snapshot["tokens"] == 3
 
 
+#: The slots transport with the device's waits: an FFN rank serving whole steps.
+STEPPED = TransportSpec(
+    backend="slots",
+    num_attention_ranks=1,
+    num_ffn_ranks=1,
+    num_experts=8,
+    hidden_size=128,
+    top_k=2,
+    max_tokens=8,
+    timeout_s=5.0,
+    moe_layers=(0, 1),
+    config={"waits": "device"},
+)
+
+
 def test_with_device_waits_the_executor_serves_whole_steps_and_fails_what_it_cannot(
     tiny_qwen3, monkeypatch, tmp_path
 ):
@@ -258,18 +273,7 @@ def test_with_device_waits_the_executor_serves_whole_steps_and_fails_what_it_can
 
     fault = tmp_path / "fault"
     monkeypatch.setenv("VLLM_AFD_FAULT_FILE", str(fault))
-    spec = TransportSpec(
-        backend="slots",
-        num_attention_ranks=1,
-        num_ffn_ranks=1,
-        num_experts=8,
-        hidden_size=128,
-        top_k=2,
-        max_tokens=8,
-        timeout_s=5.0,
-        moe_layers=(0, 1),
-        config={"waits": "device"},
-    )
+    spec = STEPPED
     executor = FFNExecutor(spec, 0, tiny_qwen3, "cpu")
     endpoint = None
     assert isinstance(executor.transport, ServesSteps) and executor.graphs is None  # CPU: eager
@@ -340,18 +344,7 @@ def test_an_attention_ranks_capture_is_captured_ahead_and_its_replays_find_it(ti
     path; the replay's step finds that graph and is answered exactly."""
     from vllm_afd.transport.control import Mode, StepSchedule
 
-    spec = TransportSpec(
-        backend="slots",
-        num_attention_ranks=1,
-        num_ffn_ranks=1,
-        num_experts=8,
-        hidden_size=128,
-        top_k=2,
-        max_tokens=8,
-        timeout_s=5.0,
-        moe_layers=(0, 1),
-        config={"waits": "device"},
-    )
+    spec = STEPPED
     executor = FFNExecutor(spec, 0, tiny_qwen3, "cpu")
     executor.graphs = graphs = _Graphs()
     endpoint = None
