@@ -197,8 +197,9 @@ class Step:
     shape and hands the same object out at every step of that shape; compared by identity.
 
     ``capture``: the attention ranks are capturing CUDA graphs of a step (``Mode.CAPTURE``:
-    nothing is sent); its uses and shape are those of the steps their replays will announce,
-    so that an FFN rank with graphs captures its own now, at start, not on the token path."""
+    nothing is sent); its uses and shape are those of the step their replays will announce
+    (each rank's schedule as a step to run), so that an FFN rank with graphs captures its own
+    now, at start, not on the token path."""
 
     uses: tuple[Use, ...]
     shape: StepShape

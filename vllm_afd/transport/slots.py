@@ -323,16 +323,12 @@ class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
             if self._map_answers(a):
                 self._buffers += 1
             if words[1] == Mode.CAPTURE:  # recorded, not sent: nothing to wait for
-                captures.append(words)
+                captures.append((a, (int(Mode.RUN), *words[2:])))  # as its replays will run
                 continue
             self.plane.begin(a, words[0])
             running.append((a, words[1:]))
-        if captures and not running:
-            # the steps their replays will announce: vLLM pads data-parallel ranks to one
-            # size, so every attention rank at this schedule
-            replayed = (int(Mode.RUN), *captures[0][2:])
-            everyone = range(self.spec.num_attention_ranks)
-            return self._step((self._buffers, tuple((a, replayed) for a in everyone)), True)
+        if captures and not running:  # the step the captured graphs' replays will announce
+            return self._step((self._buffers, tuple(captures)), True)
         return self._step((self._buffers, tuple(running)))
 
     def _step(self, shape: StepShape, capture: bool = False) -> Step:

@@ -363,7 +363,7 @@ def test_a_step_shape_is_laid_out_once_and_handed_out_again():
     per shape (the step numbers are not in it: they are device words), so every step of a
     shape gets the same ``Step``; other tokens, or an answer buffer offered again make another
     shape. The attention ranks' capture of a graph comes as the step its replays will
-    announce (``Step.capture``: every rank at that schedule, nothing to serve)."""
+    announce (``Step.capture``: each rank's schedule as a step to run, nothing to serve)."""
     spec = _spec(attention=2, ffn=1, config={"waits": "device"})
     ffn = create_ffn_transport(spec, 0)
     assert isinstance(ffn, ServesSteps)
