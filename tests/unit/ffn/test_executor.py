@@ -323,14 +323,20 @@ def test_with_device_waits_the_executor_serves_whole_steps_and_fails_what_it_can
 
 
 class _Graphs:
-    """``StepGraphs``' part the executor calls, on CPU: a capture records the shape, a step
-    runs eagerly (standing in for its replay) and records whether it was captured ahead."""
+    """``StepGraphs``' part the executor calls, on CPU: a capture records the shape (or fails,
+    ``fail``), a step runs eagerly (standing in for its replay) and records whether it was
+    captured ahead."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.attempted: list[object] = []
         self.captured: list[object] = []
         self.runs: list[tuple[object, bool]] = []
 
     def capture(self, shape, step) -> None:
+        self.attempted.append(shape)
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
         self.captured.append(shape)
 
     def run(self, shape, step) -> None:
@@ -338,15 +344,17 @@ class _Graphs:
         step()
 
 
-def test_an_attention_ranks_capture_is_captured_ahead_and_its_replays_find_it(tiny_qwen3):
+@pytest.mark.parametrize("fail", [False, True], ids=["captured", "capture fails"])
+def test_an_attention_ranks_capture_is_captured_ahead_and_its_replays_find_it(tiny_qwen3, fail):
     """The attention rank announces a CUDA-graph capture (``Mode.CAPTURE``: nothing sent): the
     FFN rank captures its graph of the step the replays will announce then, not on the token
-    path; the replay's step finds that graph and is answered exactly."""
+    path; the replay's step finds that graph and is answered exactly. A capture that fails is
+    logged and its shape served eagerly."""
     from vllm_afd.transport.control import Mode, StepSchedule
 
     spec = STEPPED
     executor = FFNExecutor(spec, 0, tiny_qwen3, "cpu")
-    executor.graphs = graphs = _Graphs()
+    executor.graphs = graphs = _Graphs(fail)
     endpoint = None
     try:
         executor.start()
@@ -354,9 +362,9 @@ def test_an_attention_ranks_capture_is_captured_ahead_and_its_replays_find_it(ti
         endpoint = create_attention_transport(spec, 0)
         endpoint.begin_step(StepSchedule(1, (4, 4), (0, 1), Mode.CAPTURE))
         deadline = time.monotonic() + 5
-        while not graphs.captured and time.monotonic() < deadline:
+        while not graphs.attempted and time.monotonic() < deadline:
             time.sleep(0.01)
-        [ahead] = graphs.captured
+        [ahead] = graphs.attempted
         assert graphs.runs == [] and executor.stats.requests == 0  # nothing was served
         endpoint.begin_step(StepSchedule(2, (4, 4), (0, 1)))  # its replay, announced
         g = torch.Generator().manual_seed(0)
@@ -367,7 +375,7 @@ def test_an_attention_ranks_capture_is_captured_ahead_and_its_replays_find_it(ti
                 weights = torch.rand(4, 2, generator=g)
                 got = endpoint.combine(endpoint.dispatch(layer, x, ids, weights, mb))
                 assert torch.equal(got, executor.kernel(layer, x, ids.int(), weights))
-        assert graphs.runs == [(ahead, True)]
+        assert graphs.runs == [(ahead, not fail)]
     finally:
         if endpoint is not None:
             endpoint.close()
