@@ -424,8 +424,8 @@ class FFNExecutor:
         """Fold the steps served since the last call into the stats, each step's time shared
         evenly by its uses (a graph's layers are not timed one by one). Deferred to every
         ``ACCOUNT_EVERY_S`` and to an idle serve loop: per step it cost about as much as
-        everything else the host does for a step (docs/benchmarks.md, "The FFN rank's host
-        time per step")."""
+        everything else the host does for a step (docs/benchmarks.md, "The host time per
+        step")."""
         pending, self._unaccounted = self._unaccounted, {}
         self._accounted_at = time.perf_counter()
         for step, (count, seconds) in pending.items():

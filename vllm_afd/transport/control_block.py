@@ -234,11 +234,14 @@ class ControlBlock:
         """The first word of the ring entry of ``attention_rank``'s step ``step``."""
         return self._base(attention_rank) + step % SCHEDULE_RING * self.words_per
 
-    def announce(self, attention_rank: int, schedule: StepSchedule) -> None:
+    def announce(
+        self, attention_rank: int, schedule: StepSchedule, encoded: Sequence[int] = ()
+    ) -> None:
         """Write ``attention_rank``'s schedule into its ring entry (the seqlock of the class
-        docstring)."""
+        docstring); ``encoded``: its words where the caller has them (``StepSchedule.words``
+        of this block's ``words_per``: an attention rank encodes once for every FFN rank)."""
         words, base = self.words, self._entry(attention_rank, schedule.step)
-        encoded = schedule.words(self.words_per)
+        encoded = encoded or schedule.words(self.words_per)
         words[base] = 0
         for i in range(len(encoded) - 1, 0, -1):
             words[base + i] = encoded[i]

@@ -36,6 +36,7 @@ Two pure functions define the protocol's arithmetic:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -73,6 +74,12 @@ from vllm_afd.transport.wait import Backoff, ViewCache, WaitPolicy, current_cpu
 #: it was sent to, then its replacement).
 SERVE_ERROR_ATTEMPTS = 2
 logger = logging.getLogger("vllm.afd")
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(layers: tuple[int, ...]) -> dict[int, int]:
+    """Each layer's position in a step through ``layers`` (shared: read, never written)."""
+    return {layer: i for i, layer in enumerate(layers)}
 
 
 def device_waits(settings: Mapping[str, Any]) -> bool:
@@ -302,16 +309,17 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         if schedule.mode != Mode.CAPTURE:
             self.memory.check()
             self.plane.begin(schedule.step)
-        self._positions = {layer: i for i, layer in enumerate(schedule.layers)}
+        self._positions = _positions(schedule.layers)
         self._tokens = schedule.microbatch_tokens[: self.spec.num_slots]
         self._free = list(range(self.spec.num_slots - 1, -1, -1))
         self._used = [-1] * self.spec.num_slots
+        encoded = schedule.words(self.controls[0].words_per)  # once for every FFN rank
         for ffn_rank in range(self.spec.num_ffn_ranks):
             while True:
                 try:
                     if self.memory.records_waits:
                         self._await_ring(ffn_rank, schedule.step)
-                    self.controls[ffn_rank].announce(self.rank, schedule)
+                    self.controls[ffn_rank].announce(self.rank, schedule, encoded)
                     break
                 except FFNRankLost as lost:
                     self._recover(lost)

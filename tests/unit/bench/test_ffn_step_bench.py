@@ -1,6 +1,7 @@
-"""The FFN rank's host time per step (``bench/ffn_step_bench.py``): it drives the executor's
-real ``_serve_step`` over the real endpoint, one shape throughout, and folds the steps into
-the stats as the executor does."""
+"""The host time per step on both sides (``bench/ffn_step_bench.py``): it drives the executor's
+real ``_serve_step`` over the real endpoint, one shape throughout, folds the steps into the
+stats as the executor does, and times an attention rank's announcements to FFN ranks that take
+every step."""
 
 from __future__ import annotations
 
@@ -13,13 +14,27 @@ def test_the_bench_serves_every_step_of_one_shape_and_writes_json(tmp_path, caps
     out = tmp_path / "steps.json"
     assert (
         ffn_step_bench.main(
-            ["--attention-ranks", "2", "--layers", "3", "--steps", "30", "--json", str(out)]
+            [
+                "--attention-ranks",
+                "2",
+                "--ffn-ranks",
+                "2",
+                "--layers",
+                "3",
+                "--steps",
+                "30",
+                "--json",
+                str(out),
+            ]
         )
         == 0
     )
-    [row] = json.loads(out.read_text())["rows"]
+    written = json.loads(out.read_text())
+    [row] = written["rows"]
     assert row["attention_ranks"] == 2 and row["moe_layers"] == 3 and row["steps"] == 27
     assert row["graph_keys"] == 1  # every step replayed the one shape
     assert row["median_us"] > 0 and row["p90_us"] >= row["median_us"]
     assert row["stats_fold_us"] is not None
-    assert "| 2 | 3 | 2 |" in capsys.readouterr().out
+    [announce] = written["announce"]
+    assert announce["ffn_ranks"] == 2 and announce["steps"] == 27 and announce["median_us"] > 0
+    assert capsys.readouterr().out.count("| 2 | 3 | 2 |") == 2
