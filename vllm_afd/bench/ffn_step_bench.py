@@ -67,22 +67,38 @@ def _bare_executor(spec: TransportSpec, transport: ServesSteps, replays: _Replay
     return executor
 
 
-def measure(attention_ranks: int, layers: int, microbatches: int, steps: int) -> dict[str, Any]:
-    """Per-step host time of ``_serve_step`` for ``attention_ranks`` ranks announcing steps of
-    ``layers`` MoE layers in ``microbatches`` microbatches (16 tokens each)."""
-    moe_layers = tuple(range(3, 3 + layers))  # a dense prefix, as DeepSeek-V3's three
-    spec = TransportSpec(
+def _spec(attention_ranks: int, ffn_ranks: int, layers: int, microbatches: int) -> TransportSpec:
+    """The slots plane with the device's waits; ``layers`` MoE layers after a dense prefix of
+    three (as DeepSeek-V3's)."""
+    return TransportSpec(
         backend="slots",
         num_attention_ranks=attention_ranks,
-        num_ffn_ranks=1,
-        num_experts=8,
+        num_ffn_ranks=ffn_ranks,
+        num_experts=8 * ffn_ranks,
         hidden_size=64,
         top_k=2,
         max_tokens=16,
         num_slots=microbatches,
-        moe_layers=moe_layers,
+        moe_layers=tuple(range(3, 3 + layers)),
         config={"waits": "device"},
     )
+
+
+def _summary(times: list[float]) -> dict[str, Any]:
+    """Steps measured, median and 90th percentile in microseconds (the first tenth warms up)."""
+    kept = sorted(times[len(times) // 10 :])
+    return {
+        "steps": len(kept),
+        "median_us": statistics.median(kept) * 1e6,
+        "p90_us": kept[int(0.9 * (len(kept) - 1))] * 1e6,
+    }
+
+
+def measure(attention_ranks: int, layers: int, microbatches: int, steps: int) -> dict[str, Any]:
+    """Per-step host time of ``_serve_step`` for ``attention_ranks`` ranks announcing steps of
+    ``layers`` MoE layers in ``microbatches`` microbatches (16 tokens each)."""
+    spec = _spec(attention_ranks, 1, layers, microbatches)
+    moe_layers = spec.moe_layers
     transport = create_ffn_transport(spec, 0)
     assert isinstance(transport, ServesSteps)
     replays = _Replays()
@@ -106,14 +122,11 @@ def measure(attention_ranks: int, layers: int, microbatches: int, steps: int) ->
     finally:
         block.close()
         transport.close()
-    times = sorted(times[steps // 10 :])  # the first tenth warms up
     return {
         "attention_ranks": attention_ranks,
         "moe_layers": layers,
         "microbatches": microbatches,
-        "steps": len(times),
-        "median_us": statistics.median(times) * 1e6,
-        "p90_us": times[int(0.9 * (len(times) - 1))] * 1e6,
+        **_summary(times),
         "graph_keys": len(replays.shapes),
         "stats_fold_us": flush_us,
     }
@@ -122,19 +135,8 @@ def measure(attention_ranks: int, layers: int, microbatches: int, steps: int) ->
 def measure_announce(ffn_ranks: int, layers: int, microbatches: int, steps: int) -> dict[str, Any]:
     """Per-step host time of an attention rank's ``begin_step`` to ``ffn_ranks`` FFN ranks, for
     steps of ``layers`` MoE layers in ``microbatches`` microbatches (16 tokens each)."""
-    moe_layers = tuple(range(3, 3 + layers))
-    spec = TransportSpec(
-        backend="slots",
-        num_attention_ranks=1,
-        num_ffn_ranks=ffn_ranks,
-        num_experts=8 * ffn_ranks,
-        hidden_size=64,
-        top_k=2,
-        max_tokens=16,
-        num_slots=microbatches,
-        moe_layers=moe_layers,
-        config={"waits": "device"},
-    )
+    spec = _spec(1, ffn_ranks, layers, microbatches)
+    moe_layers = spec.moe_layers
     ffns = [create_ffn_transport(spec, f) for f in range(ffn_ranks)]
     endpoint = create_attention_transport(
         dataclasses.replace(spec, addresses=tuple(f.address for f in ffns)), 0
@@ -155,14 +157,11 @@ def measure_announce(ffn_ranks: int, layers: int, microbatches: int, steps: int)
         endpoint.close()
         for ffn in ffns:
             ffn.close()
-    times = sorted(times[steps // 10 :])
     return {
         "ffn_ranks": ffn_ranks,
         "moe_layers": layers,
         "microbatches": microbatches,
-        "steps": len(times),
-        "median_us": statistics.median(times) * 1e6,
-        "p90_us": times[int(0.9 * (len(times) - 1))] * 1e6,
+        **_summary(times),
     }
 
 
