@@ -420,6 +420,15 @@ class FFNExecutor:
         finally:
             transport.end_step()
 
+    def settled_stats(self, timeout_s: float = 1.0) -> dict[str, Any]:
+        """The stats once the steps served so far are in them (the serve loop folds them when
+        idle: ``_account_steps``), waiting at most ``timeout_s``; what a report after a run
+        reads (``rank.FFNRank.stats``)."""
+        deadline = time.monotonic() + timeout_s
+        while self._unaccounted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.stats.snapshot()
+
     def _account_steps(self) -> None:
         """Fold the steps served since the last call into the stats, each step's time shared
         evenly by its uses (a graph's layers are not timed one by one). Deferred to every
@@ -477,11 +486,19 @@ class FFNExecutor:
         if self.stats.shared is not None:
             self.stats.shared.record_failure(count)
 
-    def _serve_layer(self, transport: ServesRequests, layer: int, group: list[FFNRequest]) -> None:
-        """Serve one layer's requests together. If that raises, each request not answered yet
-        is served again alone, so that the error reaches only the attention ranks whose
-        requests raise by themselves: each of those is failed on its attention rank with the
-        error text (``reply_error``), and the loop goes on serving."""
+    def _serve_layer(
+        self,
+        transport: ServesRequests,
+        layer: int,
+        group: list[FFNRequest],
+        counted: bool = False,
+    ) -> None:
+        """Serve one layer's requests together, counted in the stats before their answers are
+        published (whoever holds an answer finds it counted; ``counted``: already). If that
+        raises, each request not answered yet is served again alone, so that the error
+        reaches only the attention ranks whose requests raise by themselves: each of those is
+        failed on its attention rank with the error text (``reply_error``), and the loop goes
+        on serving."""
         shared = self.stats.shared
         if shared is not None:
             shared.set_busy(time.monotonic())
@@ -489,19 +506,21 @@ class FFNExecutor:
         try:
             start = time.perf_counter()
             x, out = self._compute_layer(layer, group)
+            if not counted:
+                sources = [(r.src_rank, r.microbatch) for r in group]
+                self._account(layer, sources, x.shape[0], x.nbytes, time.perf_counter() - start)
+                counted = True
             offset = 0
             for request in group:
                 n = request.x.shape[0]
                 transport.reply(request, out[offset : offset + n])
                 offset += n
                 answered += 1
-            sources = [(r.src_rank, r.microbatch) for r in group]
-            self._account(layer, sources, x.shape[0], x.nbytes, time.perf_counter() - start)
         except Exception as exc:
             rest = group[answered:]
             if len(rest) > 1:
                 for request in rest:
-                    self._serve_layer(transport, layer, [request])
+                    self._serve_layer(transport, layer, [request], counted)
                 return
             message = f"layer {layer}: {type(exc).__name__}: {exc}"
             logger.exception("AFD FFN rank %d failed serving %s", self.rank, message)

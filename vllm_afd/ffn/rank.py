@@ -53,7 +53,7 @@ class FFNRank:
         return block_problem(entry, timeout_s, lambda: False)
 
     def stats(self) -> dict[str, Any]:
-        return self.executor.stats.snapshot()
+        return self.executor.settled_stats()
 
     def stop(self) -> None:
         self.executor.stop()

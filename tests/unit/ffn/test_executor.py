@@ -201,16 +201,18 @@ def test_a_model_whose_moe_layers_the_plugin_cannot_replace_is_refused(family_mo
 def test_a_batch_that_fails_partway_is_served_again_request_by_request():
     """A layer batch whose reply loop raises at its second request: the first request keeps
     its answer, the others are served again one by one, so only the second gets the error
-    (never an error after an answer, nor for a request that does not raise alone)."""
+    (never an error after an answer, nor for a request that does not raise alone). The batch
+    was counted before its first answer, each request once."""
 
     from vllm_afd.ffn.executor import FFNStats
     from vllm_afd.transport import FFNRequest
 
     class Transport:
         def __init__(self) -> None:
-            self.answered, self.failed = [], []
+            self.answered, self.failed, self.counted = [], [], []
 
         def reply(self, request, out) -> None:
+            self.counted.append(executor.stats.requests)  # what a reader sees by then
             if request.src_rank == 1:
                 raise OSError("attention rank 1 is gone")
             self.answered.append((request.src_rank, out.clone()))
@@ -230,7 +232,8 @@ def test_a_batch_that_fails_partway_is_served_again_request_by_request():
     assert answered == [(0, [[2.0] * 4]), (2, [[6.0] * 4])]
     assert [src for src, _ in transport.failed] == [1]
     assert "OSError: attention rank 1 is gone" in transport.failed[0][1]
-    assert executor.stats.requests_by_source == {2: 1}  # the batch that raised is not counted
+    assert executor.stats.requests_by_source == {0: 1, 1: 1, 2: 1}
+    assert transport.counted == [3, 3, 3, 3]  # counted before the first answer
 
 
 def test_requests_are_counted_per_attention_rank():
@@ -308,12 +311,10 @@ def test_with_device_waits_the_executor_serves_whole_steps_and_fails_what_it_can
         assert not fault.exists()
         for (layer, x, ids, weights), got in step(4, (4,)):
             assert torch.equal(got, executor.kernel(layer, x, ids.int(), weights))
-        # the stats take the steps served whole late (ACCOUNT_EVERY_S), at once when idle:
-        # steps 1 and 4 (step 2 failed, step 3 was refused at its announcement)
-        deadline = time.monotonic() + 5
-        while executor.stats.requests < 6 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        stats = executor.stats.snapshot()
+        # the stats take the steps served whole late (ACCOUNT_EVERY_S), at once when idle,
+        # and a report waits for that: steps 1 and 4 (step 2 failed, step 3 was refused at
+        # its announcement)
+        stats = executor.settled_stats()
         assert stats["requests"] == 6 and stats["later_microbatch_requests"] == 2
         assert stats["tokens"] == 2 * (3 + 2 + 4) and stats["per_layer_calls"] == {0: 3, 1: 3}
     finally:
