@@ -366,7 +366,6 @@ class FFNExecutor:
         served = [0]  # uses served, as they are
         run = functools.partial(self._run_uses, transport, step, served)
         start = time.perf_counter()
-        done = 0
         try:
             if self.graphs is None:
                 run()
@@ -374,12 +373,12 @@ class FFNExecutor:
                 self.graphs.run(step.shape, run)
             done = len(step.uses)
         except Exception as exc:
-            rest = step.uses[0 if self.graphs is not None else served[0] :]
+            done = 0 if self.graphs is not None else served[0]  # a capture serves none
+            rest = step.uses[done:]
             message = f"layer {rest[0][0]}: {type(exc).__name__}: {exc}"
             logger.exception("AFD FFN rank %d failed serving %s", self.rank, message)
             self._record_failures(sum(len(parts) for _, _, parts in rest))
             transport.fail_uses(rest, message)
-            done = len(step.uses) - len(rest)
         finally:
             transport.end_step()
         now = time.perf_counter()

@@ -10,14 +10,9 @@ it), in a child process.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-TRITON = Path(sys.prefix) / "triton"
+from transport_testlib import run_with_triton
 
 SCRIPT = textwrap.dedent(
     """
@@ -72,17 +67,9 @@ def _index(code: list[str], needle: str) -> int:
 
 
 def test_the_plane_kernels_compile_for_sm90_with_the_protocols_memory_semantics(tmp_path):
-    assert (TRITON / "triton").is_dir(), f"no Triton in {TRITON}: run `make venv`"
-    script = tmp_path / "compiled.py"
-    script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # compiled here, every time
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TRITON), env.get("PYTHONPATH")) if p)
-    run = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    # compiled here, every time (a cache of its own), never interpreted
+    env = {"TRITON_CACHE_DIR": str(tmp_path / "cache"), "TRITON_INTERPRET": ""}
+    out = run_with_triton(SCRIPT, tmp_path, env)
     assert all(kernel["cubin"] > 0 for kernel in out.values())  # ptxas took the PTX
     wait = out["wait"]["code"]
     assert any("ld.global.sys.acquire.b64" in line for line in wait)  # the flag, acquired

@@ -9,14 +9,9 @@ the venv's import path: vLLM's CPU build must not see it).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-TRITON = Path(sys.prefix) / "triton"
+from transport_testlib import run_with_triton
 
 SCRIPT = textwrap.dedent(
     """
@@ -78,16 +73,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_the_triton_kernels_carry_the_protocol_between_two_processes(tmp_path):
-    assert (TRITON / "triton").is_dir(), f"no Triton in {TRITON}: run `make venv`"
-    script = tmp_path / "interpreted.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TRITON), env.get("PYTHONPATH")) if p)
-    run = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = run_with_triton(SCRIPT, tmp_path, {"TRITON_INTERPRET": "1"})
     assert out["kernels"] == [True, True, True, True]
     assert out["pair"] == {"max_abs_error": 0.0, "steps_checked": 2}
     assert out["aborted_after_s"] < 2.0  # the bound would be 40,000 polls (~10 s)

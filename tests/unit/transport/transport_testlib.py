@@ -8,11 +8,15 @@ seconds. Every process is joined with a timeout and killed if it does not stop.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -255,3 +259,23 @@ def recv_all(endpoint: ServesRequests, count: int, timeout_s: float = 5.0) -> li
 def expected(spec: TransportSpec, x, ids, weights) -> torch.Tensor:
     """What a combine of this batch must return with ``EXPERTS`` (the reference's order)."""
     return reference_moe_combine(x, ids, weights, EXPERTS, spec.num_experts, spec.num_ffn_ranks)
+
+
+#: The GPU machine's Triton, which ``make venv`` installs off the venv's import path (vLLM's CPU
+#: build must not see it): the plane kernels' tests run it in a child process.
+TRITON = Path(sys.prefix) / "triton"
+
+
+def run_with_triton(script: str, tmp_path: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Run ``script`` in a child with ``TRITON`` on its path and ``env`` over this process's
+    environment (a value ``""`` removes the variable); returns the JSON of its last line."""
+    assert (TRITON / "triton").is_dir(), f"no Triton in {TRITON}: run `make venv`"
+    path = tmp_path / "triton_child.py"
+    path.write_text(script)
+    child = {k: v for k, v in {**os.environ, **env}.items() if v != ""}
+    child["PYTHONPATH"] = os.pathsep.join(p for p in (str(TRITON), child.get("PYTHONPATH")) if p)
+    run = subprocess.run(
+        [sys.executable, str(path)], env=child, capture_output=True, text=True, timeout=240
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
