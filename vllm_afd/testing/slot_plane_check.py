@@ -164,15 +164,13 @@ def dispatch(
 
 
 def combine(plane: AttentionPlane, handle: PlaneHandle) -> torch.Tensor:
-    """Await every FFN rank's answer (on devices with streams, queue the waits), then their
-    sum in FFN rank order: ``[N, H]``, a new tensor (the slot may be reused at once)."""
-    slot, position, n = handle.slot, handle.position, handle.num_tokens
-    for f in range(len(plane.slots)):
-        plane.await_answer(f, slot, position)
-    total = plane.answer(0, slot, n).clone()
-    for f in range(1, len(plane.slots)):
-        total += plane.answer(f, slot, n)
-    return total
+    """Await every FFN rank's answer and sum them in FFN rank order (``await_sum``: on devices
+    with streams, queued): ``[N, H]``, a new tensor (the slot may be reused at once)."""
+    out = torch.empty(
+        handle.num_tokens, plane.layout.hidden, dtype=plane.layout.dtype, device=plane.memory.device
+    )
+    plane.await_sum(handle.slot, handle.position, out)
+    return out
 
 
 def attention_step(

@@ -455,7 +455,11 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
             return combine_partials(handle, {})
         state = self._take_state(handle)
         try:
-            return combine_partials(handle, self._answers(handle, state))
+            out = self._sum_into(handle, state)
+            if out is None:
+                return combine_partials(handle, self._answers(handle, state))
+            self.plane.await_sum(state.slot, state.position, out)
+            return out
         finally:
             self._release_slot(state.slot)
 
@@ -463,27 +467,42 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         self, handle: DispatchHandle[SendState]
     ) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
         """See ``AttentionTransport.combine_hook``: ``hook()`` waits for every FFN rank's answer
-        (on devices with streams, queues the waits), ``receive()`` sums them. The slot is
-        freed by ``receive``, or by a ``hook`` that raises."""
+        (on devices with streams, queues the waits and their sum), ``receive()`` returns the
+        sum. The slot is freed by ``receive``, or by a ``hook`` that raises."""
         if not handle.token_index:
             return (lambda: None), (lambda: combine_partials(handle, {}))
         state = self._take_state(handle)
+        out = self._sum_into(handle, state)  # on this stream: the hook may run on another's
         partials: dict[int, torch.Tensor] = {}
 
         def hook() -> None:
             try:
-                partials.update(self._answers(handle, state))
+                if out is None:
+                    partials.update(self._answers(handle, state))
+                else:
+                    self.plane.await_sum(state.slot, state.position, out)
             except BaseException:
                 self._release_slot(state.slot)
                 raise
 
         def receive() -> torch.Tensor:
             try:
-                return combine_partials(handle, partials)
+                return combine_partials(handle, partials) if out is None else out
             finally:
                 self._release_slot(state.slot)
 
         return hook, receive
+
+    def _sum_into(self, handle: DispatchHandle[SendState], state: SendState) -> torch.Tensor | None:
+        """Where one ``await_sum`` combines ``state``'s answers (the device's waits: every row
+        went to every FFN rank, and none of them was replaced since), the tensor it writes;
+        else ``None`` (host waits, failover: ``_answers``)."""
+        if not self.memory.records_waits or any(
+            state.sent[f] < self._replaced_at[f] for f in handle.token_index
+        ):
+            return None
+        shape = (handle.num_tokens, handle.hidden_size)
+        return torch.empty(shape, dtype=handle.dtype, device=self.memory.device)
 
     @staticmethod
     def _take_state(handle: DispatchHandle[SendState]) -> SendState:

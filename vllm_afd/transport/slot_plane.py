@@ -58,17 +58,17 @@ whose host code does not run, uses the step announced before it::
     FFN f, answer(s, a, p):     write the weighted sum of f's experts into out (s) of a's
                                 answer buffer for f; signal its response flag, value(step_a,
                                 p); ``fail``: the negated value, the error text in out
-    attention a, await(f, s):   wait(response flag (s) of its answer buffer for f, value(step,
-                                p)); sum the FFN ranks' answers
+    attention a, await(s, p):   wait(response flag (s) of its answer buffer for each FFN rank
+                                f, value(step, p)); sum the FFN ranks' answers
 
 A signal is a store ordered after the payload (release); a wait returns once the flag reaches
 the awaited value (acquire), so the reader never sees a half-written payload. A send is one
 ``publish`` (payload, then flag: on a device one kernel, ``slot_plane_cuda``), so a use is one
-operation per side and direction around the MoE kernel: the attention rank publishes and
-waits, the FFN rank waits for every attention rank's request at once (``wait_all``) and answers
-each (a signal after experts that wrote in place, or a publish of its share of a gathered
-forward). The FFN side
-serves the plane in one of two ways from the same flags (``slots.py``): what is pending (host
+operation per side and direction around the MoE kernel: the attention rank publishes to each
+FFN rank and awaits and sums their answers at once (``wait_sum``); the FFN rank awaits every
+attention rank's request and gathers their rows for one forward at once (``wait_gather``) and
+answers them at once (``publish_all``), or, for one attention rank, waits, lets the experts
+read the slot and write the answer in place, and signals. The FFN side serves the plane in one of two ways from the same flags (``slots.py``): what is pending (host
 memory: a flag whose value changed is a request, its layer read from its sender's announced
 schedule, its rows from the row-count word; attention ranks need not step together), or whole
 announced steps (every device: each wait is for the value its use must carry; values only grow
@@ -362,17 +362,34 @@ class PlaneMemory(Protocol):
         answer and a peer that moved on apart); ``None`` where the wait only records a
         failure (``check``)."""
 
-    def wait_all(
+    def wait_gather(
+        self,
+        flags: Sequence[torch.Tensor],
+        steps: Sequence[torch.Tensor],
+        positions: Sequence[int],
+        srcs: Sequence[Sequence[torch.Tensor]],
+        dsts: Sequence[torch.Tensor],
+        what: Callable[[int], str],
+    ) -> list[int | None]:
+        """``wait`` for every request ``flags[i]`` (step word ``steps[i]``, the use at
+        ``positions[i]``), then its parts ``srcs[i]`` (``x`` ``[N_i, H]``, ``ids`` and
+        ``weights`` ``[N_i, K]``) into the next ``N_i`` rows of ``dsts`` (``x``, ``ids``,
+        ``weights`` of ``sum N_i`` rows), in order: an FFN rank's requests of one use from
+        every attention rank, side by side for one forward. One operation on a device."""
+
+    def wait_sum(
         self,
         flags: Sequence[torch.Tensor],
         steps: Sequence[torch.Tensor],
         position: int,
+        srcs: Sequence[torch.Tensor],
+        out: torch.Tensor,
         what: Callable[[int], str],
     ) -> list[int | None]:
-        """``wait`` for every flag ``flags[i]`` (its sender's step word ``steps[i]``), each for
-        the use at ``position``; ``what(i)`` names flag ``i`` in errors. On a device one
-        operation where the flags lie evenly spaced in one buffer and the step words side by
-        side (an FFN rank's request flags of one slot, from every attention rank)."""
+        """``wait`` for every answer ``flags[i]`` (step word ``steps[i]``, the use at
+        ``position``), then ``out`` the sum of ``srcs`` (``srcs[i]`` the answer behind
+        ``flags[i]``, each shaped as ``out``), in order: an attention rank's answers of one
+        use from every FFN rank. One operation on a device."""
 
     def check(self) -> None:
         """Raise if a wait failed since the last check (where waits only record it)."""
@@ -408,6 +425,44 @@ def publish_each(
     kernel does not take)."""
     for dst, src, flag, step, position in zip(dsts, srcs, flags, steps, positions, strict=True):
         publish((dst,), (src,), flag, step, position)
+
+
+def wait_then_gather(
+    wait: Callable[[torch.Tensor, torch.Tensor, int, str], int | None],
+    flags: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    positions: Sequence[int],
+    srcs: Sequence[Sequence[torch.Tensor]],
+    dsts: Sequence[torch.Tensor],
+    what: Callable[[int], str],
+) -> list[int | None]:
+    """``wait_gather`` as separate operations: the memory's ``wait`` of each flag, then one
+    ``cat`` per part (host memory; on a device, parts its fused kernel does not take)."""
+    pairs = enumerate(zip(flags, steps, positions, strict=True))
+    found = [wait(flag, step, position, what(i)) for i, (flag, step, position) in pairs]
+    for i, gathered in enumerate(dsts):
+        torch.cat([parts[i] for parts in srcs], out=gathered)
+    return found
+
+
+def wait_then_sum(
+    wait: Callable[[torch.Tensor, torch.Tensor, int, str], int | None],
+    flags: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    position: int,
+    srcs: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    what: Callable[[int], str],
+) -> list[int | None]:
+    """``wait_sum`` as separate operations: the memory's ``wait`` of each flag, then a copy
+    and an add per further answer (host memory; on a device, answers its fused kernel does not
+    take)."""
+    pairs = enumerate(zip(flags, steps, strict=True))
+    found = [wait(flag, step, position, what(i)) for i, (flag, step) in pairs]
+    out.copy_(srcs[0])
+    for src in srcs[1:]:
+        out += src
+    return found
 
 
 def step_word(device: torch.device) -> torch.Tensor:
@@ -521,14 +576,38 @@ class AttentionPlane:
         (on devices with streams, queue the wait). On the host raises ``PlaneError`` for an
         error answer (its text) or an answer to another use."""
         view = self.answers[ffn_rank][slot]
-        what = f"response of FFN rank {ffn_rank} to attention rank {self.rank}, slot {slot}"
-        found = self.memory.wait(view.response, self.step, position, what)
+        found = self.memory.wait(view.response, self.step, position, self._name(ffn_rank, slot))
+        self._check_answer(ffn_rank, slot, position, found)
+
+    def await_sum(self, slot: int, position: int, out: torch.Tensor) -> None:
+        """Wait for every FFN rank's answer to the use of ``slot`` at ``position`` and write
+        their sum, in FFN rank order, into ``out`` ``[rows, H]`` (on devices with streams,
+        queue it: one operation). On the host raises as ``await_answer``."""
+        views = [answers[slot] for answers in self.answers]
+        found = self.memory.wait_sum(
+            [view.response for view in views],
+            [self.step] * len(views),
+            position,
+            [view.rows(out.shape[0]) for view in views],
+            out,
+            lambda f: self._name(f, slot),
+        )
+        for ffn_rank, value in enumerate(found):
+            self._check_answer(ffn_rank, slot, position, value)
+
+    def _name(self, ffn_rank: int, slot: int) -> str:
+        return f"response of FFN rank {ffn_rank} to attention rank {self.rank}, slot {slot}"
+
+    def _check_answer(self, ffn_rank: int, slot: int, position: int, found: int | None) -> None:
+        """On the host (``found`` read): ``PlaneError`` unless the flag carries the answer."""
         if found is None:
             return
         want = int(self.step) + position + 1
         if found == -want:
-            raise PlaneError(f"FFN rank {ffn_rank}: {view.read_error()}", found)
+            error = self.answers[ffn_rank][slot].read_error()
+            raise PlaneError(f"FFN rank {ffn_rank}: {error}", found)
         if found != want:
+            what = self._name(ffn_rank, slot)
             raise PlaneError(f"{what} carries {found:#x}, awaited {want:#x}", found)
 
     def answer(self, ffn_rank: int, slot: int, rows: int) -> torch.Tensor:
@@ -551,8 +630,7 @@ class FFNPlane:
         ]
         #: Per attention rank, the slots of its answer buffer for this FFN rank (once mapped).
         self.answers: list[list[AnswerViews]] = [[] for _ in attention]
-        #: Per attention rank its step word: views of one tensor (``wait_all`` reads them
-        #: side by side).
+        #: Per attention rank its step word (views of one tensor).
         words = torch.zeros(len(attention), dtype=torch.int64, device=memory.device)
         self.steps = [words[a : a + 1] for a in attention]
         rows = layout.num_attention_ranks * layout.max_tokens
@@ -586,24 +664,6 @@ class FFNPlane:
         self._check_taken(part, slot, found)
         return view
 
-    def take_all(self, slot: int, parts: Sequence[Part]) -> list[SlotViews]:
-        """``take`` of every part, as one ``wait_all`` where they are the same use (the same
-        position in each sender's step: one operation on a device)."""
-        position = parts[0].position
-        if len(parts) == 1 or any(p.position != position for p in parts):
-            return [self.take(slot, part) for part in parts]
-        views = [self.slots[slot][p.attention_rank] for p in parts]
-        steps = [self.steps[p.attention_rank] for p in parts]
-        found = self.memory.wait_all(
-            [v.request for v in views],
-            steps,
-            position,
-            lambda i: self._request_name(parts[i].attention_rank, slot),
-        )
-        for part, value in zip(parts, found, strict=True):
-            self._check_taken(part, slot, value)
-        return views
-
     def _request_name(self, attention_rank: int, slot: int) -> str:
         return f"request of attention rank {attention_rank} to FFN rank {self.rank}, slot {slot}"
 
@@ -631,33 +691,34 @@ class FFNPlane:
     def serve(self, slot: int, parts: Sequence[Part], forward: UseForward) -> None:
         """One use of ``slot``, whole and in stream order (a step served whole, a captured FFN
         step): wait for every part's request, run ``forward`` once over all their rows and
-        publish every answer (one ``publish_all``)."""
-        views = self.take_all(slot, parts)
+        publish every answer; with several attention ranks their requests are awaited and
+        gathered by one ``wait_gather`` and answered by one ``publish_all``."""
         rows = [part.rows for part in parts]
         outs = [self.answers[part.attention_rank][slot].rows(part.rows) for part in parts]
-        if len(views) == 1:  # the experts write the answer in place: then its flag
-            forward(*views[0].rows(rows[0]), outs[0])
+        if len(parts) == 1:  # the experts read the slot and write the answer in place
+            forward(*self.take(slot, parts[0]).rows(rows[0]), outs[0])
             self.answer(slot, parts[0])
             return
-        answers = self._serve_gathered(views, rows, forward)
-        flags = [self.answers[part.attention_rank][slot].response for part in parts]
-        steps = [self.steps[part.attention_rank] for part in parts]
-        positions = [part.position for part in parts]
-        self.memory.publish_all(outs, answers, flags, steps, positions)
-
-    def _serve_gathered(
-        self, views: list[SlotViews], rows: Sequence[int], forward: UseForward
-    ) -> list[torch.Tensor]:
-        """One forward over the attention ranks' rows, gathered by one ``cat`` per part;
-        returns each part's answer (views of the gathered output)."""
-        total = sum(rows)
-        x, ids, weights, out = (t[:total] for t in self._gathered)
-        parts = [v.rows(n) for v, n in zip(views, rows, strict=True)]
-        for i, gathered in enumerate((x, ids, weights)):
-            torch.cat([p[i] for p in parts], out=gathered)
+        x, ids, weights, out = (t[: sum(rows)] for t in self._gathered)
+        views = [self.slots[slot][part.attention_rank] for part in parts]
+        found = self.memory.wait_gather(
+            [v.request for v in views],
+            [self.steps[part.attention_rank] for part in parts],
+            [part.position for part in parts],
+            [v.rows(n) for v, n in zip(views, rows, strict=True)],
+            (x, ids, weights),
+            lambda i: self._request_name(parts[i].attention_rank, slot),
+        )
+        for part, value in zip(parts, found, strict=True):
+            self._check_taken(part, slot, value)
         forward(x, ids, weights, out)
-        # ``Tensor.split`` (torch/_tensor.py) has no annotations
-        return list(out.split(list(rows)))  # type: ignore[no-untyped-call]
+        self.memory.publish_all(
+            outs,
+            out.split(rows),  # type: ignore[no-untyped-call]  # Tensor.split: unannotated
+            [self.answers[part.attention_rank][slot].response for part in parts],
+            [self.steps[part.attention_rank] for part in parts],
+            [part.position for part in parts],
+        )
 
 
 class RecordedWaits:
@@ -710,4 +771,6 @@ __all__ = [
     "SlotViews",
     "publish_by_copies",
     "publish_each",
+    "wait_then_gather",
+    "wait_then_sum",
 ]

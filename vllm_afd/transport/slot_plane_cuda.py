@@ -1,26 +1,32 @@
 """The slot plane's device layer (``slot_plane.py``): buffers in device memory shared by CUDA
-IPC, and four Triton kernels: publish, publish_all, signal and wait. Everything else is the
-shared protocol.
+IPC, and six Triton kernels, one per protocol operation: signal, wait, publish, publish_all,
+wait_gather, wait_sum. Everything else is the shared protocol.
 PyTorch and Triton only (the GPU machine this project is lent has no vLLM or DeepEP).
 
-Why these primitives. ``publish`` is a use's whole send in one kernel (issue 41: one operation
-per side and direction, against a copy-engine copy per part plus a signal before): one program
-copies the parts element by element into the peer's slot (the expert ids converted to the
-slot's int32), a CTA barrier orders its threads' stores, then the flag is stored with release
-semantics at system scope (a store, not a remote atomic read-modify-write, which PCIe peers
-lack); a strided part, or a use over ``FUSED_MAX_BYTES`` (a prefill chunk), goes by the copy
-engines and ``signal``. ``publish_all`` is an FFN rank's answers of one use to every attention
-rank in one kernel, a program per attention rank, each publishing into its own rank's buffer
-(their addresses in a small table on the device, built once per set of parts). ``signal`` is
-an ``atomic_xchg`` with release semantics at system scope: the payload copies queued before
-it on the stream have finished (stream order) and their stores are visible to any peer that
-acquires the flag. The value either stores is
+Why these primitives: a use is one kernel per side and direction around the MoE kernel (issue
+41, against a copy-engine copy per part, a signal, a wait and a ``cat`` or an add per rank).
+
+* ``publish`` (an attention rank's send): one program copies the parts element by element into
+  the peer's slot (the expert ids converted to the slot's int32), a CTA barrier orders its
+  threads' stores, then the flag is stored with release semantics at system scope (a store,
+  not a remote atomic read-modify-write, which PCIe peers lack); a strided part, or a use over
+  ``FUSED_MAX_BYTES`` (a prefill chunk), goes by the copy engines and ``signal`` (an
+  ``atomic_xchg`` with release semantics at system scope, after the copies in stream order).
+* ``wait_gather`` (an FFN rank's take of one use from every attention rank): a program per
+  attention rank waits for its request, then copies its rows next to the others' for the one
+  forward (the slots lie a slot apart); ``wait`` (one flag: an FFN rank with one attention
+  rank, whose experts read the slot in place).
+* ``publish_all`` (the FFN rank's answers): a program per attention rank publishes its share
+  of the forward's output into that rank's own buffer.
+* ``wait_sum`` (an attention rank's combine): each program waits for every FFN rank's answer,
+  then sums its blocks of them, in FFN rank order and in float32, into the combine's output.
+
+The fused kernels read their parts' addresses from a small table on the device, built once per
+set of parts (a CUDA graph replays the table its capture read). The value a flag carries is
 computed on the device from the sender's step word (``slot_plane``: the use's value), so a
-captured graph publishes the right value on every replay without Python. ``wait`` spins on an
-acquire load (``atomic_add(flag, 0)``) at system scope until ``|flag|`` reaches the awaited
-value, for one flag or, in the same kernel, for each of several evenly spaced in one buffer
-(``wait_all``: an FFN rank's request flags of a slot, from every attention rank, each at its
-sender's step). A kernel cannot raise: a wait that gives up at its deadline (the GPU's
+captured graph publishes and awaits the right value on every replay without Python. A wait
+spins on an acquire load (``atomic_add(flag, 0)``) at system scope until ``|flag|`` reaches the
+awaited value. A kernel cannot raise: a wait that gives up at its deadline (the GPU's
 ``%globaltimer`` against the transport's ``timeout_s``: a dead peer costs a wait seconds, not a
 poll budget of minutes), or ends on another value than its own (an error answer, a peer that
 moved on), or that a host watchdog aborted (a word in pinned host memory it polls), is counted
@@ -44,11 +50,18 @@ import functools
 import json
 from collections.abc import Callable, Sequence
 from functools import cache
+from types import ModuleType
 from typing import Any
 
 import torch
 
-from vllm_afd.transport.slot_plane import RecordedWaits, publish_by_copies, publish_each
+from vllm_afd.transport.slot_plane import (
+    RecordedWaits,
+    publish_by_copies,
+    publish_each,
+    wait_then_gather,
+    wait_then_sum,
+)
 
 #: Polls a wait makes before it gives up where there is no device clock to bound it by (the
 #: interpreter in the suite); on a GPU a wait is bounded by time (``CudaPlaneMemory``).
@@ -61,106 +74,20 @@ DEFAULT_MAX_SPINS = 1 << 26
 FUSED_MAX_BYTES = 1 << 20
 #: Elements each step of the fused copy moves.
 _FUSED_BLOCK = 4096
-#: ``publish_all`` tables kept per memory (one per set of parts: slot and attention ranks).
+#: The fused kernels' tables kept per memory (one per set of parts: slot and ranks).
 _MAX_TABLES = 4096
+#: Programs of ``wait_sum`` at most: each spins on the answers' flags before its blocks, on an
+#: SM the other microbatch's attention could use (DBO), so few; a decode use's 16 x 7168
+#: elements are 28 blocks, 3-4 per program.
+_SUM_PROGRAMS = 8
 
 
 @cache
-def _kernels() -> tuple[Any, Any, Any, Any]:
-    import triton
-    import triton.language as tl
+def _kernels() -> ModuleType:
+    """The kernels' module (``slot_plane_kernels``), imported on first use: it needs Triton."""
+    from vllm_afd.transport import slot_plane_kernels
 
-    # Triton kernels stay unannotated: Triton reads a kernel's parameter annotations (its
-    # argument types and specialisation), so typing them for mypy would change the kernels.
-    @triton.jit
-    def signal_kernel(  # type: ignore[no-untyped-def]
-        flag_ptr, step_ptr, offset, sign
-    ):
-        value = (tl.load(step_ptr) + offset) * sign
-        tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def wait_kernel(  # type: ignore[no-untyped-def]
-        flag_ptr,
-        flag_stride,
-        count,
-        step_ptr,
-        offset,
-        error_ptr,
-        abort_ptr,
-        bound,
-        TIMED: tl.constexpr,
-    ):
-        # ``count`` flags ``flag_stride`` words apart, flag i awaited at its own step word
-        # ``step_ptr[i]`` (one FFN rank's request flags of a slot, from every attention rank);
-        # bound: nanoseconds of the GPU's global timer for them all (TIMED), else polls each
-        # (the interpreter, which has no device clock)
-        if TIMED:
-            start = tl.extra.cuda.globaltimer()
-        for i in range(count):
-            flag = flag_ptr + i * flag_stride
-            want = tl.load(step_ptr + i) + offset
-            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-            aborted = tl.load(abort_ptr, volatile=True)
-            spins = 0
-            within = spins < bound
-            while (seen < want) & (seen > -want) & within & (aborted == 0):
-                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-                aborted = tl.load(abort_ptr, volatile=True)
-                spins += 1
-                if TIMED:
-                    within = tl.extra.cuda.globaltimer() - start < bound
-                else:
-                    within = spins < bound
-            if seen != want:
-                tl.atomic_add(error_ptr, 1)
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def publish_kernel(  # type: ignore[no-untyped-def]
-        d0, s0, n0, d1, s1, n1, d2, s2, n2, flag_ptr, step_ptr, offset, BLOCK: tl.constexpr
-    ):
-        # one program: every element of up to three parts into the peer's slot, converted to
-        # the destination's type (vLLM's int64 expert ids to the slot's int32), the CTA's
-        # stores ordered before the flag (barrier, then a release store at system scope)
-        for start in range(0, n0, BLOCK):
-            at = start + tl.arange(0, BLOCK)
-            part = tl.load(s0 + at, mask=at < n0).to(d0.dtype.element_ty)
-            tl.store(d0 + at, part, mask=at < n0)
-        for start in range(0, n1, BLOCK):
-            at = start + tl.arange(0, BLOCK)
-            part = tl.load(s1 + at, mask=at < n1).to(d1.dtype.element_ty)
-            tl.store(d1 + at, part, mask=at < n1)
-        for start in range(0, n2, BLOCK):
-            at = start + tl.arange(0, BLOCK)
-            part = tl.load(s2 + at, mask=at < n2).to(d2.dtype.element_ty)
-            tl.store(d2 + at, part, mask=at < n2)
-        tl.debug_barrier()
-        value = tl.load(step_ptr) + offset
-        tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def publish_all_kernel(  # type: ignore[no-untyped-def]
-        table, dst_type, src_type, BLOCK: tl.constexpr
-    ):
-        # program i publishes part i, its row of ``table`` (int64 words: destination, source,
-        # elements, flag, step word, offset; addresses, since each destination is another
-        # attention rank's buffer): the copy, the CTA's barrier, the flag's release store;
-        # ``dst_type``, ``src_type``: the first part's tensors, for the element types
-        row = table + tl.program_id(0) * 6
-        dst = tl.load(row).to(dst_type.dtype)
-        src = tl.load(row + 1).to(src_type.dtype)
-        n = tl.load(row + 2)
-        flag = tl.load(row + 3).to(tl.pointer_type(tl.int64))
-        step = tl.load(row + 4).to(tl.pointer_type(tl.int64))
-        for start in range(0, n, BLOCK):
-            at = start + tl.arange(0, BLOCK)
-            part = tl.load(src + at, mask=at < n).to(dst_type.dtype.element_ty)
-            tl.store(dst + at, part, mask=at < n)
-        tl.debug_barrier()
-        value = tl.load(step) + tl.load(row + 5)
-        tl.atomic_xchg(flag, value, sem="release", scope="sys")
-
-    return signal_kernel, wait_kernel, publish_kernel, publish_all_kernel
+    return slot_plane_kernels
 
 
 def _fusable(
@@ -177,18 +104,6 @@ def _fusable(
     return parts
 
 
-def _even_stride(words: Sequence[torch.Tensor]) -> int | None:
-    """The distance in int64 words between consecutive ``words`` (one-word views of one
-    buffer), or ``None`` where it is not one constant distance."""
-    if len(words) < 2:
-        return 0
-    at = [w.data_ptr() for w in words]
-    stride, rest = divmod(at[1] - at[0], 8)
-    if rest or any(b - a != stride * 8 for a, b in zip(at, at[1:], strict=False)):
-        return None
-    return stride
-
-
 def _hex(data: bytes | None) -> str | None:
     return None if data is None else data.hex()
 
@@ -198,7 +113,7 @@ def _bytes(text: str | None) -> bytes | None:
 
 
 class TritonWaits(RecordedWaits):
-    """``signal`` and ``wait`` as the Triton kernels above, on whatever memory holds the flags:
+    """The plane's operations as the Triton kernels above, on whatever memory holds the flags:
     device memory here (``CudaPlaneMemory``), host memory under Triton's interpreter in the
     suite (``testing.slot_plane_check.InterpretedPlaneMemory``: the same kernels, run on every
     push). ``errors`` must be on the memory's device, ``aborted`` readable by it."""
@@ -207,14 +122,21 @@ class TritonWaits(RecordedWaits):
     #: device has one, else this many polls.
     deadline_ns: int | None = None
     max_spins: int = DEFAULT_MAX_SPINS
+    device: torch.device
     stores_on_host = False
     push = None  # stores land in the peer's memory (CUDA IPC)
     pump = None
 
+    @property
+    def _bound(self) -> dict[str, Any]:
+        """A wait kernel's bound and its kind (``TIMED``)."""
+        timed = self.deadline_ns is not None
+        return {"bound": self.deadline_ns if timed else self.max_spins, "TIMED": timed}
+
     def signal(
         self, flag: torch.Tensor, step: torch.Tensor, position: int, failed: bool = False
     ) -> None:
-        _kernels()[0][(1,)](flag, step, position + 1, -1 if failed else 1, num_warps=1)
+        _kernels().signal[(1,)](flag, step, position + 1, -1 if failed else 1, num_warps=1)
 
     def publish(
         self,
@@ -234,12 +156,7 @@ class TritonWaits(RecordedWaits):
         for d, s in parts:
             args += [d, s, d.numel()]
         args += [flag, flag, 0] * (3 - len(parts))  # absent parts: no words to copy
-        _kernels()[2][(1,)](*args, flag, step, position + 1, BLOCK=_FUSED_BLOCK, num_warps=4)
-
-    @functools.cached_property
-    def _tables(self) -> dict[tuple[tuple[int, ...], ...], torch.Tensor]:
-        """``publish_all``'s tables by their rows (``_table``)."""
-        return {}
+        _kernels().publish[(1,)](*args, flag, step, position + 1, BLOCK=_FUSED_BLOCK, num_warps=4)
 
     def publish_all(
         self,
@@ -251,51 +168,43 @@ class TritonWaits(RecordedWaits):
     ) -> None:
         """One kernel, a program per part, where every part is fusable and of one pair of
         types; otherwise one ``publish`` each."""
-        table = self._table(dsts, srcs, flags, steps, positions)
+        table = None
+        if len(dsts) > 1 and all(
+            d.dtype == dsts[0].dtype and s.dtype == srcs[0].dtype and _fusable((d,), (s,))
+            for d, s in zip(dsts, srcs, strict=True)
+        ):
+            rows = zip(dsts, srcs, flags, steps, positions, strict=True)
+            table = self._table(
+                [
+                    (d.data_ptr(), s.data_ptr(), d.numel(), f.data_ptr(), t.data_ptr(), p + 1)
+                    for d, s, f, t, p in rows
+                ]
+            )
         if table is None:
             publish_each(self.publish, dsts, srcs, flags, steps, positions)
             return
-        _kernels()[3][(len(dsts),)](table, dsts[0], srcs[0], BLOCK=_FUSED_BLOCK, num_warps=4)
+        _kernels().publish_all[(len(dsts),)](
+            table, dsts[0], srcs[0], BLOCK=_FUSED_BLOCK, num_warps=4
+        )
 
-    def _table(
-        self,
-        dsts: Sequence[torch.Tensor],
-        srcs: Sequence[torch.Tensor],
-        flags: Sequence[torch.Tensor],
-        steps: Sequence[torch.Tensor],
-        positions: Sequence[int],
-    ) -> torch.Tensor | None:
-        """``publish_all``'s table on the memory's device (its rows: each part's destination,
-        source, elements, flag, step word, offset), built once per set of parts (a CUDA graph
-        replays the one its capture read); ``None`` where the kernel does not take the parts,
-        or where a capture would have to build it (a copy to the device is no graph node: the
-        step's eager run before its capture builds it)."""
-        if len(dsts) < 2:
-            return None
-        rows = []
-        for dst, src, flag, step, position in zip(dsts, srcs, flags, steps, positions, strict=True):
-            if dst.dtype != dsts[0].dtype or src.dtype != srcs[0].dtype:
-                return None
-            if _fusable((dst,), (src,)) is None:
-                return None
-            rows.append(
-                (
-                    dst.data_ptr(),
-                    src.data_ptr(),
-                    dst.numel(),
-                    flag.data_ptr(),
-                    step.data_ptr(),
-                    position + 1,
-                )
-            )
+    @functools.cached_property
+    def _tables(self) -> dict[tuple[tuple[int, ...], ...], torch.Tensor]:
+        """The fused kernels' tables by their rows (``_table``)."""
+        return {}
+
+    def _table(self, rows: Sequence[tuple[int, ...]]) -> torch.Tensor | None:
+        """A fused kernel's table of int64 ``rows`` (addresses, counts) on the memory's
+        device, built once per set of rows (a CUDA graph replays the one its capture read);
+        ``None`` where a capture would have to build it (a copy to the device is no graph
+        node: the step's eager run before its capture builds it)."""
         key = tuple(rows)
         table = self._tables.get(key)
         if table is None:
-            if flags[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return None
             if len(self._tables) >= _MAX_TABLES:
                 self._tables.clear()
-            table = torch.tensor(rows, dtype=torch.int64, device=flags[0].device)
+            table = torch.tensor(rows, dtype=torch.int64, device=self.device)
             self._tables[key] = table
         return table
 
@@ -306,42 +215,94 @@ class TritonWaits(RecordedWaits):
         position: int,
         what: str,
     ) -> None:
-        self._wait(flag, 0, 1, step, position)
+        _kernels().wait[(1,)](
+            flag, step, position + 1, self.errors, self.aborted, **self._bound, num_warps=1
+        )
 
-    def wait_all(
+    def wait_gather(
+        self,
+        flags: Sequence[torch.Tensor],
+        steps: Sequence[torch.Tensor],
+        positions: Sequence[int],
+        srcs: Sequence[Sequence[torch.Tensor]],
+        dsts: Sequence[torch.Tensor],
+        what: Callable[[int], str],
+    ) -> list[int | None]:
+        """One kernel, a program per sender (its wait, then its rows' copy), where every part
+        is contiguous; otherwise ``wait_then_gather``."""
+        x, ids, weights = dsts
+        table = None
+        if all(t.is_contiguous() for parts in srcs for t in parts) and all(
+            t.is_contiguous() for t in dsts
+        ):
+            first, rows = 0, []
+            for flag, step, position, (sx, sids, sweights) in zip(
+                flags, steps, positions, srcs, strict=True
+            ):
+                rows.append(
+                    (
+                        flag.data_ptr(),
+                        step.data_ptr(),
+                        position + 1,
+                        sx.data_ptr(),
+                        sids.data_ptr(),
+                        sweights.data_ptr(),
+                        first,
+                        sx.shape[0],
+                    )
+                )
+                first += sx.shape[0]
+            table = self._table(rows)
+        if table is None:
+            return wait_then_gather(self.wait, flags, steps, positions, srcs, dsts, what)
+        _kernels().wait_gather[(len(flags),)](
+            table,
+            x,
+            ids,
+            weights,
+            x.shape[1],
+            ids.shape[1],
+            self.errors,
+            self.aborted,
+            **self._bound,
+            BLOCK=_FUSED_BLOCK,
+            num_warps=4,
+        )
+        return [None] * len(flags)
+
+    def wait_sum(
         self,
         flags: Sequence[torch.Tensor],
         steps: Sequence[torch.Tensor],
         position: int,
+        srcs: Sequence[torch.Tensor],
+        out: torch.Tensor,
         what: Callable[[int], str],
     ) -> list[int | None]:
-        """One kernel where the flags lie evenly spaced and the step words side by side;
-        otherwise one wait each."""
-        stride = _even_stride(flags)
-        if stride is None or _even_stride(steps) != 1:
-            for flag, step in zip(flags, steps, strict=True):
-                self._wait(flag, 0, 1, step, position)
-        else:
-            self._wait(flags[0], stride, len(flags), steps[0], position)
-        return [None] * len(flags)
-
-    def _wait(
-        self, flag: torch.Tensor, stride: int, count: int, step: torch.Tensor, position: int
-    ) -> None:
-        timed = self.deadline_ns is not None
-        bound = self.deadline_ns if timed else self.max_spins
-        _kernels()[1][(1,)](
-            flag,
-            stride,
-            count,
-            step,
-            position + 1,
+        """One kernel (its programs each wait for every answer, then sum their blocks) where
+        the answers are contiguous and of ``out``'s type; otherwise ``wait_then_sum``."""
+        table = None
+        if out.is_contiguous() and all(s.is_contiguous() and s.dtype == out.dtype for s in srcs):
+            rows = zip(flags, steps, srcs, strict=True)
+            table = self._table(
+                [(f.data_ptr(), t.data_ptr(), position + 1, s.data_ptr()) for f, t, s in rows]
+            )
+        if table is None:
+            return wait_then_sum(self.wait, flags, steps, position, srcs, out, what)
+        n = out.numel()
+        programs = max(1, min(-(-n // _FUSED_BLOCK), _SUM_PROGRAMS))
+        _kernels().wait_sum[(programs,)](
+            table,
+            len(flags),
+            out,
+            n,
             self.errors,
             self.aborted,
-            bound,
-            TIMED=timed,
-            num_warps=1,
+            **self._bound,
+            BLOCK=_FUSED_BLOCK,
+            num_warps=4,
         )
+        return [None] * len(flags)
 
 
 class CudaPlaneMemory(TritonWaits):

@@ -27,6 +27,8 @@ from vllm_afd.transport.slot_plane import (
     _words,
     publish_by_copies,
     publish_each,
+    wait_then_gather,
+    wait_then_sum,
 )
 from vllm_afd.transport.wait import Backoff, WaitPolicy
 
@@ -183,15 +185,27 @@ class HostWords(RecordedWaits):
             self.errors += 1
         return None
 
-    def wait_all(
+    def wait_gather(
+        self,
+        flags: Sequence[torch.Tensor],
+        steps: Sequence[torch.Tensor],
+        positions: Sequence[int],
+        srcs: Sequence[Sequence[torch.Tensor]],
+        dsts: Sequence[torch.Tensor],
+        what: Callable[[int], str],
+    ) -> list[int | None]:
+        return wait_then_gather(self.wait, flags, steps, positions, srcs, dsts, what)
+
+    def wait_sum(
         self,
         flags: Sequence[torch.Tensor],
         steps: Sequence[torch.Tensor],
         position: int,
+        srcs: Sequence[torch.Tensor],
+        out: torch.Tensor,
         what: Callable[[int], str],
     ) -> list[int | None]:
-        pairs = enumerate(zip(flags, steps, strict=True))
-        return [self.wait(flag, step, position, what(i)) for i, (flag, step) in pairs]
+        return wait_then_sum(self.wait, flags, steps, position, srcs, out, what)
 
     def _watch_abort(self) -> None:
         if self.word(self.aborted)[0]:

@@ -274,7 +274,7 @@ class _CountingMemory(HostPlaneMemory):
 
     def _count(self, operation: str) -> None:
         if getattr(self._inside, "operation", False):
-            return  # host memory's publish signals, its wait_all waits: one operation each
+            return  # host memory's publish signals, its wait_sum waits: one operation each
         key = (threading.current_thread().name, operation)
         self.calls[key] = self.calls.get(key, 0) + 1
 
@@ -299,9 +299,18 @@ class _CountingMemory(HostPlaneMemory):
             lambda: super(_CountingMemory, self).publish_all(dsts, srcs, flags, steps, positions),
         )
 
-    def wait_all(self, flags, steps, position, what):
+    def wait_gather(self, flags, steps, positions, srcs, dsts, what):
         return self._one(
-            "wait_all", lambda: super(_CountingMemory, self).wait_all(flags, steps, position, what)
+            "wait_gather",
+            lambda: super(_CountingMemory, self).wait_gather(
+                flags, steps, positions, srcs, dsts, what
+            ),
+        )
+
+    def wait_sum(self, flags, steps, position, srcs, out, what):
+        return self._one(
+            "wait_sum",
+            lambda: super(_CountingMemory, self).wait_sum(flags, steps, position, srcs, out, what),
         )
 
     def signal(self, flag, step, position, failed=False) -> None:
@@ -313,44 +322,52 @@ class _CountingMemory(HostPlaneMemory):
         return super().wait(flag, step, position, what)
 
 
-@pytest.mark.parametrize("attention_ranks", [1, 2])
-def test_a_use_is_one_protocol_operation_per_side_and_direction(attention_ranks):
-    """Through the memory interface, one use (a layer of one microbatch, fixed shapes, one FFN
-    rank) is, per attention rank, one ``publish`` (payload and flag: one kernel on a device)
-    and one ``wait``; on the FFN rank one wait for every attention rank's request (``wait_all``:
-    one kernel on a device) and one answer to all (a ``signal`` after experts that wrote in
-    place, or a ``publish_all`` of each rank's share of a gathered forward: one kernel on a
-    device), around the MoE kernel."""
+@pytest.mark.parametrize(("attention_ranks", "ffn_ranks"), [(1, 1), (2, 1), (2, 2)])
+def test_a_use_is_one_protocol_operation_per_side_and_direction(attention_ranks, ffn_ranks):
+    """Through the memory interface, one use (a layer of one microbatch, fixed shapes) is, per
+    attention rank, one ``publish`` per FFN rank (payload and flag: one kernel on a device) and
+    one ``wait_sum`` of every FFN rank's answer (one kernel); on each FFN rank one wait for
+    every attention rank's request (``wait_gather``, their rows side by side for one forward:
+    one kernel) and one answer to all (a ``signal`` after experts that wrote in place, or a
+    ``publish_all`` of each rank's share of the forward: one kernel), around the MoE kernel."""
     memory = _CountingMemory()
-    spec = _spec(attention=attention_ranks, ffn=1)
+    spec = _spec(attention=attention_ranks, ffn=ffn_ranks)
     layout = PlaneLayout.of(spec)
-    ffn = FFNPlane(layout, memory, 0)
-    planes = _link([ffn], layout, memory, attention_ranks)
+    ffns = [FFNPlane(layout, memory, f) for f in range(ffn_ranks)]
+    planes = _link(ffns, layout, memory, attention_ranks)
     experts = ScaleExperts(torch.arange(1.0, 9.0) / 4)
-    local = LocalMoE.for_rank(experts, spec, 0)
     parts = [Part(a, 3, 0) for a in range(attention_ranks)]
-    server = threading.Thread(target=ffn.serve, args=(0, parts, local), name="ffn")
-    for a in range(attention_ranks):
-        ffn.begin(a, 1)
+    servers = [
+        threading.Thread(
+            target=ffn.serve,
+            args=(0, parts, LocalMoE.for_rank(experts, spec, f)),
+            name=f"ffn{f}",
+        )
+        for f, ffn in enumerate(ffns)
+    ]
+    for ffn in ffns:
+        for a in range(attention_ranks):
+            ffn.begin(a, 1)
     for plane in planes:
         plane.begin(1)
-    server.start()
+    for server in servers:
+        server.start()
     handles, inputs = [], []
     for plane in planes:
         x, ids, weights = _routing(3, seed=plane.rank)
         inputs.append((x, ids, weights))
         handles.append(dispatch(plane, 0, 0, x, ids, weights))
     outs = [combine(plane, handle) for plane, handle in zip(planes, handles, strict=True)]
-    server.join(10)
+    for server in servers:
+        server.join(10)
     memory.check()
     for out, (x, ids, weights) in zip(outs, inputs, strict=True):
-        assert torch.equal(out, reference_moe_combine(x, ids, weights, experts, 8, 1))
+        assert torch.equal(out, reference_moe_combine(x, ids, weights, experts, 8, ffn_ranks))
     me = threading.current_thread().name
     alone = attention_ranks == 1
-    assert memory.calls == {
-        (me, "publish"): attention_ranks,
-        (me, "wait"): attention_ranks,
-        ("ffn", "wait" if alone else "wait_all"): 1,
-        ("ffn", "signal" if alone else "publish_all"): 1,
-    }
+    expected = {(me, "publish"): attention_ranks * ffn_ranks, (me, "wait_sum"): attention_ranks}
+    for f in range(ffn_ranks):
+        expected[f"ffn{f}", "wait" if alone else "wait_gather"] = 1
+        expected[f"ffn{f}", "signal" if alone else "publish_all"] = 1
+    assert memory.calls == expected
     memory.close()

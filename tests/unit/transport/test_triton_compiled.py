@@ -20,22 +20,16 @@ SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from vllm_afd.transport import slot_plane_cuda
+    from vllm_afd.transport import slot_plane_kernels as k
 
-    signal, wait, publish, publish_all = slot_plane_cuda._kernels()
     i64, p64 = "i64", "*i64"
+    bound = dict(error_ptr=p64, abort_ptr=p64, bound=i64, TIMED="constexpr")
+    timed = {"TIMED": True}
     kernels = {
-        "signal": (signal, dict(flag_ptr=p64, step_ptr=p64, offset=i64, sign=i64), {}),
-        "wait": (
-            wait,
-            dict(
-                flag_ptr=p64, flag_stride=i64, count=i64, step_ptr=p64, offset=i64,
-                error_ptr=p64, abort_ptr=p64, bound=i64, TIMED="constexpr",
-            ),
-            {"TIMED": True},
-        ),
+        "signal": (k.signal, dict(flag_ptr=p64, step_ptr=p64, offset=i64, sign=i64), {}),
+        "wait": (k.wait, dict(flag_ptr=p64, step_ptr=p64, offset=i64, **bound), timed),
         "publish": (
-            publish,
+            k.publish,
             dict(
                 d0="*bf16", s0="*bf16", n0=i64, d1="*i32", s1=p64, n1=i64, d2="*fp32",
                 s2="*fp32", n2=i64, flag_ptr=p64, step_ptr=p64, offset=i64, BLOCK="constexpr",
@@ -43,9 +37,22 @@ SCRIPT = textwrap.dedent(
             {"BLOCK": 4096},
         ),
         "publish_all": (
-            publish_all,
+            k.publish_all,
             dict(table=p64, dst_type="*bf16", src_type="*bf16", BLOCK="constexpr"),
             {"BLOCK": 4096},
+        ),
+        "wait_gather": (
+            k.wait_gather,
+            dict(
+                table=p64, x="*bf16", ids="*i32", weights="*fp32", hidden=i64, top_k=i64,
+                **bound, BLOCK="constexpr",
+            ),
+            {**timed, "BLOCK": 4096},
+        ),
+        "wait_sum": (
+            k.wait_sum,
+            dict(table=p64, count=i64, out="*bf16", n=i64, **bound, BLOCK="constexpr"),
+            {**timed, "BLOCK": 4096},
         ),
     }
     out = {}
@@ -66,15 +73,24 @@ def _index(code: list[str], needle: str) -> int:
     return next(i for i, line in enumerate(code) if needle in line)
 
 
+def _last(code: list[str], needle: str) -> int:
+    return max(i for i, line in enumerate(code) if needle in line)
+
+
 def test_the_plane_kernels_compile_for_sm90_with_the_protocols_memory_semantics(tmp_path):
     # compiled here, every time (a cache of its own), never interpreted
     env = {"TRITON_CACHE_DIR": str(tmp_path / "cache"), "TRITON_INTERPRET": ""}
     out = run_with_triton(SCRIPT, tmp_path, env)
     assert all(kernel["cubin"] > 0 for kernel in out.values())  # ptxas took the PTX
-    wait = out["wait"]["code"]
-    assert any("ld.global.sys.acquire.b64" in line for line in wait)  # the flag, acquired
-    assert any("%globaltimer" in line for line in wait)  # the deadline is a time
-    assert any("ld.volatile.global" in line for line in wait)  # the abort word, re-read
+    acquire = "ld.global.sys.acquire.b64"
+    for name in ("wait", "wait_gather", "wait_sum"):
+        code = out[name]["code"]
+        assert any(acquire in line for line in code)  # the flag, acquired
+        assert any("%globaltimer" in line for line in code)  # the deadline is a time
+        assert any("ld.volatile.global" in line for line in code)  # the abort word, re-read
+    for name in ("wait_gather", "wait_sum"):  # the payload is read after the flag's acquire
+        code = out[name]["code"]
+        assert _index(code, acquire) < _last(code, "ld.global") and "st.global" in str(code)
     release = "atom.global.sys.release.exch.b64"
     assert any(release in line for line in out["signal"]["code"])
     for name in ("publish", "publish_all"):  # the payload's stores, a barrier, then the flag

@@ -31,6 +31,8 @@ SCRIPT = textwrap.dedent(
             kind.wait is TritonWaits.wait,
             kind.publish is TritonWaits.publish and not memory.stores_on_host,
             kind.publish_all is TritonWaits.publish_all,
+            kind.wait_gather is TritonWaits.wait_gather,
+            kind.wait_sum is TritonWaits.wait_sum,
         ]
         # two processes, two attention ranks (the FFN rank gathers their rows and publishes
         # each share), the toy model's 4 layers x 2 microbatches x 2 steps, vLLM's DBO order
@@ -66,6 +68,49 @@ SCRIPT = textwrap.dedent(
         out["published"] = [dsts[0].float().tolist(), dsts[1].float().tolist()]
         out["flags"] = [int(f) for f in flags]
         out["tables"] = len(memory._tables)
+        # an FFN rank takes the requests of two attention ranks (2 and 1 rows, at their own
+        # steps): one kernel waits for each and lays their rows side by side
+        requests = memory.create(1024)[0]
+        def part(at, dtype, rows, cols):
+            return requests[at : at + rows * cols * 4].view(dtype).view(rows, cols)
+
+        src = [
+            (
+                part(256 * a + 128, torch.float32, 2 - a, 4),
+                part(256 * a + 192, torch.int32, 2 - a, 2),
+                part(256 * a + 224, torch.float32, 2 - a, 2),
+            )
+            for a in range(2)
+        ]
+        for a, (x, ids, weights) in enumerate(src):
+            x.copy_(torch.arange(x.numel(), dtype=torch.float32).view_as(x) + 100 * a)
+            ids.fill_(a + 1)
+            weights.fill_(a / 2)
+        request_flags = [requests[256 * a : 256 * a + 8].view(torch.int64) for a in range(2)]
+        memory.signal(request_flags[0], step, 1)
+        memory.signal(request_flags[1], other, 3)
+        gathered = (torch.empty(3, 4), torch.empty(3, 2, dtype=torch.int32), torch.empty(3, 2))
+        memory.wait_gather(request_flags, [step, other], [1, 3], src, gathered, lambda i: "r")
+        memory.check()
+        out["gathered"] = [t.tolist() for t in gathered]
+        # an attention rank combines the answers of two FFN ranks: one kernel waits for both,
+        # then sums them, in order and in float32, into the combine's tensor
+        for f, buffer in enumerate(answers):
+            buffer[128:176].view(torch.float32).copy_(torch.full((12,), 0.25 * (f + 1)))
+            memory.signal(flags[f], step, 6)
+        total = torch.empty(3, 4)
+        views = [b[128:176].view(torch.float32).view(3, 4) for b in answers]
+        memory.wait_sum(flags, [step, step], 6, views, total, lambda f: "a")
+        memory.check()
+        out["summed"] = total.flatten().tolist()
+        # an answer that never comes: the sum's wait gives up at its bound, check raises
+        memory.max_spins = 50
+        memory.wait_sum(flags, [step, step], 7, views, total, lambda f: "a")
+        try:
+            memory.check()
+        except Exception as exc:
+            out["missing"] = type(exc).__name__
+        out["tables_after"] = len(memory._tables)  # the fused kernels ran: one table each
         memory.close()
         print(json.dumps(out))
     """
@@ -74,10 +119,18 @@ SCRIPT = textwrap.dedent(
 
 def test_the_triton_kernels_carry_the_protocol_between_two_processes(tmp_path):
     out = run_with_triton(SCRIPT, tmp_path, {"TRITON_INTERPRET": "1"})
-    assert out["kernels"] == [True, True, True, True]
+    assert out["kernels"] == [True] * 6
     assert out["pair"] == {"max_abs_error": 0.0, "steps_checked": 2}
     assert out["aborted_after_s"] < 2.0  # the bound would be 40,000 polls (~10 s)
     assert out["raised"] == "FFN rank 0 died"
     assert out["flag"] == (7 << 16) + 3
     assert out["published"] == [list(map(float, range(12))), list(map(float, range(12, 24)))]
     assert out["flags"] == [(7 << 16) + 5, (9 << 16) + 1] and out["tables"] == 1
+    assert out["gathered"] == [
+        [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [100.0, 101.0, 102.0, 103.0]],
+        [[1, 1], [1, 1], [2, 2]],
+        [[0.0, 0.0], [0.0, 0.0], [0.5, 0.5]],
+    ]
+    assert out["summed"] == [0.75] * 12
+    assert out["missing"] == "FFNTimeout"
+    assert out["tables_after"] == 4  # publish_all, wait_gather, wait_sum at two positions

@@ -1,0 +1,178 @@
+"""The slot plane's Triton kernels (``slot_plane_cuda``: what each is for, and why one kernel
+per protocol operation). A module of its own so that they are module globals, as Triton's
+interpreter needs of the jit functions a kernel calls, and imported only where Triton is
+(``slot_plane_cuda._kernels``): vLLM's CPU build runs without it. The kernels stay
+unannotated: Triton reads a kernel's parameter annotations (its argument types and
+specialisation), so typing them for mypy would change the kernels.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def signal(  # type: ignore[no-untyped-def]
+    flag_ptr, step_ptr, offset, sign
+):
+    value = (tl.load(step_ptr) + offset) * sign
+    tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def await_flag(  # type: ignore[no-untyped-def]
+    flag, want, abort_ptr, bound, start, TIMED: tl.constexpr
+):
+    # spin on an acquire load at system scope until ``|flag|`` reaches ``want``, the abort
+    # word is set or the bound passed (TIMED: nanoseconds of the global timer since
+    # ``start``; else polls); true where it ended on another value than ``want``
+    seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    aborted = tl.load(abort_ptr, volatile=True)
+    spins = 0
+    within = spins < bound
+    while (seen < want) & (seen > -want) & within & (aborted == 0):
+        seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        aborted = tl.load(abort_ptr, volatile=True)
+        spins += 1
+        if TIMED:
+            within = tl.extra.cuda.globaltimer() - start < bound
+        else:
+            within = spins < bound
+    return seen != want
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def copy_rows(  # type: ignore[no-untyped-def]
+    dst, src, n, BLOCK: tl.constexpr
+):
+    # ``n`` elements of ``src`` (an int64 address, of ``dst``'s element type) to ``dst``
+    src = src.to(dst.dtype)
+    for start in range(0, n, BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        tl.store(dst + at, tl.load(src + at, mask=at < n), mask=at < n)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def clock(TIMED: tl.constexpr):  # type: ignore[no-untyped-def]
+    if TIMED:
+        return tl.extra.cuda.globaltimer()
+    else:
+        return 0
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def wait(  # type: ignore[no-untyped-def]
+    flag_ptr, step_ptr, offset, error_ptr, abort_ptr, bound, TIMED: tl.constexpr
+):
+    # one flag, awaited at the use's value; bound: nanoseconds of the GPU's global timer
+    # (TIMED), else polls (the interpreter, which has no device clock)
+    want = tl.load(step_ptr) + offset
+    if await_flag(flag_ptr, want, abort_ptr, bound, clock(TIMED), TIMED):
+        tl.atomic_add(error_ptr, 1)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def publish(  # type: ignore[no-untyped-def]
+    d0, s0, n0, d1, s1, n1, d2, s2, n2, flag_ptr, step_ptr, offset, BLOCK: tl.constexpr
+):
+    # one program: every element of up to three parts into the peer's slot, converted to
+    # the destination's type (vLLM's int64 expert ids to the slot's int32), the CTA's
+    # stores ordered before the flag (barrier, then a release store at system scope)
+    for start in range(0, n0, BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        part = tl.load(s0 + at, mask=at < n0).to(d0.dtype.element_ty)
+        tl.store(d0 + at, part, mask=at < n0)
+    for start in range(0, n1, BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        part = tl.load(s1 + at, mask=at < n1).to(d1.dtype.element_ty)
+        tl.store(d1 + at, part, mask=at < n1)
+    for start in range(0, n2, BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        part = tl.load(s2 + at, mask=at < n2).to(d2.dtype.element_ty)
+        tl.store(d2 + at, part, mask=at < n2)
+    tl.debug_barrier()
+    value = tl.load(step_ptr) + offset
+    tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def publish_all(  # type: ignore[no-untyped-def]
+    table, dst_type, src_type, BLOCK: tl.constexpr
+):
+    # program i publishes part i, its row of ``table`` (int64 words: destination, source,
+    # elements, flag, step word, offset; addresses, since each destination is another
+    # attention rank's buffer): the copy, the CTA's barrier, the flag's release store;
+    # ``dst_type``, ``src_type``: the first part's tensors, for the element types
+    row = table + tl.program_id(0) * 6
+    dst = tl.load(row).to(dst_type.dtype)
+    src = tl.load(row + 1).to(src_type.dtype)
+    n = tl.load(row + 2)
+    flag = tl.load(row + 3).to(tl.pointer_type(tl.int64))
+    step = tl.load(row + 4).to(tl.pointer_type(tl.int64))
+    for start in range(0, n, BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        part = tl.load(src + at, mask=at < n).to(dst_type.dtype.element_ty)
+        tl.store(dst + at, part, mask=at < n)
+    tl.debug_barrier()
+    value = tl.load(step) + tl.load(row + 5)
+    tl.atomic_xchg(flag, value, sem="release", scope="sys")
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def wait_gather(  # type: ignore[no-untyped-def]
+    table,
+    x,
+    ids,
+    weights,
+    hidden,
+    top_k,
+    error_ptr,
+    abort_ptr,
+    bound,
+    TIMED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # program i takes sender i's request, its row of ``table`` (int64 words: flag, step
+    # word, offset, then the request's x, ids and weights, its first gathered row, its
+    # rows): the wait, then its rows copied into rows [first, first + rows) of ``x``
+    # ``[R, hidden]``, ``ids`` and ``weights`` ``[R, top_k]`` (the senders' slots lie in
+    # one buffer but a slot apart: the forward needs them side by side)
+    row = table + tl.program_id(0) * 8
+    flag = tl.load(row).to(tl.pointer_type(tl.int64))
+    want = tl.load(tl.load(row + 1).to(tl.pointer_type(tl.int64))) + tl.load(row + 2)
+    if await_flag(flag, want, abort_ptr, bound, clock(TIMED), TIMED):
+        tl.atomic_add(error_ptr, 1)
+    first, rows = tl.load(row + 6), tl.load(row + 7)
+    copy_rows(x + first * hidden, tl.load(row + 3), rows * hidden, BLOCK)
+    copy_rows(ids + first * top_k, tl.load(row + 4), rows * top_k, BLOCK)
+    copy_rows(weights + first * top_k, tl.load(row + 5), rows * top_k, BLOCK)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def wait_sum(  # type: ignore[no-untyped-def]
+    table,
+    count,
+    out,
+    n,
+    error_ptr,
+    abort_ptr,
+    bound,
+    TIMED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # every program waits for the ``count`` answers, rows of ``table`` (int64 words:
+    # flag, step word, offset, answer), program 0 counting a failed wait; then sums its
+    # blocks of the ``n`` elements of every answer, in order and in float32, into ``out``
+    start = clock(TIMED)
+    for i in range(count):
+        row = table + i * 4
+        flag = tl.load(row).to(tl.pointer_type(tl.int64))
+        want = tl.load(tl.load(row + 1).to(tl.pointer_type(tl.int64))) + tl.load(row + 2)
+        if await_flag(flag, want, abort_ptr, bound, start, TIMED) & (tl.program_id(0) == 0):
+            tl.atomic_add(error_ptr, 1)
+    for begin in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        at = begin + tl.arange(0, BLOCK)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in range(count):
+            answer = tl.load(table + i * 4 + 3).to(out.dtype)
+            acc += tl.load(answer + at, mask=at < n).to(tl.float32)
+        tl.store(out + at, acc.to(out.dtype.element_ty), mask=at < n)
