@@ -301,13 +301,13 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
                 self.memory.abort(lost)  # type: ignore[attr-defined]
 
     def _announce(self, schedule: StepSchedule) -> None:
-        """Raise what the last step's device waits recorded, then start ``schedule``'s step
-        (a step abandoned half-way leaves its slots to this one) and put it into every FFN
-        rank's control block. A CUDA-graph capture touches neither the device's error word
-        (reading it would sync inside the capture) nor the step word (one set there would be
-        baked into the graph); each replay's own announcement sets it."""
+        """Raise what the earlier steps' device waits recorded (read without a device sync:
+        ``RecordedWaits.check``), then start ``schedule``'s step (a step abandoned half-way
+        leaves its slots to this one) and put it into every FFN rank's control block. A
+        CUDA-graph capture touches neither the error word nor the step word (one set there
+        would be baked into the graph); each replay's own announcement sets it."""
         if schedule.mode != Mode.CAPTURE:
-            self.memory.check()
+            self.memory.check(schedule.step)
             self.plane.begin(schedule.step)
         self._positions = _positions(schedule.layers)
         self._tokens = schedule.microbatch_tokens[: self.spec.num_slots]

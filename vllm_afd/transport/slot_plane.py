@@ -68,12 +68,13 @@ operation per side and direction around the MoE kernel: the attention rank publi
 FFN rank and awaits and sums their answers at once (``wait_sum``); the FFN rank awaits every
 attention rank's request and gathers their rows for one forward at once (``wait_gather``) and
 answers them at once (``publish_all``), or, for one attention rank, waits, lets the experts
-read the slot and write the answer in place, and signals. The FFN side serves the plane in one of two ways from the same flags (``slots.py``): what is pending (host
-memory: a flag whose value changed is a request, its layer read from its sender's announced
-schedule, its rows from the row-count word; attention ranks need not step together), or whole
-announced steps (every device: each wait is for the value its use must carry; values only grow
-within a step, so a wait that finds a larger one knows its peer moved on and ends; shapes are
-fixed, so that a step is one CUDA graph).
+read the slot and write the answer in place, and signals. The FFN side serves the plane in one
+of two ways from the same flags (``slots.py``): what is pending (host memory: a flag whose value
+changed is a request, its layer read from its sender's announced schedule, its rows from the
+row-count word; attention ranks need not step together), or whole announced steps (every device:
+each wait is for the value its use must carry; values only grow within a step, so a wait that
+finds a larger one knows its peer moved on and ends; shapes are fixed, so that a step is one
+CUDA graph).
 
 Fixed shapes on devices. Every dispatch on device memory sends all its ``n`` rows to every FFN
 rank (no host-side filtering by expert, which needs the routing on the host), so traffic per
@@ -86,9 +87,9 @@ the awaited value to its caller; its ``watch`` callback (every ``WATCH_INTERVAL_
 ``slot_plane_host.await_word``) lets the caller end it early (the FFN process died, the sender
 announced a newer step). A device wait gives up at its deadline (the GPU's global timer), or on
 an error answer, a peer that moved on or an abort word a host watchdog sets when the peer dies
-(``RecordedWaits.abort``: the step's later waits end at once), records it in a device word and
-lets the stream go on (a kernel cannot raise); ``check()`` reads that word on the host (at step
-boundaries, where the host looks anyway) and raises.
+(``RecordedWaits.abort``: the step's later waits end at once), records its use's value in a
+word of host memory and lets the stream go on (a kernel cannot raise); ``check()`` reads that
+word at step boundaries, where the host looks anyway, without a device sync, and raises.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ POSITION_BITS = 16
 PLANE_PREFIX = "vllm_afd_plane_"
 #: How often a waiting host calls its ``watch`` (seconds).
 WATCH_INTERVAL_S = 0.05
+#: ``RecordedWaits.aborted`` that ends every wait.
+ABORT_ALL = (1 << 63) - 1
 
 
 def _words(tensor: torch.Tensor) -> memoryview:
@@ -391,8 +394,9 @@ class PlaneMemory(Protocol):
         ``flags[i]``, each shaped as ``out``), in order: an attention rank's answers of one
         use from every FFN rank. One operation on a device."""
 
-    def check(self) -> None:
-        """Raise if a wait failed since the last check (where waits only record it)."""
+    def check(self, step: int | None = None) -> None:
+        """Raise if a wait failed since the last check (where waits only record it);
+        ``step``: the step about to be announced (``RecordedWaits.check``)."""
 
     def close(self) -> None:
         """Release what ``create`` and ``attach`` mapped (the creator's buffers go)."""
@@ -724,40 +728,60 @@ class FFNPlane:
 class RecordedWaits:
     """The device's way to fail a wait, shared by ``CudaPlaneMemory`` and ``HostPlaneMemory``
     with ``device_waits``: a wait cannot raise (a kernel), so one that ends without its
-    answer (gave up, an error answer, a peer that moved on, ``abort``) is counted in
-    ``errors``, a word on the memory's device, and ``check()`` reads it on the host and raises.
+    answer (gave up, an error answer, a peer that moved on, ``abort``) records its use's value
+    in ``errors`` (the largest so far), and ``check()`` reads it at the next step boundary and
+    raises. ``errors`` lies in host memory (pinned on GPUs, written by the device through the
+    same address), so that read is no device sync: the host may be a step ahead of the device
+    (vLLM's async scheduling), and a failure is raised at the first check after its wait
+    ended, once per failure (a check covers every step announced before it).
 
     A dead peer must not cost every remaining wait of a step its whole bound: a host watchdog
-    that sees it die calls ``abort``, which sets ``aborted``, a word in host memory every wait
-    polls (pinned memory the device reads on GPUs), so the step's waits end at once."""
+    that sees it die calls ``abort``, which ends every wait polling ``aborted`` (host memory,
+    every wait polls it) at once; the next ``check(step)`` raises why and leaves the waits of
+    earlier steps aborted, since the device may still be running them, and those of ``step``
+    and later ones waiting."""
 
     #: Its waits record where they fail (``check`` raises) instead of raising.
     records_waits = True
+    #: The largest use's value of a wait that ended without its answer (host memory, int64
+    #: [1]; 0: none).
     errors: torch.Tensor
-    #: Non-zero: every wait ends at once, failed, until ``check`` (host memory, int64 [1]).
+    #: A wait whose use's value is at most this ends at once, failed (host memory, int64 [1]).
     aborted: torch.Tensor
     #: What a wait gives up after, for the message (``"30 s"``, ``"67108864 polls"``).
     bound: str
     _reason: TransportError | None = None
+    #: The largest use's value a raise covered.
+    _raised = 0
 
     def abort(self, reason: TransportError) -> None:
         """End every wait now and until the next ``check``, which raises ``reason``."""
         self._reason = reason
-        self.aborted.fill_(1)  # host memory: a plain store, read by the waits
+        self.aborted.fill_(ABORT_ALL)  # host memory: a plain store, read by the waits
 
-    def check(self) -> None:
-        failed = int(self.errors)  # a device sync: at step boundaries only
+    def check(self, step: int | None = None) -> None:
+        """Raise what ended a wait since the last raise: the watchdog's reason, or a wait
+        that ended without its answer. ``step``: the step about to be announced (the
+        attention side's check); a raise covers every use before it, and waits before it stay
+        aborted. Without one (the FFN side, which the watchdog never aborts) a raise covers
+        what it read, and ``abort`` ends."""
+        failed = int(self.errors[0])  # host memory: no device sync
         reason, self._reason = self._reason, None
-        if failed or reason is not None:
-            self.errors.zero_()
-            self.aborted.zero_()
+        if reason is None and failed <= self._raised:
+            return
+        covered = max(failed, self._raised)
+        if step is not None:
+            covered = max(covered, (step << POSITION_BITS) - 1)
+        self._raised = covered
         if reason is not None:
+            self.aborted.fill_(0 if step is None else (step << POSITION_BITS) - 1)
             raise reason
-        if failed:
-            raise FFNTimeout(
-                f"slot plane: {failed} wait(s) ended without their answer (given up after "
-                f"{self.bound}, an error answer, or a peer that moved on)"
-            )
+        failed_step, position = value_use(failed)
+        raise FFNTimeout(
+            f"slot plane: a wait of step {failed_step} (layer position {position}) ended "
+            f"without its answer (given up after {self.bound}, an error answer, or a peer "
+            "that moved on)"
+        )
 
 
 __all__ = [

@@ -29,10 +29,10 @@ spins on an acquire load (``atomic_add(flag, 0)``) at system scope until ``|flag
 awaited value. A kernel cannot raise: a wait that gives up at its deadline (the GPU's
 ``%globaltimer`` against the transport's ``timeout_s``: a dead peer costs a wait seconds, not a
 poll budget of minutes), or ends on another value than its own (an error answer, a peer that
-moved on), or that a host watchdog aborted (a word in pinned host memory it polls), is counted
-in a device word (``slot_plane.RecordedWaits``), and ``check()`` reads that word on the host at a
-step boundary. Under Triton's interpreter (the suite: no device clock) a wait is bounded by a
-number of polls instead.
+moved on), or that a host watchdog aborted (a word in pinned host memory it polls), records its
+use's value in a word of pinned host memory (``slot_plane.RecordedWaits``), and ``check()``
+reads that word at the next step boundary without a device sync. Under Triton's interpreter
+(the suite: no device clock) a wait is bounded by a number of polls instead.
 
 CUDA IPC, not PyTorch symmetric memory: it needs no process-group rendezvous (NCCL refuses two
 ranks on one GPU) and works for two processes sharing a device. The handle peers attach by is
@@ -116,7 +116,8 @@ class TritonWaits(RecordedWaits):
     """The plane's operations as the Triton kernels above, on whatever memory holds the flags:
     device memory here (``CudaPlaneMemory``), host memory under Triton's interpreter in the
     suite (``testing.slot_plane_check.InterpretedPlaneMemory``: the same kernels, run on every
-    push). ``errors`` must be on the memory's device, ``aborted`` readable by it."""
+    push). ``errors`` and ``aborted`` lie in host memory the device reads and writes (pinned, on
+    GPUs)."""
 
     #: A wait's bound: nanoseconds of the device's global timer (``%globaltimer``) where the
     #: device has one, else this many polls.
@@ -311,9 +312,10 @@ class CudaPlaneMemory(TritonWaits):
     def __init__(self, device: torch.device | int = 0, timeout_s: float = 30.0):
         self.device = torch.device("cuda", device) if isinstance(device, int) else device
         self.deadline_ns = int(timeout_s * 1e9)
-        self.errors = torch.zeros(1, dtype=torch.int64, device=self.device)
-        # pinned host memory, which the device reads through the same address (UVA), as NCCL
-        # polls its abort flag: set by a host watchdog while a wait spins (``abort``)
+        # pinned host memory, which the device reads and writes through the same address
+        # (UVA), as NCCL polls its abort flag: the failed waits' word, read by ``check`` with
+        # no device sync, and the abort word, set by a host watchdog while a wait spins
+        self.errors = torch.zeros(1, dtype=torch.int64).pin_memory()
         self.aborted = torch.zeros(1, dtype=torch.int64).pin_memory()
         self.bound = f"{timeout_s:g} s"
         self._keep: list[torch.Tensor] = []  # created buffers: peers map them

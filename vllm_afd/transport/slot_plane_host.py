@@ -163,26 +163,28 @@ class HostWords(RecordedWaits):
         what: str,
     ) -> int | None:
         want = self.word(step)[0] + position + 1
-        watch = None
-        if self.device_waits:
-            if self.word(self.aborted)[0]:  # a step whose peer died: its waits end at once
-                self.errors += 1
-                return None
-            watch = self._watch_abort
-        backoff = Backoff(self.policy, pump=self.pump)
-        try:
-            seen = await_word(self.word(flag), want, backoff.start + self.timeout_s, backoff, watch)
-        except _Aborted:
-            seen = None
-        if seen is None:
-            if self.device_waits:
-                self.errors += 1
-                return None
-            raise FFNTimeout(f"slot plane: {what} did not come within {self.timeout_s} s")
         if not self.device_waits:
+            backoff = Backoff(self.policy, pump=self.pump)
+            seen = await_word(self.word(flag), want, backoff.start + self.timeout_s, backoff)
+            if seen is None:
+                raise FFNTimeout(f"slot plane: {what} did not come within {self.timeout_s} s")
             return seen
-        if seen != want:
-            self.errors += 1
+        aborted = self.word(self.aborted)
+        if aborted[0] < want:  # else a step whose peer died: its waits end at once
+            backoff = Backoff(self.policy, pump=self.pump)
+
+            def watch() -> None:
+                if aborted[0] >= want:
+                    raise _Aborted
+
+            try:
+                deadline = backoff.start + self.timeout_s
+                if await_word(self.word(flag), want, deadline, backoff, watch) == want:
+                    return None
+            except _Aborted:
+                pass
+        errors = self.word(self.errors)
+        errors[0] = max(errors[0], want)
         return None
 
     def wait_gather(
@@ -207,13 +209,9 @@ class HostWords(RecordedWaits):
     ) -> list[int | None]:
         return wait_then_sum(self.wait, flags, steps, position, srcs, out, what)
 
-    def _watch_abort(self) -> None:
-        if self.word(self.aborted)[0]:
-            raise _Aborted
-
-    def check(self) -> None:
+    def check(self, step: int | None = None) -> None:
         if self.device_waits:
-            super().check()
+            super().check(step)
 
 
 class HostPlaneMemory(HostWords):

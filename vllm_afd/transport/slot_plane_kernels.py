@@ -23,13 +23,14 @@ def await_flag(  # type: ignore[no-untyped-def]
     flag, want, abort_ptr, bound, start, TIMED: tl.constexpr
 ):
     # spin on an acquire load at system scope until ``|flag|`` reaches ``want``, the abort
-    # word is set or the bound passed (TIMED: nanoseconds of the global timer since
-    # ``start``; else polls); true where it ended on another value than ``want``
+    # word reaches it (``RecordedWaits.aborted``) or the bound passed (TIMED: nanoseconds of
+    # the global timer since ``start``; else polls); true where it ended on another value
+    # than ``want``
     seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
     aborted = tl.load(abort_ptr, volatile=True)
     spins = 0
     within = spins < bound
-    while (seen < want) & (seen > -want) & within & (aborted == 0):
+    while (seen < want) & (seen > -want) & within & (aborted < want):
         seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
         aborted = tl.load(abort_ptr, volatile=True)
         spins += 1
@@ -67,7 +68,7 @@ def wait(  # type: ignore[no-untyped-def]
     # (TIMED), else polls (the interpreter, which has no device clock)
     want = tl.load(step_ptr) + offset
     if await_flag(flag_ptr, want, abort_ptr, bound, clock(TIMED), TIMED):
-        tl.atomic_add(error_ptr, 1)
+        tl.atomic_max(error_ptr, want, scope="sys")
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -140,7 +141,7 @@ def wait_gather(  # type: ignore[no-untyped-def]
     flag = tl.load(row).to(tl.pointer_type(tl.int64))
     want = tl.load(tl.load(row + 1).to(tl.pointer_type(tl.int64))) + tl.load(row + 2)
     if await_flag(flag, want, abort_ptr, bound, clock(TIMED), TIMED):
-        tl.atomic_add(error_ptr, 1)
+        tl.atomic_max(error_ptr, want, scope="sys")
     first, rows = tl.load(row + 6), tl.load(row + 7)
     copy_rows(x + first * hidden, tl.load(row + 3), rows * hidden, BLOCK)
     copy_rows(ids + first * top_k, tl.load(row + 4), rows * top_k, BLOCK)
@@ -168,7 +169,7 @@ def wait_sum(  # type: ignore[no-untyped-def]
         flag = tl.load(row).to(tl.pointer_type(tl.int64))
         want = tl.load(tl.load(row + 1).to(tl.pointer_type(tl.int64))) + tl.load(row + 2)
         if await_flag(flag, want, abort_ptr, bound, start, TIMED) & (tl.program_id(0) == 0):
-            tl.atomic_add(error_ptr, 1)
+            tl.atomic_max(error_ptr, want, scope="sys")
     for begin in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
         at = begin + tl.arange(0, BLOCK)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
 
 from tests.unit.ubatchlib import run_ubatch_threads
-from vllm_afd.errors import FFNTimeout
+from vllm_afd.errors import FFNRankLost, FFNTimeout
 from vllm_afd.testing import slot_plane_check
 from vllm_afd.testing.reference import (
     LocalMoE,
@@ -25,12 +26,14 @@ from vllm_afd.testing.slot_plane_check import combine, dispatch
 from vllm_afd.transport.base import TransportSpec
 from vllm_afd.transport.slot_plane import (
     LINE,
+    POSITION_BITS,
     AnswerViews,
     AttentionPlane,
     FFNPlane,
     Part,
     PlaneLayout,
     SlotViews,
+    step_word,
 )
 from vllm_afd.transport.slot_plane_host import HostPlaneMemory
 
@@ -370,4 +373,35 @@ def test_a_use_is_one_protocol_operation_per_side_and_direction(attention_ranks,
         expected[f"ffn{f}", "wait" if alone else "wait_gather"] = 1
         expected[f"ffn{f}", "signal" if alone else "publish_all"] = 1
     assert memory.calls == expected
+    memory.close()
+
+
+def test_recorded_waits_are_read_without_a_sync_once_per_failure_and_outlive_an_abort():
+    """``check`` reads the failed waits' word in host memory, with no device sync, so the host
+    may be a step ahead of the device (vLLM's async scheduling): a failure is raised once, at
+    the first check after its wait ended, and a later failure of a step that check covered
+    (the device still running it) is not raised again; after an abort, the check announcing
+    step S raises why, leaves the waits of earlier steps aborted (the device may still run
+    them: each would spin to its bound) and lets those of S wait."""
+    memory = HostPlaneMemory(timeout_s=0.2, device_waits=True)
+    buffer, _ = memory.create(64)
+    flag, step = buffer[:8].view(torch.int64), step_word(memory.device)
+    step.fill_(1 << POSITION_BITS)
+    memory.wait(flag, step, 0, "an answer that never comes")  # gives up: recorded
+    with pytest.raises(FFNTimeout, match=r"a wait of step 1 \(layer position 0\) ended"):
+        memory.check(2)
+    memory.wait(flag, step, 3, "another use of step 1, ended after the check")
+    memory.check(3)  # covered by the raise for step 1
+    memory.abort(FFNRankLost(0, "FFN rank 0 died"))
+    step.fill_(3 << POSITION_BITS)
+    start = time.perf_counter()
+    memory.wait(flag, step, 0, "a use of step 3 when its peer died")
+    with pytest.raises(FFNRankLost, match="FFN rank 0 died"):
+        memory.check(4)
+    memory.wait(flag, step, 1, "a use of step 3 the device still runs")  # aborted still
+    assert time.perf_counter() - start < 0.15  # neither wait spun to its 0.2 s bound
+    step.fill_(4 << POSITION_BITS)
+    flag.fill_((4 << POSITION_BITS) + 1)
+    memory.wait(flag, step, 0, "an answer of step 4")  # waits, and finds it
+    memory.check(5)  # nothing new: step 3's aborted waits were covered by the abort's raise
     memory.close()

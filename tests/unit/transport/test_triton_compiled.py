@@ -88,6 +88,8 @@ def test_the_plane_kernels_compile_for_sm90_with_the_protocols_memory_semantics(
         assert any(acquire in line for line in code)  # the flag, acquired
         assert any("%globaltimer" in line for line in code)  # the deadline is a time
         assert any("ld.volatile.global" in line for line in code)  # the abort word, re-read
+        # a failure recorded in host memory the host reads without a sync: system scope
+        assert any("atom.global.sys" in line and ".max." in line for line in code)
     for name in ("wait_gather", "wait_sum"):  # the payload is read after the flag's acquire
         code = out[name]["code"]
         assert _index(code, acquire) < _last(code, "ld.global") and "st.global" in str(code)

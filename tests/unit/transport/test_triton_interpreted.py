@@ -48,9 +48,13 @@ SCRIPT = textwrap.dedent(
         memory.wait(flag, step, 0, "a flag nobody signals")
         out["aborted_after_s"] = time.perf_counter() - start
         try:
-            memory.check()
+            memory.check(8)  # announcing step 8: step 7's waits stay aborted, step 8's wait
         except FFNRankLost as exc:
             out["raised"] = str(exc)
+        start = time.perf_counter()
+        memory.wait(flag, step, 5, "a use of step 7 the device still runs")
+        out["still_aborted_after_s"] = time.perf_counter() - start
+        step.fill_(8 << 16)
         # an answered use: the signal kernel's value is the use's, the wait ends clean
         memory.signal(flag, step, 2)
         memory.wait(flag, step, 2, "a signalled flag")
@@ -123,9 +127,10 @@ def test_the_triton_kernels_carry_the_protocol_between_two_processes(tmp_path):
     assert out["pair"] == {"max_abs_error": 0.0, "steps_checked": 2}
     assert out["aborted_after_s"] < 2.0  # the bound would be 40,000 polls (~10 s)
     assert out["raised"] == "FFN rank 0 died"
-    assert out["flag"] == (7 << 16) + 3
+    assert out["still_aborted_after_s"] < 2.0
+    assert out["flag"] == (8 << 16) + 3
     assert out["published"] == [list(map(float, range(12))), list(map(float, range(12, 24)))]
-    assert out["flags"] == [(7 << 16) + 5, (9 << 16) + 1] and out["tables"] == 1
+    assert out["flags"] == [(8 << 16) + 5, (9 << 16) + 1] and out["tables"] == 1
     assert out["gathered"] == [
         [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [100.0, 101.0, 102.0, 103.0]],
         [[1, 1], [1, 1], [2, 2]],
