@@ -41,3 +41,16 @@ class FFNServeError(TransportError):
 class ProtocolError(TransportError):
     """A message whose tag disagrees with its sender's schedule, or an answer whose tag is not
     its request's (``transport/control.py``). The message names both sides."""
+
+
+class StepsFailed(TransportError):
+    """The device's waits (a kernel cannot raise) recorded a failure in steps already run:
+    ``steps``, the step numbers whose outputs it may have spoiled; ``cause``, what ended the
+    waits (an ``FFNRankLost`` the watchdog saw, or the failed waits' ``FFNTimeout``). Raised
+    when the next step is announced; the attention session fails those steps' requests and
+    announces its step again (``attention/failures.py``)."""
+
+    def __init__(self, cause: TransportError, steps: range) -> None:
+        super().__init__(f"{cause} (steps {steps.start}-{steps.stop - 1})")
+        self.cause = cause
+        self.steps = steps

@@ -10,6 +10,7 @@ serve loop raises for any request of at least 5 rows (``VLLM_AFD_FAULT_FILE`` re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from types import SimpleNamespace
 
@@ -20,7 +21,7 @@ from vllm_afd import envs
 from vllm_afd.attention import failures
 from vllm_afd.attention import session as sessions
 from vllm_afd.attention.layer import remote_experts_impl
-from vllm_afd.errors import FFNServeError
+from vllm_afd.errors import FFNServeError, StepsFailed
 from vllm_afd.patches.request_errors import fail_requests
 
 #: The batch: request id -> its rows (b's 6 rows trip the fault; a's and c's 2 do not).
@@ -43,9 +44,10 @@ def _runner(batch: dict[str, int]) -> SimpleNamespace:
     )
 
 
-@pytest.fixture(params=["shm", "nixl"])
-def hook(request, tiny_qwen3, tmp_path, monkeypatch):
-    """The hook connected to one FFN rank with the fault armed; yields (fault file, inputs)."""
+@contextlib.contextmanager
+def _hooked(backend, config, tiny_qwen3, tmp_path, monkeypatch):
+    """The hook connected to one FFN rank of ``backend`` with the fault armed; yields
+    (session, fault file, inputs, MoE layers)."""
     from transformers import AutoConfig
     from vllm.distributed import parallel_state
 
@@ -58,7 +60,7 @@ def hook(request, tiny_qwen3, tmp_path, monkeypatch):
     monkeypatch.setenv(envs.FAULT_FILE, str(fault))
     info = moe_model_info(AutoConfig.from_pretrained(tiny_qwen3))
     spec = TransportSpec(
-        backend=request.param,
+        backend=backend,
         num_attention_ranks=1,
         num_ffn_ranks=1,
         num_experts=info.num_experts,
@@ -66,6 +68,7 @@ def hook(request, tiny_qwen3, tmp_path, monkeypatch):
         top_k=info.top_k,
         max_tokens=16,
         moe_layers=info.moe_layers,
+        config=config,
     )
     executor = FFNExecutor(spec, 0, tiny_qwen3, "cpu")
     executor.start()
@@ -88,6 +91,13 @@ def hook(request, tiny_qwen3, tmp_path, monkeypatch):
     finally:
         sessions.close_session()
         executor.stop()
+
+
+@pytest.fixture(params=["shm", "nixl"])
+def hook(request, tiny_qwen3, tmp_path, monkeypatch):
+    """The hook on a backend that isolates requests (host waits)."""
+    with _hooked(request.param, {}, tiny_qwen3, tmp_path, monkeypatch) as hooked:
+        yield hooked
 
 
 def _reference(inputs, layer: int) -> torch.Tensor:
@@ -134,6 +144,53 @@ def test_without_the_batch_layout_the_ffn_error_fails_the_forward(hook, monkeypa
     with pytest.raises(FFNServeError, match="injected fault"):
         remote_experts_impl(*inputs, layers[0])
     assert session.take_failed_requests() == {}
+
+
+def test_with_the_device_waits_a_failed_step_fails_its_requests_and_the_next_is_served(
+    tiny_qwen3, tmp_path, monkeypatch
+):
+    """With the device's waits (every GPU: a kernel cannot raise) an FFN error is recorded in
+    its step and seen at the next step's announcement (``StepsFailed``): the session fails the
+    requests of the step it spoiled, as W1 gave them from the scheduler output, with the
+    error's text, and serves the step it was announcing: the engine goes on."""
+    config = {"waits": "device"}
+    with _hooked("slots", config, tiny_qwen3, tmp_path, monkeypatch) as hooked:
+        session, fault, inputs, layers = hooked
+        fault.unlink()
+
+        def step(requests: dict[str, int], rows: slice) -> list[torch.Tensor]:
+            """One runner step of ``requests`` through every MoE layer (one forward)."""
+            context = _Context()
+            monkeypatch.setattr(sessions, "forward_context", lambda: context)
+            with session.step(session.runner, requests):
+                return [remote_experts_impl(*(t[rows] for t in inputs), n) for n in layers]
+
+        expected = [_reference(inputs, layer) for layer in layers]
+        for got, want in zip(step(BATCH, slice(None)), expected, strict=True):  # served
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        first = session.endpoint.step
+        fault.write_text("once")
+        step(BATCH, slice(None))  # the FFN rank fails this step: recorded, not raised
+        assert not fault.exists(), "the fault did not fire"
+        assert session.take_failed_requests() == {}  # a kernel cannot raise: not known yet
+        for got, want in zip(step({"d": 2}, slice(0, 2)), expected, strict=True):  # served
+            torch.testing.assert_close(got, want[:2], rtol=1e-5, atol=1e-6)
+        failed = session.take_failed_requests()
+        assert sorted(failed) == ["a", "b", "c"], failed  # the failed step's, not d
+        assert f"a wait of step {first + 1}" in failed["a"], failed
+        assert session.take_failed_requests() == {}  # once
+        # a runner W1 does not wrap gives no requests: the error reaches vLLM (the engine
+        # fails them all) rather than let the spoiled step's tokens on
+        session.batch = None
+        fault.write_text("once")
+        context = _Context()
+        monkeypatch.setattr(sessions, "forward_context", lambda: context)
+        for layer in layers:  # one forward, as a runner W1 does not wrap runs it
+            remote_experts_impl(*inputs, layer)
+        assert not fault.exists(), "the fault did not fire"
+        monkeypatch.setattr(sessions, "forward_context", _Context)  # the next forward
+        with pytest.raises(StepsFailed, match=r"a wait of step \d+"):
+            remote_experts_impl(*inputs, layers[0])
 
 
 class _KVCacheManager:

@@ -26,6 +26,16 @@ by failover without any request failing; when failover gives up (``failed``) or 
 waiting requests fail with the reason. Where a batch cannot be split by request (a microbatched
 step, attention TP > 1, no V1 runner) or the backend does not isolate, the error reaches vLLM:
 the engine core dies, vLLM fails its in-flight requests and ``/health`` answers 503.
+
+With the device's waits (every GPU; ``slots`` with ``waits: device`` on a CPU) nothing of the
+above happens within a forward: a kernel cannot raise, so an error answer, a timeout or a lost
+rank is recorded in the step (``transport/slot_plane.py``, ``RecordedWaits``) and seen when a
+later step is announced, which raises ``StepsFailed`` naming the steps it may have spoiled (a
+lost rank is replaced first, with failover). The session (``AttentionSession.begin_step``)
+fails the requests of those steps, as W1 gave them from each step's scheduler output, and
+announces its step again: those requests get vLLM's error answer (step 4), the engine serves
+on, and on a replacement after a lost rank. Finer than that it cannot be: the step's uses ran
+(on a GPU, one graph replay) before anyone knew.
 """
 
 from __future__ import annotations

@@ -24,11 +24,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from vllm_afd import envs
 from vllm_afd.attention.failures import Failures
 from vllm_afd.attention.steps import Steps, dbo_ubatches, forward_context
+from vllm_afd.errors import StepsFailed
 from vllm_afd.metrics import recorder
 from vllm_afd.metrics.blocks import AttentionStatsBlock
 from vllm_afd.transport import (
@@ -44,6 +45,8 @@ logger = logging.getLogger("vllm.afd")
 
 #: How often an attention rank looks for a new FFN pool (``pool.json``; a ``stat`` call).
 POOL_POLL_S = 0.05
+#: Steps whose requests a session remembers (a failure is seen at most two steps late).
+STEPS_KEPT = 4
 
 
 class StepPeriods:
@@ -90,6 +93,11 @@ class AttentionSession:
     #: to its FFN ranks (``connect_ahead``, run by ``PoolWatcher``).
     pending: tuple[directory.Pool, AttentionTransport] | None = None
     watcher: PoolWatcher | None = None
+    #: The requests of the runner's step (W1; ``None`` until a step gave them), and of each of
+    #: the last ``STEPS_KEPT`` steps announced, by number: a failure the device's waits
+    #: recorded fails the requests of the steps it may have spoiled (``begin_step``).
+    batch: frozenset[str] | None = None
+    step_requests: dict[int, frozenset[str] | None] = dataclasses.field(default_factory=dict)
     _switching: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     _closed: bool = False
 
@@ -104,18 +112,55 @@ class AttentionSession:
     # -- steps ----------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def step(self, runner: object | None) -> Iterator[None]:
-        """A runner step (W1; ``runner`` None for a dummy run, W3): the lock held throughout."""
+    def step(self, runner: object | None, requests: Iterable[str] | None = None) -> Iterator[None]:
+        """A runner step (W1; ``runner`` None for a dummy run, W3): the lock held throughout;
+        ``requests``: the step's requests (its scheduler output's), where it has them."""
         with self.step_lock:
             if runner is not None:
                 self.runner = runner
+            if requests is not None:
+                self.batch = frozenset(requests)
+            elif runner is None:
+                self.batch = frozenset()  # a dummy run serves no request
             yield
 
     def begin_step(self, microbatch_tokens: Sequence[int], contexts: Sequence[object]) -> None:
-        """Begin a step (a step boundary: a pending pool switch happens first)."""
+        """Begin a step (a step boundary: a pending pool switch happens first). Where the
+        device's waits recorded a failure of earlier steps (``StepsFailed``, raised by the
+        announcement; a lost FFN rank was replaced first), their requests fail
+        (``fail_steps``) and the step is announced again."""
         if self.pending is not None:
             self.switch_pending()
-        self.steps.begin(microbatch_tokens, contexts)
+        try:
+            self.steps.begin(microbatch_tokens, contexts)
+        except StepsFailed as failed:
+            if not self.fail_steps(failed):
+                raise
+            self.steps.begin(microbatch_tokens, contexts)
+        self.step_requests[self.endpoint.step] = self.batch
+        self.step_requests.pop(self.endpoint.step - STEPS_KEPT, None)
+
+    def fail_steps(self, failed: StepsFailed) -> bool:
+        """Fail the requests of ``failed.steps`` (their outputs may be spoiled) with its
+        cause: the scheduler finishes them with vLLM's error (W1, W2); the others go on.
+        ``False`` where a step's requests are unknown (a runner W1 does not wrap): then the
+        error must reach vLLM, which fails every request, rather than let spoiled tokens on."""
+        requests: set[str] = set()
+        for step in failed.steps:
+            batch = self.step_requests.get(step)
+            if batch is None:
+                return False
+            requests |= batch
+        logger.warning(
+            "AFD: attention rank %d: %s; failing the %d request(s) of those steps",
+            self.endpoint.rank,
+            failed,
+            len(requests),
+        )
+        recorder.record_error(recorder.error_kind(failed.cause), rank=self.endpoint.rank)
+        for request in requests:
+            self.failures.requests[request] = str(failed.cause)
+        return True
 
     def before_dispatch(self, num_tokens: int) -> None:
         """Before a layer's dispatch: begin a step unless this forward's step was begun (by a

@@ -612,10 +612,19 @@ class FFNExecutor:
             thread.start()
 
     def stop(self) -> None:
+        """Stop serving: end the serve loop's waits, join it, then unmap the transport (not
+        while the loop may still read it: a thread still running after 5 s keeps it)."""
         self._stop.set()
+        self.transport.interrupt()
         for thread in self._threads_started:
             thread.join(timeout=5)
-        self.transport.close()
+        running = [t.name for t in self._threads_started if t.is_alive()]
+        if running:
+            logger.warning(
+                "AFD FFN rank %d: %s still running; transport left mapped", self.rank, running
+            )
+        else:
+            self.transport.close()
         if self.stats.shared is not None:
             self.stats.shared.close()
 

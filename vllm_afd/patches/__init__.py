@@ -262,7 +262,9 @@ W1 ``GPUModelRunner.execute_model`` and ``GPUModelRunner.sample_tokens`` (the V1
    which requests failed.
    How: the step runs as the worker session's step (``AttentionSession.step``): the runner
    becomes the session's (it reads ``input_batch.req_ids`` and ``query_start_loc`` when a
-   batch fails) and the step lock is held (W3 says why); the step's
+   batch fails), so do the step's requests (its ``SchedulerOutput``'s: with the device's
+   waits a failure is seen a step or two late, and the steps it spoiled fail their requests)
+   and the step lock is held (W3 says why); the step's
    ``ModelRunnerOutput`` (or an async one's ``get_output``) gets an ``afd_failed_requests``
    attribute, request id -> the FFN's error text, when the step failed any. A decode step's
    period (its start to the next decode step's start) is recorded, with its requests and

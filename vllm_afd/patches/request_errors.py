@@ -11,6 +11,10 @@ evicts its blocks from the prefix cache (their KV was computed without routed ex
 hands it to the set vLLM finishes with ``FINISHED_ERROR`` in ``update_from_output``: the
 client gets vLLM's error answer, the other requests go on.
 
+W1 also gives the session the step's requests (its scheduler output's): where the device's
+waits recorded a failure, seen at a later step's announcement, the requests of the steps it may
+have spoiled fail the same way (``AttentionSession.fail_steps``).
+
 W1 and W3 also hold the session's step lock (``AttentionSession.step``) for each
 step and dummy step (a DP rank's idle forward): a live scale switches an idle attention rank
 to the new FFN pool between steps only. W1 also gives the session each step's start, with its
@@ -62,9 +66,11 @@ def _runner_step(original: Callable) -> Callable:
         if session is None:  # no FFN group in this process
             return original(self, *args, **kwargs)
         scheduler_output = args[0] if args else kwargs.get("scheduler_output")
+        requests = None
         if hasattr(scheduler_output, "total_num_scheduled_tokens"):  # not sample_tokens
             session.periods.started(time.perf_counter(), decode_step(scheduler_output))
-        with session.step(self):
+            requests = scheduler_output.num_scheduled_tokens  # request id -> tokens
+        with session.step(self, requests):
             return _with_failures(session, original(self, *args, **kwargs))
 
     return wrapper

@@ -315,6 +315,10 @@ class FFNTransport(abc.ABC):
     def address(self) -> str:
         """Rendezvous string attention ranks use to reach this FFN rank."""
 
+    def interrupt(self) -> None:  # noqa: B027 - optional hook
+        """End the waits in progress at once (the serve loop is stopping; ``close`` follows
+        once it stopped)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release buffers and connections."""
 

@@ -46,7 +46,14 @@ from typing import Any
 
 import torch
 
-from vllm_afd.errors import FFNRankLost, FFNServeError, FFNTimeout, ProtocolError, TransportError
+from vllm_afd.errors import (
+    FFNRankLost,
+    FFNServeError,
+    FFNTimeout,
+    ProtocolError,
+    StepsFailed,
+    TransportError,
+)
 from vllm_afd.host import Creator, UnsafeFileError
 from vllm_afd.transport import directory
 from vllm_afd.transport.base import (
@@ -293,21 +300,33 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         """With the device's waits: every ``WATCH_INTERVAL_S``, the FFN ranks' liveness, as a
         host wait's watch checks it; a lost one aborts the step's waits at once
         (``RecordedWaits.abort``: the next announcement raises its ``FFNRankLost``) instead of
-        letting each spin to its bound."""
+        letting each spin to its bound. Once per loss: a rank still lost at the next look (its
+        replacement not linked yet: the announcement waits for it) must not abort the steps
+        that follow."""
+        aborted_for = None
         while not self._closed.wait(WATCH_INTERVAL_S):
             try:
                 self._check_alive(range(len(self.controls)))
             except TransportError as lost:
-                self.memory.abort(lost)  # type: ignore[attr-defined]
+                loss = (getattr(lost, "ffn_rank", None), tuple(self._incarnation))
+                if loss != aborted_for:
+                    aborted_for = loss
+                    self.memory.abort(lost)  # type: ignore[attr-defined]
 
     def _announce(self, schedule: StepSchedule) -> None:
         """Raise what the earlier steps' device waits recorded (read without a device sync:
-        ``RecordedWaits.check``), then start ``schedule``'s step (a step abandoned half-way
-        leaves its slots to this one) and put it into every FFN rank's control block. A
-        CUDA-graph capture touches neither the error word nor the step word (one set there
-        would be baked into the graph); each replay's own announcement sets it."""
+        ``RecordedWaits.check``; a lost FFN rank is replaced first, with failover), then start
+        ``schedule``'s step (a step abandoned half-way leaves its slots to this one) and put it
+        into every FFN rank's control block. A CUDA-graph capture touches neither the error
+        word nor the step word (one set there would be baked into the graph); each replay's
+        own announcement sets it."""
         if schedule.mode != Mode.CAPTURE:
-            self.memory.check(schedule.step)
+            try:
+                self.memory.check(schedule.step)
+            except StepsFailed as failed:
+                if isinstance(failed.cause, FFNRankLost):
+                    self._recover(failed.cause)  # failover; raises without it
+                raise
             self.plane.begin(schedule.step)
         self._positions = _positions(schedule.layers)
         self._tokens = schedule.microbatch_tokens[: self.spec.num_slots]

@@ -100,7 +100,7 @@ from typing import Protocol
 
 import torch
 
-from vllm_afd.errors import FFNTimeout, TransportError
+from vllm_afd.errors import FFNTimeout, StepsFailed, TransportError
 from vllm_afd.transport.base import TransportSpec, UseForward
 from vllm_afd.transport.control import Part
 from vllm_afd.transport.wait import ViewCache
@@ -510,6 +510,7 @@ class AttentionPlane:
         #: path), as ``HostPlaneMemory.signal`` would.
         self._host_step = _words(self.step) if memory.stores_on_host else None
         self._push = memory.push
+        self._records = memory.records_waits
 
     def _map(self, handle: str) -> list[SlotViews]:
         buffer = self.memory.attach(handle, self.layout.total_bytes)
@@ -568,8 +569,11 @@ class AttentionPlane:
                 torch.index_select(x, 0, index, out=dst_x)
                 dst_ids.copy_(topk_ids.index_select(0, index))
                 dst_weights.copy_(topk_weights.index_select(0, index))
-        # a use sent again (to a replacement) must not find its last answer: cleared first
-        self.answers[ffn_rank][slot].response_words[0] = 0  # type: ignore[index]
+        if not self._records:
+            # a use sent again (to a replacement) must not find its last answer: cleared
+            # first; not with the device's waits, where an FFN rank that failed a step answers
+            # its uses before they are sent (as on a device, where a send clears nothing)
+            self.answers[ffn_rank][slot].response_words[0] = 0  # type: ignore[index]
         words[ROWS_WORD], words[CPU_WORD] = rows, cpu
         words[0] = self._host_step[0] + position + 1  # after the payload (x86-64 TSO)
         if self._push is not None:
@@ -737,9 +741,9 @@ class RecordedWaits:
 
     A dead peer must not cost every remaining wait of a step its whole bound: a host watchdog
     that sees it die calls ``abort``, which ends every wait polling ``aborted`` (host memory,
-    every wait polls it) at once; the next ``check(step)`` raises why and leaves the waits of
-    earlier steps aborted, since the device may still be running them, and those of ``step``
-    and later ones waiting."""
+    every wait polls it) at once; the next ``check(step)`` raises why (``StepsFailed``) and
+    leaves the waits of earlier steps aborted, since the device may still be running them, and
+    those of ``step`` and later ones waiting."""
 
     #: Its waits record where they fail (``check`` raises) instead of raising.
     records_waits = True
@@ -753,6 +757,9 @@ class RecordedWaits:
     _reason: TransportError | None = None
     #: The largest use's value a raise covered.
     _raised = 0
+    #: Steps the host may run ahead of the device: a failed wait of step S - 1 - ``lag``
+    #: may be seen only at step S's check.
+    lag = 0
 
     def abort(self, reason: TransportError) -> None:
         """End every wait now and until the next ``check``, which raises ``reason``."""
@@ -762,26 +769,33 @@ class RecordedWaits:
     def check(self, step: int | None = None) -> None:
         """Raise what ended a wait since the last raise: the watchdog's reason, or a wait
         that ended without its answer. ``step``: the step about to be announced (the
-        attention side's check); a raise covers every use before it, and waits before it stay
-        aborted. Without one (the FFN side, which the watchdog never aborts) a raise covers
-        what it read, and ``abort`` ends."""
+        attention side's check): it raises ``StepsFailed`` naming the steps the failure may
+        have spoiled (those since the last raise, at most ``lag`` + 1 back), and a raise
+        covers every use before ``step``, whose waits stay aborted. Without one (the FFN side,
+        which the watchdog never aborts) it raises the cause, covers what it read, and
+        ``abort`` ends."""
         failed = int(self.errors[0])  # host memory: no device sync
         reason, self._reason = self._reason, None
         if reason is None and failed <= self._raised:
             return
-        covered = max(failed, self._raised)
-        if step is not None:
-            covered = max(covered, (step << POSITION_BITS) - 1)
-        self._raised = covered
+        first = (self._raised + 1) >> POSITION_BITS  # the first step no raise covered
+        self._raised = max(failed, self._raised)
+        cause = reason
+        if cause is None:
+            failed_step, position = value_use(failed)
+            cause = FFNTimeout(
+                f"slot plane: a wait of step {failed_step} (layer position {position}) ended "
+                f"without its answer (given up after {self.bound}, an error answer, or a peer "
+                "that moved on)"
+            )
+        if step is None:
+            if reason is not None:
+                self.aborted.fill_(0)
+            raise cause
+        self._raised = max(self._raised, (step << POSITION_BITS) - 1)
         if reason is not None:
-            self.aborted.fill_(0 if step is None else (step << POSITION_BITS) - 1)
-            raise reason
-        failed_step, position = value_use(failed)
-        raise FFNTimeout(
-            f"slot plane: a wait of step {failed_step} (layer position {position}) ended "
-            f"without its answer (given up after {self.bound}, an error answer, or a peer "
-            "that moved on)"
-        )
+            self.aborted.fill_((step << POSITION_BITS) - 1)
+        raise StepsFailed(cause, range(max(first, step - 1 - self.lag, 1), step))
 
 
 __all__ = [

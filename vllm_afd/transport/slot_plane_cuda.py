@@ -309,6 +309,9 @@ class TritonWaits(RecordedWaits):
 class CudaPlaneMemory(TritonWaits):
     """Device memory of ``device`` for the slot plane (``slot_plane.PlaneMemory``)."""
 
+    #: vLLM's async scheduling prepares and launches a step while the device runs the last.
+    lag = 1
+
     def __init__(self, device: torch.device | int = 0, timeout_s: float = 30.0):
         self.device = torch.device("cuda", device) if isinstance(device, int) else device
         self.deadline_ns = int(timeout_s * 1e9)

@@ -40,7 +40,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 
-from vllm_afd.errors import FFNTimeout
+from vllm_afd.errors import FFNTimeout, TransportError
 from vllm_afd.host import shm_platform_problem
 from vllm_afd.transport.base import (
     AttentionTransport,
@@ -62,6 +62,7 @@ from vllm_afd.transport.slot_plane import (
     FFNPlane,
     PlaneLayout,
     PlaneMemory,
+    RecordedWaits,
     SlotViews,
     value_use,
 )
@@ -355,6 +356,11 @@ class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
         for _, slot, parts in uses:
             for part in parts:
                 self.plane.fail(slot, part, message)
+
+    def interrupt(self) -> None:
+        """A device wait watches nothing but the abort word: set it."""
+        if isinstance(self.memory, RecordedWaits):
+            self.memory.abort(TransportError(f"FFN rank {self.rank} is stopping"))
 
     def end_step(self) -> None:
         """The step is served: what its device waits recorded is logged (the attention ranks

@@ -271,7 +271,7 @@ def test_with_device_waits_the_executor_serves_whole_steps_and_fails_what_it_can
     answers are exactly that kernel's, the stats count every use; a use that raises (the
     injected fault) is answered with the error together with the rest of its step, which the
     attention rank sees at its next announcement, and the next step is served."""
-    from vllm_afd.errors import FFNTimeout
+    from vllm_afd.errors import StepsFailed
     from vllm_afd.transport.control import StepSchedule
 
     fault = tmp_path / "fault"
@@ -306,7 +306,7 @@ def test_with_device_waits_the_executor_serves_whole_steps_and_fails_what_it_can
         assert executor.stats.requests == 4 and executor.stats.later_microbatch_requests == 2
         fault.write_text("once")
         step(2, (2,))  # served with errors: recorded, not raised, on the attention rank
-        with pytest.raises(FFNTimeout, match=r"a wait of step 2 .* ended without its answer"):
+        with pytest.raises(StepsFailed, match=r"a wait of step 2 .* ended without its answer"):
             step(3, (1,))
         assert not fault.exists()
         for (layer, x, ids, weights), got in step(4, (4,)):

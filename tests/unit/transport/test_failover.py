@@ -16,11 +16,12 @@ import time
 
 import pytest
 import torch
-from transport_testlib import make_spec, routing
+from transport_testlib import LAYERS, make_spec, routing
 
-from vllm_afd.errors import FFNRankLost, FFNServeError, TransportError
+from vllm_afd.errors import FFNRankLost, FFNServeError, StepsFailed, TransportError
 from vllm_afd.testing.ffn import DelayedForward, FailingForward
 from vllm_afd.testing.reference import LocalMoE, ScaleExperts, reference_moe_combine
+from vllm_afd.transport import create_attention_transport
 from vllm_afd.transport import directory as ffn_directory
 from vllm_afd.transport.control import Mode, StepSchedule
 from vllm_afd.transport.directory import FAILED, RECOVERING, UP, RankEntry
@@ -227,3 +228,44 @@ def test_a_rank_the_supervisor_declared_lost_is_left_while_it_lives(backend, sta
     assert torch.equal(out, reference_moe_combine(*x, SCALES, 8, 2))
     assert (att.replacements, att.redispatched) == (1, 1)
     wedged.kill()  # it would answer 30 s late: not worth the teardown's 5 s wait
+
+
+def test_with_the_device_waits_a_killed_rank_fails_its_step_and_the_replacement_serves_on(
+    start_ffn, tmp_path
+):
+    """With the device's waits a lost rank's uses cannot be sent again within their step (on a
+    GPU a captured graph replays them): the watchdog ends the step's waits once the rank died,
+    the next announcement links the replacement (failover) and raises ``StepsFailed`` naming
+    that step (the attention session fails its requests), and the step announced again runs
+    on the replacement."""
+    spec = make_spec("slots-device", 1, 2, directory=str(tmp_path), failover_s=20.0)
+    forwards = [_forward(spec, 0), DelayedForward(_forward(spec, 1), delay_s=30.0)]
+    cluster = start_ffn(spec, forwards)
+    for rank, address in enumerate(cluster.spec.addresses):
+        ffn_directory.publish(str(tmp_path), _entry(rank, 1, UP, address))
+    # not ``cluster.connect``: the FFN ranks serve whole steps, each use of which must come
+    att = create_attention_transport(cluster.spec, 0)
+
+    def supervise() -> None:  # what placement's supervisor does, by hand
+        cluster.kill(1)
+        address, pid = cluster.replace(1, _forward(spec, 1))
+        ffn_directory.publish(str(tmp_path), _entry(1, 2, UP, address, pid, failovers=1))
+
+    try:
+        att.begin_step(StepSchedule(1, (8,), LAYERS, Mode.RUN))
+        threading.Timer(0.3, supervise).start()
+        start = time.perf_counter()
+        for layer in LAYERS:
+            att.combine(att.dispatch(layer, *routing(8, spec, seed=layer)))  # recorded
+        assert time.perf_counter() - start < spec.timeout_s  # ended by the watchdog
+        with pytest.raises(StepsFailed, match=r"FFN rank 1 \(pid \d+\) died") as failed:
+            att.begin_step(StepSchedule(2, (5,), LAYERS, Mode.RUN))
+        assert failed.value.steps == range(1, 2)
+        assert att.replacements == 1 and att.addresses[1] != cluster.spec.addresses[1]
+        att.begin_step(StepSchedule(2, (5,), LAYERS, Mode.RUN))  # announced again: served
+        for layer in LAYERS:
+            x = routing(5, spec, seed=3 + layer)
+            out = att.combine(att.dispatch(layer, *x))
+            assert torch.equal(out, reference_moe_combine(*x, SCALES, 8, 2)), layer
+    finally:
+        att.close()

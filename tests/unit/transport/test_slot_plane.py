@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.unit.ubatchlib import run_ubatch_threads
-from vllm_afd.errors import FFNRankLost, FFNTimeout
+from vllm_afd.errors import FFNRankLost, FFNTimeout, StepsFailed
 from vllm_afd.testing import slot_plane_check
 from vllm_afd.testing.reference import (
     LocalMoE,
@@ -388,16 +388,18 @@ def test_recorded_waits_are_read_without_a_sync_once_per_failure_and_outlive_an_
     flag, step = buffer[:8].view(torch.int64), step_word(memory.device)
     step.fill_(1 << POSITION_BITS)
     memory.wait(flag, step, 0, "an answer that never comes")  # gives up: recorded
-    with pytest.raises(FFNTimeout, match=r"a wait of step 1 \(layer position 0\) ended"):
+    with pytest.raises(StepsFailed, match=r"a wait of step 1 \(layer position 0\) ended") as e:
         memory.check(2)
+    assert isinstance(e.value.cause, FFNTimeout) and e.value.steps == range(1, 2)
     memory.wait(flag, step, 3, "another use of step 1, ended after the check")
     memory.check(3)  # covered by the raise for step 1
     memory.abort(FFNRankLost(0, "FFN rank 0 died"))
     step.fill_(3 << POSITION_BITS)
     start = time.perf_counter()
     memory.wait(flag, step, 0, "a use of step 3 when its peer died")
-    with pytest.raises(FFNRankLost, match="FFN rank 0 died"):
+    with pytest.raises(StepsFailed, match="FFN rank 0 died") as e:
         memory.check(4)
+    assert isinstance(e.value.cause, FFNRankLost) and e.value.steps == range(3, 4)
     memory.wait(flag, step, 1, "a use of step 3 the device still runs")  # aborted still
     assert time.perf_counter() - start < 0.15  # neither wait spun to its 0.2 s bound
     step.fill_(4 << POSITION_BITS)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transport_testlib import EXPERTS, expected, routing
 
-from vllm_afd.errors import FFNRankLost, FFNServeError, FFNTimeout, ProtocolError
+from vllm_afd.errors import FFNRankLost, FFNServeError, FFNTimeout, ProtocolError, StepsFailed
 from vllm_afd.testing.ffn import DelayedForward, serve_ffn
 from vllm_afd.testing.reference import LocalMoE
 from vllm_afd.transport import (
@@ -239,15 +239,16 @@ def test_device_waits_record_a_failed_wait_and_raise_it_at_the_next_announcement
         endpoint.begin_step(StepSchedule(1, (2,), LAYERS))
         x, ids, weights = routing(2, spec, 3)
         endpoint.combine(endpoint.dispatch(LAYERS[0], x, ids, weights))  # no raise: recorded
-        with pytest.raises(FFNTimeout, match=r"a wait of step 1 \(layer position 0\) ended"):
+        with pytest.raises(StepsFailed, match=r"a wait of step 1 \(layer position 0\) ended") as e:
             endpoint.begin_step(StepSchedule(2, (2,), LAYERS))
+        assert isinstance(e.value.cause, FFNTimeout) and e.value.steps == range(1, 2)
         endpoint.begin_step(StepSchedule(3, (2,), LAYERS))  # checked once
         # a CUDA-graph capture neither reads the device word nor sets the step word
         endpoint.combine(endpoint.dispatch(LAYERS[0], x, ids, weights))  # recorded again
         word = int(endpoint.plane.step)
         endpoint.begin_step(StepSchedule(4, (2,), LAYERS, Mode.CAPTURE))
         assert int(endpoint.plane.step) == word
-        with pytest.raises(FFNTimeout, match=r"a wait of step 3 \(layer position 0\) ended"):
+        with pytest.raises(StepsFailed, match=r"a wait of step 3 \(layer position 0\) ended"):
             endpoint.begin_step(StepSchedule(5, (2,), LAYERS))
     finally:
         endpoint.close()

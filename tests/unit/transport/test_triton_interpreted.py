@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, threading, time
     import torch
-    from vllm_afd.errors import FFNRankLost
+    from vllm_afd.errors import FFNRankLost, StepsFailed
     from vllm_afd.testing import slot_plane_check
     from vllm_afd.transport.slot_plane import step_word
     from vllm_afd.transport.slot_plane_cuda import TritonWaits
@@ -49,8 +49,8 @@ SCRIPT = textwrap.dedent(
         out["aborted_after_s"] = time.perf_counter() - start
         try:
             memory.check(8)  # announcing step 8: step 7's waits stay aborted, step 8's wait
-        except FFNRankLost as exc:
-            out["raised"] = str(exc)
+        except StepsFailed as exc:
+            out["raised"] = [str(exc.cause), list(exc.steps)]
         start = time.perf_counter()
         memory.wait(flag, step, 5, "a use of step 7 the device still runs")
         out["still_aborted_after_s"] = time.perf_counter() - start
@@ -126,7 +126,7 @@ def test_the_triton_kernels_carry_the_protocol_between_two_processes(tmp_path):
     assert out["kernels"] == [True] * 6
     assert out["pair"] == {"max_abs_error": 0.0, "steps_checked": 2}
     assert out["aborted_after_s"] < 2.0  # the bound would be 40,000 polls (~10 s)
-    assert out["raised"] == "FFN rank 0 died"
+    assert out["raised"] == ["FFN rank 0 died", [7]]
     assert out["still_aborted_after_s"] < 2.0
     assert out["flag"] == (8 << 16) + 3
     assert out["published"] == [list(map(float, range(12))), list(map(float, range(12, 24)))]
