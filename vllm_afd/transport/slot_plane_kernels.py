@@ -42,6 +42,19 @@ def await_flag(  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def await_row(  # type: ignore[no-untyped-def]
+    row, error_ptr, abort_ptr, bound, start, record, TIMED: tl.constexpr
+):
+    # ``await_flag`` of a fused kernel's table row (int64 words: the flag's address, its
+    # sender's step word's address, the use's offset); a failed wait's value recorded in
+    # ``error_ptr`` (host memory the host reads without a sync: system scope) where ``record``
+    flag = tl.load(row).to(tl.pointer_type(tl.int64))
+    want = tl.load(tl.load(row + 1).to(tl.pointer_type(tl.int64))) + tl.load(row + 2)
+    if await_flag(flag, want, abort_ptr, bound, start, TIMED) & record:
+        tl.atomic_max(error_ptr, want, scope="sys")
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def copy_rows(  # type: ignore[no-untyped-def]
     dst, src, n, BLOCK: tl.constexpr
 ):
@@ -138,10 +151,7 @@ def wait_gather(  # type: ignore[no-untyped-def]
     # ``[R, hidden]``, ``ids`` and ``weights`` ``[R, top_k]`` (the senders' slots lie in
     # one buffer but a slot apart: the forward needs them side by side)
     row = table + tl.program_id(0) * 8
-    flag = tl.load(row).to(tl.pointer_type(tl.int64))
-    want = tl.load(tl.load(row + 1).to(tl.pointer_type(tl.int64))) + tl.load(row + 2)
-    if await_flag(flag, want, abort_ptr, bound, clock(TIMED), TIMED):
-        tl.atomic_max(error_ptr, want, scope="sys")
+    await_row(row, error_ptr, abort_ptr, bound, clock(TIMED), True, TIMED)
     first, rows = tl.load(row + 6), tl.load(row + 7)
     copy_rows(x + first * hidden, tl.load(row + 3), rows * hidden, BLOCK)
     copy_rows(ids + first * top_k, tl.load(row + 4), rows * top_k, BLOCK)
@@ -165,11 +175,7 @@ def wait_sum(  # type: ignore[no-untyped-def]
     # blocks of the ``n`` elements of every answer, in order and in float32, into ``out``
     start = clock(TIMED)
     for i in range(count):
-        row = table + i * 4
-        flag = tl.load(row).to(tl.pointer_type(tl.int64))
-        want = tl.load(tl.load(row + 1).to(tl.pointer_type(tl.int64))) + tl.load(row + 2)
-        if await_flag(flag, want, abort_ptr, bound, start, TIMED) & (tl.program_id(0) == 0):
-            tl.atomic_max(error_ptr, want, scope="sys")
+        await_row(table + i * 4, error_ptr, abort_ptr, bound, start, tl.program_id(0) == 0, TIMED)
     for begin in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
         at = begin + tl.arange(0, BLOCK)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
