@@ -772,8 +772,8 @@ class RecordedWaits:
         attention side's check): it raises ``StepsFailed`` naming the steps the failure may
         have spoiled (those since the last raise, at most ``lag`` + 1 back), and a raise
         covers every use before ``step``, whose waits stay aborted. Without one (the FFN side,
-        which the watchdog never aborts) it raises the cause, covers what it read, and
-        ``abort`` ends."""
+        aborted only by its ``interrupt`` as it stops) it raises the cause, covers what it
+        read, and ``abort`` ends."""
         failed = int(self.errors[0])  # host memory: no device sync
         reason, self._reason = self._reason, None
         if reason is None and failed <= self._raised:

@@ -40,7 +40,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 
-from vllm_afd.errors import FFNTimeout, TransportError
+from vllm_afd.errors import TransportError
 from vllm_afd.host import shm_platform_problem
 from vllm_afd.transport.base import (
     AttentionTransport,
@@ -364,10 +364,10 @@ class SteppedPlaneFFN(_PlaneFFN, ServesSteps):
 
     def end_step(self) -> None:
         """The step is served: what its device waits recorded is logged (the attention ranks
-        that moved on see their own)."""
+        that moved on see their own), as is an ``interrupt`` that ended them."""
         try:
             self.memory.check()
-        except FFNTimeout as exc:
+        except TransportError as exc:
             logger.warning("AFD FFN rank %d: %s", self.rank, exc)
 
 

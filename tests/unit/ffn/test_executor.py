@@ -345,6 +345,31 @@ class _Graphs:
         step()
 
 
+def test_a_rank_serving_whole_steps_stopped_mid_step_stops_at_once_and_fails_nothing(
+    tiny_qwen3, monkeypatch
+):
+    """``stop`` while the serve loop waits inside a step (announced, nothing sent): the loop's
+    device waits end at once (``interrupt``), the stopping is logged, not counted as a failed
+    request (which would mark the rank unhealthy), and the transport is unmapped after the
+    loop ended."""
+    executor = FFNExecutor(STEPPED, 0, tiny_qwen3, "cpu")
+    failures: list[int] = []
+    monkeypatch.setattr(executor, "_record_failures", failures.append)
+    executor.start()
+    spec = TransportSpec(**{**STEPPED.__dict__, "addresses": (executor.address,)})
+    endpoint = create_attention_transport(spec, 0)
+    try:
+        endpoint.begin_step(StepSchedule(1, (2,), (0, 1)))
+        time.sleep(0.3)  # the rank took the step and waits for its first request
+        start = time.perf_counter()
+        executor.stop()
+        assert time.perf_counter() - start < STEPPED.timeout_s / 2  # not a wait's bound
+        assert not any(t.is_alive() for t in executor._threads_started)
+        assert failures == []
+    finally:
+        endpoint.close()
+
+
 @pytest.mark.parametrize("fail", [False, True], ids=["captured", "capture fails"])
 def test_an_attention_ranks_capture_is_captured_ahead_and_its_replays_find_it(tiny_qwen3, fail):
     """The attention rank announces a CUDA-graph capture (``Mode.CAPTURE``: nothing sent): the
