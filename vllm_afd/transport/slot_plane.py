@@ -431,6 +431,19 @@ def publish_each(
         publish((dst,), (src,), flag, step, position)
 
 
+def _wait_each(
+    wait: Callable[[torch.Tensor, torch.Tensor, int, str], int | None],
+    flags: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    positions: Sequence[int],
+    what: Callable[[int], str],
+) -> list[int | None]:
+    """``wait`` of each flag ``flags[i]`` for the use at ``positions[i]`` of step word
+    ``steps[i]``, in order; what each returned."""
+    uses = enumerate(zip(flags, steps, positions, strict=True))
+    return [wait(flag, step, position, what(i)) for i, (flag, step, position) in uses]
+
+
 def wait_then_gather(
     wait: Callable[[torch.Tensor, torch.Tensor, int, str], int | None],
     flags: Sequence[torch.Tensor],
@@ -442,8 +455,7 @@ def wait_then_gather(
 ) -> list[int | None]:
     """``wait_gather`` as separate operations: the memory's ``wait`` of each flag, then one
     ``cat`` per part (host memory; on a device, parts its fused kernel does not take)."""
-    pairs = enumerate(zip(flags, steps, positions, strict=True))
-    found = [wait(flag, step, position, what(i)) for i, (flag, step, position) in pairs]
+    found = _wait_each(wait, flags, steps, positions, what)
     for i, gathered in enumerate(dsts):
         torch.cat([parts[i] for parts in srcs], out=gathered)
     return found
@@ -461,8 +473,7 @@ def wait_then_sum(
     """``wait_sum`` as separate operations: the memory's ``wait`` of each flag, then a copy
     and an add per further answer (host memory; on a device, answers its fused kernel does not
     take)."""
-    pairs = enumerate(zip(flags, steps, strict=True))
-    found = [wait(flag, step, position, what(i)) for i, (flag, step) in pairs]
+    found = _wait_each(wait, flags, steps, [position] * len(flags), what)
     out.copy_(srcs[0])
     for src in srcs[1:]:
         out += src
