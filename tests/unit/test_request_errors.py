@@ -146,24 +146,95 @@ def test_without_the_batch_layout_the_ffn_error_fails_the_forward(hook, monkeypa
     assert session.take_failed_requests() == {}
 
 
+def _scheduled(requests: dict[str, int]):
+    """A ``SchedulerOutput`` scheduling ``requests`` (request id -> tokens)."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    output = SchedulerOutput.make_empty()
+    output.num_scheduled_tokens = dict(requests)
+    output.total_num_scheduled_tokens = sum(requests.values())
+    return output
+
+
+def _v2_runner() -> object:
+    """vLLM's V2 model runner (the default on CUDA), as W1 sees it: its class, none of V1's
+    batch layout (not constructed: its steps below are the test's)."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    return object.__new__(GPUModelRunner)
+
+
+def _sampled(runner: str, requests: list[str]):
+    """What ``sample_tokens`` returns: V1 a ``ModelRunnerOutput``, V2 its ``AsyncOutput``
+    (async scheduling, the default on CUDA), whose ``get_output`` gives one."""
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.worker.gpu.async_utils import AsyncOutput
+
+    output = ModelRunnerOutput(
+        req_ids=requests,
+        req_id_to_index={r: i for i, r in enumerate(requests)},
+        sampled_token_ids=[[7] for _ in requests],
+    )
+    if runner == "v1":
+        return output
+
+    class Async(AsyncOutput):
+        def __init__(self) -> None:  # the device copies it waits for: none here
+            pass
+
+        def get_output(self) -> ModelRunnerOutput:
+            return output
+
+    return Async()
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_with_the_device_waits_a_failed_step_fails_its_requests_and_the_next_is_served(
-    tiny_qwen3, tmp_path, monkeypatch
+    runner, tiny_qwen3, tmp_path, monkeypatch
 ):
     """With the device's waits (every GPU: a kernel cannot raise) an FFN error is recorded in
     its step and seen at the next step's announcement (``StepsFailed``): the session fails the
     requests of the step it spoiled, as W1 gave them from the scheduler output, with the
-    error's text, and serves the step it was announcing: the engine goes on."""
+    error's text, and serves the step it was announcing; the next sampled output carries the
+    failed requests to the scheduler (W2): the engine goes on. On both of vLLM's runners,
+    driven through W1 and W3 as vLLM calls them (V2: dummy runs are ``execute_model`` calls
+    with ``dummy_run`` and placeholder requests, which never fail a request)."""
+    from vllm_afd.patches.request_errors import FAILED_ATTRIBUTE, _dummy_step, _runner_step
+
     config = {"waits": "device"}
     with _hooked("slots", config, tiny_qwen3, tmp_path, monkeypatch) as hooked:
         session, fault, inputs, layers = hooked
         fault.unlink()
+        model_runner = session.runner if runner == "v1" else _v2_runner()
+        taken: dict[str, str] = {}
+
+        def forward(_runner, _scheduled, rows: slice, **_: object) -> list[torch.Tensor]:
+            context = _Context()  # one forward
+            monkeypatch.setattr(sessions, "forward_context", lambda: context)
+            return [remote_experts_impl(*(t[rows] for t in inputs), n) for n in layers]
 
         def step(requests: dict[str, int], rows: slice) -> list[torch.Tensor]:
-            """One runner step of ``requests`` through every MoE layer (one forward)."""
-            context = _Context()
-            monkeypatch.setattr(sessions, "forward_context", lambda: context)
-            with session.step(session.runner, requests):
-                return [remote_experts_impl(*(t[rows] for t in inputs), n) for n in layers]
+            """One runner step of ``requests`` (execute_model, then sample_tokens), as vLLM
+            calls it through W1; the failed requests its output carries go to ``taken``."""
+            out = _runner_step(forward)(model_runner, _scheduled(requests), rows)
+            sampled = _runner_step(lambda _r, _g: _sampled(runner, list(requests)))(
+                model_runner, None
+            )
+            if runner == "v2":
+                sampled = sampled.get_output()
+            taken.update(getattr(sampled, FAILED_ATTRIBUTE, {}))
+            return out
+
+        def dummy_run() -> None:
+            """A dummy run (profiling, a DP rank's idle forward) through W3 (and on V2 W1)."""
+            if runner == "v1":
+                _dummy_step(lambda _r, _n: forward(None, None, slice(0, 2)))(model_runner, 2)
+                return
+            dummy = _scheduled({"_dummy_req_0": 2})
+            execute = _runner_step(forward)
+            _dummy_step(lambda r, _n: execute(r, dummy, slice(0, 2), dummy_run=True))(
+                model_runner, 2
+            )
 
         expected = [_reference(inputs, layer) for layer in layers]
         for got, want in zip(step(BATCH, slice(None)), expected, strict=True):  # served
@@ -172,25 +243,39 @@ def test_with_the_device_waits_a_failed_step_fails_its_requests_and_the_next_is_
         fault.write_text("once")
         step(BATCH, slice(None))  # the FFN rank fails this step: recorded, not raised
         assert not fault.exists(), "the fault did not fire"
-        assert session.take_failed_requests() == {}  # a kernel cannot raise: not known yet
+        assert taken == {}  # a kernel cannot raise: not known yet
         for got, want in zip(step({"d": 2}, slice(0, 2)), expected, strict=True):  # served
             torch.testing.assert_close(got, want[:2], rtol=1e-5, atol=1e-6)
-        failed = session.take_failed_requests()
-        assert sorted(failed) == ["a", "b", "c"], failed  # the failed step's, not d
-        assert f"a wait of step {first + 1}" in failed["a"], failed
-        assert session.take_failed_requests() == {}  # once
+        assert sorted(taken) == ["a", "b", "c"], taken  # the failed step's, not d
+        assert f"a wait of step {first + 1}" in taken["a"], taken
+        taken.clear()
+        fault.write_text("once")
+        dummy_run()  # a failed dummy run fails no request, placeholders neither
+        assert not fault.exists(), "the fault did not fire"
+        step({"d": 2}, slice(0, 2))
+        assert taken == {}, taken
         # a runner W1 does not wrap gives no requests: the error reaches vLLM (the engine
         # fails them all) rather than let the spoiled step's tokens on
         session.batch = None
         fault.write_text("once")
-        context = _Context()
-        monkeypatch.setattr(sessions, "forward_context", lambda: context)
-        for layer in layers:  # one forward, as a runner W1 does not wrap runs it
-            remote_experts_impl(*inputs, layer)
+        forward(None, None, slice(None))  # one forward, as a runner W1 does not wrap runs it
         assert not fault.exists(), "the fault did not fire"
         monkeypatch.setattr(sessions, "forward_context", _Context)  # the next forward
         with pytest.raises(StepsFailed, match=r"a wait of step \d+"):
             remote_experts_impl(*inputs, layers[0])
+
+
+def test_on_the_v2_runner_a_failed_batch_is_not_split_by_request(monkeypatch):
+    """``requests_of`` reads V1's batch layout; V2's runner has none, so there an error
+    answer with the host's waits reaches vLLM whole (docs/operations.md) rather than a
+    wrong attribute error inside a forward."""
+    monkeypatch.setattr(failures, "forward_context", _Context)
+    assert failures.requests_of(_runner(BATCH), 10) == [
+        ("a", slice(0, 2)),
+        ("b", slice(2, 8)),
+        ("c", slice(8, 10)),
+    ]
+    assert failures.requests_of(_v2_runner(), 10) is None
 
 
 class _KVCacheManager:

@@ -88,14 +88,17 @@ class Failures:
 def requests_of(runner: object | None, num_rows: int) -> list[tuple[str, slice]] | None:
     """The forward's requests and their rows of a layer's ``num_rows`` (rows past the last
     request are padding), or ``None`` where a failed batch cannot be split by request: no
-    runner or forward context, a microbatch of a step, or rows that are not the batch's."""
-    if runner is None or forward_context() is None or current_microbatch() is not None:
+    runner with V1's batch layout (V2's runner has none) or forward context, a microbatch of
+    a step, or rows that are not the batch's."""
+    if not hasattr(runner, "input_batch"):
         return None
-    num_reqs: int = runner.input_batch.num_reqs  # type: ignore[attr-defined]
+    if forward_context() is None or current_microbatch() is not None:
+        return None
+    num_reqs: int = runner.input_batch.num_reqs
     starts: list[int] = runner.query_start_loc.cpu[: num_reqs + 1].tolist()  # type: ignore[attr-defined]
     if not num_reqs or starts[-1] > num_rows:
         return None
-    ids: list[str] = runner.input_batch.req_ids[:num_reqs]  # type: ignore[attr-defined]
+    ids: list[str] = runner.input_batch.req_ids[:num_reqs]
     return [(r, slice(a, b)) for r, a, b in zip(ids, starts[:-1], starts[1:], strict=True) if b > a]
 
 

@@ -254,17 +254,20 @@ S4 ``vllm.distributed.parallel_state.create_tcp_store`` (module global), wrapped
    Upstream: none filed; ``init_distributed_environment`` could pass such a socket itself.
    Remove when: vLLM binds its master stores to the host it is given.
 
-W1 ``GPUModelRunner.execute_model`` and ``GPUModelRunner.sample_tokens`` (the V1 runner;
-   the CPU runner inherits both), wrapped.
+W1 ``GPUModelRunner.execute_model`` and ``GPUModelRunner.sample_tokens`` of both of vLLM's
+   model runners (V1's, which the CPU runner inherits; V2's, ``v1/worker/gpu/model_runner.py``,
+   the default on CUDA: not yet run on a GPU), wrapped.
    Why: a request an FFN rank fails even alone must fail by itself, not kill the engine
    core (an exception in a forward is fatal to it). The attention-side hook needs the batch's
    request ids and rows to find it (``attention/failures.py``), and the scheduler must learn
    which requests failed.
    How: the step runs as the worker session's step (``AttentionSession.step``): the runner
-   becomes the session's (it reads ``input_batch.req_ids`` and ``query_start_loc`` when a
-   batch fails), so do the step's requests (its ``SchedulerOutput``'s: with the device's
-   waits a failure is seen a step or two late, and the steps it spoiled fail their requests)
-   and the step lock is held (W3 says why); the step's
+   becomes the session's (it reads V1's ``input_batch.req_ids`` and ``query_start_loc`` when
+   a batch fails; V2 has neither, so there a failed batch is not split by request), so do the
+   step's requests (its ``SchedulerOutput``'s: with the device's waits a failure is seen a
+   step or two late, and the steps it spoiled fail their requests; a V2 dummy run, an
+   ``execute_model`` with ``dummy_run``, serves none) and the step lock is held (W3 says
+   why); the step's
    ``ModelRunnerOutput`` (or an async one's ``get_output``) gets an ``afd_failed_requests``
    attribute, request id -> the FFN's error text, when the step failed any. A decode step's
    period (its start to the next decode step's start) is recorded, with its requests and
@@ -282,7 +285,8 @@ W2 ``Scheduler.update_from_output``, wrapped; ``KVCacheManager.get_block_ids`` a
    ``grammar_compile_error_reqs``, the set the update finishes with ``FINISHED_ERROR``.
    Upstream: none filed; a public "fail these requests" call on the scheduler would do.
    Remove when: as W1.
-W3 ``GPUModelRunner._dummy_run`` (the CPU runner inherits it), wrapped.
+W3 ``GPUModelRunner._dummy_run`` of both model runners (V1's: the CPU runner inherits it;
+   V2's), wrapped.
    Why: a live scale (``POST /afd/scale``) switches each attention rank to the new FFN pool
    at a step boundary; an idle rank has none, so a thread of the worker switches it while no
    step runs. A forward is either a step (W1) or a dummy run (a DP rank's idle forward,

@@ -56,6 +56,8 @@ class Target:
 
 _CPU_RUNNER = "vllm.v1.worker.cpu_model_runner"
 _GPU_RUNNER = "vllm.v1.worker.gpu_model_runner"
+#: vLLM's V2 model runner, the default on CUDA (W1, W3 wrap it as they wrap V1's).
+_GPU_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"
 _SCHEDULER = "vllm.v1.core.sched.scheduler"
 _KV_MANAGER = "vllm.v1.core.kv_cache_manager"
 _W2_UPDATE = ("scheduler_output", "model_runner_output")
@@ -257,6 +259,11 @@ TARGETS = (
     Target("W2", _KV_MANAGER, "KVCacheManager", "get_block_ids", ("request_id",), "used"),
     Target("W2", _KV_MANAGER, "KVCacheManager", "evict_blocks", ("block_ids",), "used"),
     Target("W3", _GPU_RUNNER, "GPUModelRunner", "_dummy_run", ("num_tokens",)),
+    Target(
+        "W1", _GPU_RUNNER_V2, "GPUModelRunner", "execute_model", ("scheduler_output", "dummy_run")
+    ),
+    Target("W1", _GPU_RUNNER_V2, "GPUModelRunner", "sample_tokens", ("grammar_output",)),
+    Target("W3", _GPU_RUNNER_V2, "GPUModelRunner", "_dummy_run", ("num_tokens",)),
     Target("W4", "vllm.v1.worker.gpu_worker", "Worker", "load_model", ("load_dummy_weights",)),
     Target("E1", "vllm.envs", "", "environment_variables", kind="global"),
     Target("R1", "ray._private.worker", "", "print_to_stdstream", ("data", "ignore_prefix")),

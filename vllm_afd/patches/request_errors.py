@@ -11,6 +11,11 @@ evicts its blocks from the prefix cache (their KV was computed without routed ex
 hands it to the set vLLM finishes with ``FINISHED_ERROR`` in ``update_from_output``: the
 client gets vLLM's error answer, the other requests go on.
 
+W1 and W3 wrap both of vLLM's model runners, V1's (the CPU runner inherits it) and V2's (the
+default on CUDA), which call alike: the differences are V2's dummy runs, an ``execute_model``
+with ``dummy_run`` and placeholder requests, and its batch layout, which ``failures.requests_of``
+does not read (on V2 a failed batch is not split by request; a failed step still is).
+
 W1 also gives the session the step's requests (its scheduler output's): where the device's
 waits recorded a failure, seen at a later step's announcement, the requests of the steps it may
 have spoiled fail the same way (``AttentionSession.fail_steps``).
@@ -67,7 +72,9 @@ def _runner_step(original: Callable) -> Callable:
             return original(self, *args, **kwargs)
         scheduler_output = args[0] if args else kwargs.get("scheduler_output")
         requests = None
-        if hasattr(scheduler_output, "total_num_scheduled_tokens"):  # not sample_tokens
+        if kwargs.get("dummy_run"):  # the V2 runner's dummy run (W3): placeholder requests
+            requests = ()
+        elif hasattr(scheduler_output, "total_num_scheduled_tokens"):  # not sample_tokens
             session.periods.started(time.perf_counter(), decode_step(scheduler_output))
             requests = scheduler_output.num_scheduled_tokens  # request id -> tokens
         with session.step(self, requests):
