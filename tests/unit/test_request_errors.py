@@ -193,12 +193,15 @@ def test_with_the_device_waits_a_failed_step_fails_its_requests_and_the_next_is_
     runner, tiny_qwen3, tmp_path, monkeypatch
 ):
     """With the device's waits (every GPU: a kernel cannot raise) an FFN error is recorded in
-    its step and seen at the next step's announcement (``StepsFailed``): the session fails the
-    requests of the step it spoiled, as W1 gave them from the scheduler output, with the
-    error's text, and serves the step it was announcing; the next sampled output carries the
-    failed requests to the scheduler (W2): the engine goes on. On both of vLLM's runners,
-    driven through W1 and W3 as vLLM calls them (V2: dummy runs are ``execute_model`` calls
-    with ``dummy_run`` and placeholder requests, which never fail a request)."""
+    its step and seen once the step's sampled tokens are ready (W1, ``session.sampled``):
+    the session fails the requests of the step it spoiled, as W1 gave them from the
+    scheduler output, with the error's text, on that step's own output, before a token of
+    theirs leaves (W2 drops it); the next step is served: the engine goes on. On both of
+    vLLM's runners, driven through W1 and W3 as vLLM calls them (V2: its async output, read
+    after vLLM's sync; dummy runs are ``execute_model`` calls with ``dummy_run`` and
+    placeholder requests, which never fail a request). A forward no W1 step wraps is failed
+    at the next announcement instead (``StepsFailed``), which ends the forward: its requests
+    are unknown."""
     from vllm_afd.patches.request_errors import FAILED_ATTRIBUTE, _dummy_step, _runner_step
 
     config = {"waits": "device"}
@@ -243,12 +246,12 @@ def test_with_the_device_waits_a_failed_step_fails_its_requests_and_the_next_is_
         fault.write_text("once")
         step(BATCH, slice(None))  # the FFN rank fails this step: recorded, not raised
         assert not fault.exists(), "the fault did not fire"
-        assert taken == {}  # a kernel cannot raise: not known yet
-        for got, want in zip(step({"d": 2}, slice(0, 2)), expected, strict=True):  # served
-            torch.testing.assert_close(got, want[:2], rtol=1e-5, atol=1e-6)
-        assert sorted(taken) == ["a", "b", "c"], taken  # the failed step's, not d
+        assert sorted(taken) == ["a", "b", "c"], taken  # on the failed step's own output
         assert f"a wait of step {first + 1}" in taken["a"], taken
         taken.clear()
+        for got, want in zip(step({"d": 2}, slice(0, 2)), expected, strict=True):  # served
+            torch.testing.assert_close(got, want[:2], rtol=1e-5, atol=1e-6)
+        assert taken == {}, taken  # failed once: not again at d's announcement
         fault.write_text("once")
         dummy_run()  # a failed dummy run fails no request, placeholders neither
         assert not fault.exists(), "the fault did not fire"

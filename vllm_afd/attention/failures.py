@@ -29,18 +29,22 @@ the engine core dies, vLLM fails its in-flight requests and ``/health`` answers 
 
 With the device's waits (every GPU; ``slots`` with ``waits: device`` on a CPU) nothing of the
 above happens within a forward: a kernel cannot raise, so an error answer, a timeout or a lost
-rank is recorded in the step (``transport/slot_plane.py``, ``RecordedWaits``) and seen when a
-later step is announced, which raises ``StepsFailed`` naming the steps it may have spoiled (a
-lost rank is replaced first, with failover). The session (``AttentionSession.begin_step``)
-fails the requests of those steps, as W1 gave them from each step's scheduler output, and
-announces its step again: those requests get vLLM's error answer (step 4), the engine serves
-on, and on a replacement after a lost rank. Finer than that it cannot be: the step's uses ran
-(on a GPU, one graph replay) before anyone knew.
+rank is recorded in the step (``transport/slot_plane.py``, ``RecordedWaits``) and seen once the
+step's sampled tokens are ready (W1 calls ``AttentionSession.sampled`` after vLLM's sync on
+them), which raises ``StepsFailed`` naming the steps it may have spoiled: the session fails
+their requests, as W1 gave them from each step's scheduler output, on that step's own output,
+so they get vLLM's error answer (step 4) and none of their spoiled tokens leaves. A lost rank
+is replaced (failover) at the next announcement, which raises the loss again
+(``AttentionSession.begin_step``; it also fails the requests of the steps a forward no W1 step
+wraps spoiled) and announces its step again: the engine serves on. Finer than a step it cannot
+be: the step's uses ran (on a GPU, one graph replay) before anyone knew.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -72,16 +76,24 @@ class Failed:
 @dataclass
 class Failures:
     """The session's failed requests: those of the forward running, and every one failed
-    since the runner last took them (W1)."""
+    since the runner last took them (W1). Failed and taken on the runner's thread, and
+    with the device's waits on vLLM's async output thread too (W1): under a lock."""
 
     #: The forward running, where it failed requests.
     forward: Failed | None = None
     #: request id -> the FFN's error text.
     requests: dict[str, str] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fail(self, errors: Mapping[str, str]) -> None:
+        """Add ``errors`` (request id -> the FFN's error text)."""
+        with self._lock:
+            self.requests.update(errors)
 
     def take(self) -> dict[str, str]:
         """The requests failed since the last call (the step is over: the forward too)."""
-        taken, self.requests, self.forward = self.requests, {}, None
+        with self._lock:
+            taken, self.requests, self.forward = self.requests, {}, None
         return taken
 
 
@@ -144,7 +156,7 @@ def isolate(
     kept = torch.cat(healthy) if healthy else torch.empty(0, dtype=torch.long)
     failures = session.failures
     failures.forward = Failed(weakref.ref(forward_context()), gone, kept.to(x.device))
-    failures.requests.update(errors)  # logged by the scheduler as it fails them (W2)
+    failures.fail(errors)  # logged by the scheduler as it fails them (W2)
     later = tuple(n for n in session.steps.layers if n > layer)
     if later:
         session.steps.announce((kept.numel(),), later)

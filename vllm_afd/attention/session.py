@@ -151,6 +151,8 @@ class AttentionSession:
             if batch is None:
                 return False
             requests |= batch
+        if not failed.steps:
+            return True  # their requests failed already (``sampled``)
         logger.warning(
             "AFD: attention rank %d: %s; failing the %d request(s) of those steps",
             self.endpoint.rank,
@@ -158,9 +160,23 @@ class AttentionSession:
             len(requests),
         )
         recorder.record_error(recorder.error_kind(failed.cause), rank=self.endpoint.rank)
-        for request in requests:
-            self.failures.requests[request] = str(failed.cause)
+        self.failures.fail(dict.fromkeys(requests, str(failed.cause)))
         return True
+
+    def sampled(self, step: int) -> None:
+        """W1: the sampled tokens of the runner step that announced ``step`` are ready, its
+        device work done (vLLM synchronized on them): where the device's waits recorded a
+        failure of it or an earlier step, their requests fail now (``fail_steps``), before
+        a token of theirs leaves; the announcement would see it a step later, or two.
+
+        Raises:
+            StepsFailed: where a failed step's requests are unknown (as ``begin_step``).
+        """
+        try:
+            self.endpoint.check_sampled(step)
+        except StepsFailed as failed:
+            if not self.fail_steps(failed):
+                raise
 
     def before_dispatch(self, num_tokens: int) -> None:
         """Before a layer's dispatch: begin a step unless this forward's step was begun (by a

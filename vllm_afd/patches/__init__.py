@@ -264,12 +264,14 @@ W1 ``GPUModelRunner.execute_model`` and ``GPUModelRunner.sample_tokens`` of both
    How: the step runs as the worker session's step (``AttentionSession.step``): the runner
    becomes the session's (it reads V1's ``input_batch.req_ids`` and ``query_start_loc`` when
    a batch fails; V2 has neither, so there a failed batch is not split by request), so do the
-   step's requests (its ``SchedulerOutput``'s: with the device's waits a failure is seen a
-   step or two late, and the steps it spoiled fail their requests; a V2 dummy run, an
+   step's requests (its ``SchedulerOutput``'s: with the device's waits a failure is seen
+   after the forward, and the steps it spoiled fail their requests; a V2 dummy run, an
    ``execute_model`` with ``dummy_run``, serves none) and the step lock is held (W3 says
    why); the step's
-   ``ModelRunnerOutput`` (or an async one's ``get_output``) gets an ``afd_failed_requests``
-   attribute, request id -> the FFN's error text, when the step failed any. A decode step's
+   ``ModelRunnerOutput`` (or an async one's ``get_output``, after vLLM's wait for the sampled
+   tokens: there the device's waits of the step are read, ``AttentionSession.sampled``) gets an
+   ``afd_failed_requests`` attribute, request id -> the FFN's error text, when the step failed
+   any (on a copy of vLLM's shared empty output). A decode step's
    period (its start to the next decode step's start) is recorded, with its requests and
    context tokens read from the ``SchedulerOutput``, into the rank's stats block
    (``AttentionSession.periods``): the measured load of the planner in the loop.

@@ -17,8 +17,11 @@ with ``dummy_run`` and placeholder requests, and its batch layout, which ``failu
 does not read (on V2 a failed batch is not split by request; a failed step still is).
 
 W1 also gives the session the step's requests (its scheduler output's): where the device's
-waits recorded a failure, seen at a later step's announcement, the requests of the steps it may
-have spoiled fail the same way (``AttentionSession.fail_steps``).
+waits recorded a failure, the requests of the steps it may have spoiled fail the same way
+(``AttentionSession.fail_steps``). W1 reads those waits where vLLM has synchronized on a step's
+sampled tokens (the step's device work is done): the step's ``ModelRunnerOutput``, or an async
+one's ``get_output`` after its own wait (``AttentionSession.sampled``), so the failed requests
+ride the output whose tokens their failure spoiled.
 
 W1 and W3 also hold the session's step lock (``AttentionSession.step``) for each
 step and dummy step (a DP rank's idle forward): a live scale switches an idle attention rank
@@ -29,6 +32,7 @@ rank's stats block (``attention.session.StepPeriods``), what the planner in the 
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -43,23 +47,29 @@ FAILED_ATTRIBUTE = "afd_failed_requests"
 
 def _with_failures(session, output):
     """``output`` carrying the requests ``session`` failed since the last output (a step's
-    output, or an async one's ``get_output``); ``None`` and intermediate tensors carry none
-    yet."""
-    if not session.failures.requests:
-        return output
+    output, or an async one's ``get_output``, after vLLM's sync on the sampled tokens); the
+    device's waits of the step announced last are checked first (``session.sampled``), so a
+    request its failure spoiled fails before its token leaves. ``None`` and intermediate
+    tensors carry none yet."""
     from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
+    step = session.endpoint.step
     if isinstance(output, ModelRunnerOutput):
-        setattr(output, FAILED_ATTRIBUTE, session.take_failed_requests())
-    elif isinstance(output, AsyncModelRunnerOutput):
-        failed, get_output = session.take_failed_requests(), output.get_output
+        return _carrying(output, session, step)
+    if isinstance(output, AsyncModelRunnerOutput):
+        get_output = output.get_output
+        output.get_output = lambda: _carrying(get_output(), session, step)
+    return output
 
-        def get_output_with_failures():
-            result = get_output()
-            setattr(result, FAILED_ATTRIBUTE, failed)
-            return result
 
-        output.get_output = get_output_with_failures
+def _carrying(output, session, step: int):
+    """``output`` (a ``ModelRunnerOutput``; a copy if it is vLLM's shared empty one) with the
+    requests failed by ``step`` (its device work done) and since the last output."""
+    session.sampled(step)
+    failed = session.take_failed_requests()
+    if failed:
+        output = copy.copy(output)  # vLLM returns one EMPTY_MODEL_RUNNER_OUTPUT for all
+        setattr(output, FAILED_ATTRIBUTE, failed)
     return output
 
 

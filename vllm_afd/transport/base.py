@@ -240,6 +240,11 @@ class AttentionTransport(abc.ABC):
     def _announce(self, schedule: StepSchedule) -> None:  # noqa: B027 - optional hook
         """Send ``schedule`` to every FFN rank (backends whose FFN side checks it)."""
 
+    def check_sampled(self, step: int) -> None:  # noqa: B027 - optional hook
+        """Step ``step``'s device work is done (vLLM synchronized on its sampled tokens):
+        raise ``StepsFailed`` where its waits, or earlier steps', recorded a failure not
+        raised yet (backends whose waits record failures instead of raising them)."""
+
     @abc.abstractmethod
     def dispatch(
         self,

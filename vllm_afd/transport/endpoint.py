@@ -343,6 +343,12 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
                 except FFNRankLost as lost:
                     self._recover(lost)
 
+    def check_sampled(self, step: int) -> None:
+        """``RecordedWaits.check_through``: the failures of ``step`` and earlier steps,
+        raised before their sampled tokens leave (a lost FFN rank is replaced at the next
+        announcement)."""
+        self.memory.check_through(step)
+
     def _await_ring(self, ffn_rank: int, step: int) -> None:
         """With the device's waits FFN rank ``ffn_rank`` takes whole steps in order: wait until
         it took the step that ``step`` replaces in its ring of schedules

@@ -318,9 +318,11 @@ class CudaPlaneMemory(TritonWaits):
         # pinned host memory, which the device reads and writes through the same address
         # (UVA), as NCCL polls its abort flag: the failed waits' word, read by ``check`` with
         # no device sync, and the abort word, set by a host watchdog while a wait spins
-        self.errors = torch.zeros(1, dtype=torch.int64).pin_memory()
-        self.aborted = torch.zeros(1, dtype=torch.int64).pin_memory()
-        self.bound = f"{timeout_s:g} s"
+        self._record_failures(
+            torch.zeros(1, dtype=torch.int64).pin_memory(),
+            torch.zeros(1, dtype=torch.int64).pin_memory(),
+            f"{timeout_s:g} s",
+        )
         self._keep: list[torch.Tensor] = []  # created buffers: peers map them
 
     def create(self, nbytes: int) -> tuple[torch.Tensor, str]:

@@ -114,9 +114,9 @@ class HostWords(RecordedWaits):
         self.timeout_s, self.device_waits = timeout_s, device_waits
         self.policy = policy or WaitPolicy()
         self.records_waits = device_waits
-        self.errors = torch.zeros(1, dtype=torch.int64)
-        self.aborted = torch.zeros(1, dtype=torch.int64)
-        self.bound = f"{timeout_s} s"
+        self._record_failures(
+            torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), f"{timeout_s} s"
+        )
         #: int64 memoryviews of flag lines and step words, by address: a word read or written
         #: through one costs a fraction of a tensor's ``int()`` or ``fill_``, on the hot path.
         self._words: dict[tuple[int, int], memoryview] = {}
@@ -212,6 +212,10 @@ class HostWords(RecordedWaits):
     def check(self, step: int | None = None) -> None:
         if self.device_waits:
             super().check(step)
+
+    def check_through(self, step: int) -> None:
+        if self.device_waits:
+            super().check_through(step)
 
 
 class HostPlaneMemory(HostWords):

@@ -407,3 +407,46 @@ def test_recorded_waits_are_read_without_a_sync_once_per_failure_and_outlive_an_
     memory.wait(flag, step, 0, "an answer of step 4")  # waits, and finds it
     memory.check(5)  # nothing new: step 3's aborted waits were covered by the abort's raise
     memory.close()
+
+
+def test_a_steps_failed_waits_are_raised_once_its_sampled_tokens_are_ready():
+    """``check_through(S)`` (W1 calls it once vLLM synchronized on step S's sampled tokens,
+    S's device work done) raises for a failed wait of S or earlier, naming the steps it may
+    have spoiled, and covers them: the next announcement raises nothing more for them. A
+    failure of a later step (the host ran ahead) waits for its own check. A watchdog's
+    abort is raised there too and stays for the announcement, which replaces the lost FFN
+    rank (``StepsFailed`` naming no step: their requests failed already)."""
+    memory = HostPlaneMemory(timeout_s=0.2, device_waits=True)
+    buffer, _ = memory.create(64)
+    flag, step = buffer[:8].view(torch.int64), step_word(memory.device)
+    step.fill_(2 << POSITION_BITS)
+    memory.wait(flag, step, 1, "an answer of step 2 that never comes")  # recorded
+    memory.check_through(1)  # step 1's output is clean
+    with pytest.raises(StepsFailed, match=r"a wait of step 2 \(layer position 1\)") as e:
+        memory.check_through(2)
+    assert isinstance(e.value.cause, FFNTimeout) and e.value.steps == range(2, 3)
+    memory.check_through(2)  # once
+    memory.check(3)  # covered
+    step.fill_(4 << POSITION_BITS)
+    memory.wait(flag, step, 0, "an answer of step 4, the host a step ahead")
+    memory.check_through(3)  # not step 3's
+    memory.lag = 1  # CUDA: the host a step ahead of the device
+    with pytest.raises(StepsFailed, match="a wait of step 4") as e:
+        memory.check_through(4)
+    assert e.value.steps == range(3, 5)
+    memory.check(5)
+    memory.abort(FFNRankLost(0, "FFN rank 0 died"))
+    step.fill_(5 << POSITION_BITS)
+    memory.wait(flag, step, 0, "a use of step 5 when its peer died")  # ends at once
+    with pytest.raises(StepsFailed, match="FFN rank 0 died") as e:
+        memory.check_through(5)
+    assert isinstance(e.value.cause, FFNRankLost) and e.value.steps == range(5, 6)  # 4: covered
+    with pytest.raises(StepsFailed, match="FFN rank 0 died") as e:
+        memory.check(6)  # the announcement: failover, with no step's requests to fail
+    assert isinstance(e.value.cause, FFNRankLost) and not e.value.steps
+    step.fill_(6 << POSITION_BITS)
+    flag.fill_((6 << POSITION_BITS) + 1)
+    memory.wait(flag, step, 0, "an answer of step 6")  # waits, and finds it
+    memory.check_through(6)
+    memory.check(7)
+    memory.close()
