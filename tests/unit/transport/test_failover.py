@@ -230,14 +230,17 @@ def test_a_rank_the_supervisor_declared_lost_is_left_while_it_lives(backend, sta
     wedged.kill()  # it would answer 30 s late: not worth the teardown's 5 s wait
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["announced", "sampled"])
 def test_with_the_device_waits_a_killed_rank_fails_its_step_and_the_replacement_serves_on(
-    start_ffn, tmp_path
+    sampled, start_ffn, tmp_path
 ):
     """With the device's waits a lost rank's uses cannot be sent again within their step (on a
     GPU a captured graph replays them): the watchdog ends the step's waits once the rank died,
     the next announcement links the replacement (failover) and raises ``StepsFailed`` naming
     that step (the attention session fails its requests), and the step announced again runs
-    on the replacement."""
+    on the replacement. Where the step's sampled tokens were read first (W1:
+    ``check_sampled``), that read names the step, and the announcement, which still links
+    the replacement, names none."""
     spec = make_spec("slots-device", 1, 2, directory=str(tmp_path), failover_s=20.0)
     forwards = [_forward(spec, 0), DelayedForward(_forward(spec, 1), delay_s=30.0)]
     cluster = start_ffn(spec, forwards)
@@ -258,9 +261,14 @@ def test_with_the_device_waits_a_killed_rank_fails_its_step_and_the_replacement_
         for layer in LAYERS:
             att.combine(att.dispatch(layer, *routing(8, spec, seed=layer)))  # recorded
         assert time.perf_counter() - start < spec.timeout_s  # ended by the watchdog
-        with pytest.raises(StepsFailed, match=r"FFN rank 1 \(pid \d+\) died") as failed:
+        died = r"FFN rank 1 \(pid \d+\) died"
+        if sampled:
+            with pytest.raises(StepsFailed, match=died) as failed:
+                att.check_sampled(1)
+            assert failed.value.steps == range(1, 2)
+        with pytest.raises(StepsFailed, match=died) as failed:
             att.begin_step(StepSchedule(2, (5,), LAYERS, Mode.RUN))
-        assert failed.value.steps == range(1, 2)
+        assert failed.value.steps == (range(2, 2) if sampled else range(1, 2))
         assert att.replacements == 1 and att.addresses[1] != cluster.spec.addresses[1]
         att.begin_step(StepSchedule(2, (5,), LAYERS, Mode.RUN))  # announced again: served
         for layer in LAYERS:
