@@ -1,4 +1,4 @@
-"""Transport micro-benchmark: per-layer dispatch + combine round trip beside two copy floors.
+"""Transport micro-benchmark: per-layer dispatch + combine round trip beside its floors.
 
     python -m vllm_afd.bench.transport_bench [--json out.json] [--tokens 1 8 64] [--hidden 4096]
 
@@ -39,6 +39,12 @@ by more: all numbers of a row then see the same mix of conditions):
   transport on these CPUs pays and nothing else: the flag's hand-over and the cross-core
   cache-line transfers (lines written on one core and read on the other, or written after the
   other read them). Measured floors: docs/benchmarks.md.
+
+  ``floor_nixl`` (``FFNCpuPeer.nixl_floor``; ``nixl`` rows only): NIXL's own round trip of
+  the same bytes between the same two CPUs, the engine the ``nixl`` backend runs on and
+  nothing of ours: a notification of the request's bytes, echoed by the peer with one of the
+  answer's (agents made as the backend makes them, ``nixl.make_agent``). What the plane adds
+  over NIXL is ``ratio_nixl`` = ``(rt - echo) / floor_nixl``.
 
 ``ratio_hot`` = ``(rt - echo) / floor_hot``: the transport against raw copying, everything of
 being two processes included. ``ratio_xcore`` = ``(rt - echo) / floor_xcore``: the transport
@@ -211,18 +217,61 @@ def _serve_floor(shared: _SharedBuffers, request: int, response: int, conn) -> N
     conn.send("idle")
 
 
+#: A NIXL floor's messages: a request (then its bytes), and the end of a session.
+_NIXL_REQUEST, _NIXL_STOP = b"R", b"X"
+
+
+class _NixlEcho:
+    """One side of the NIXL floor: this process's agent (made once), linked to its peer's."""
+
+    def __init__(self, role: str) -> None:
+        from vllm_afd.transport.nixl import make_agent
+
+        self.agent = make_agent(f"vllm-afd-floor-{role}-{os.getpid()}-{secrets.token_hex(4)}")
+        self.peer = ""
+
+    def link(self, metadata: bytes) -> None:
+        name = self.agent.add_remote_agent(metadata)
+        self.peer = name.decode() if isinstance(name, bytes) else name
+
+    def receive(self) -> list[bytes]:
+        """The next notifications from the peer (spins until one comes)."""
+        while not (notifs := self.agent.get_new_notifs()):
+            pass
+        return [m for messages in notifs.values() for m in messages]
+
+
+def _serve_nixl_floor(echo: _NixlEcho, metadata: bytes, response: int, conn) -> None:
+    """Process B's side of one NIXL floor session: answer each request with ``response``
+    bytes, until ``_NIXL_STOP``."""
+    echo.link(metadata)
+    answer = b"A" * response
+    conn.send(echo.agent.get_agent_metadata())
+    while True:
+        for message in echo.receive():
+            if message == _NIXL_STOP:
+                conn.send("idle")
+                return
+            echo.agent.send_notif(echo.peer, answer)
+
+
 def _peer_main(path: str, max_request: int, max_response: int, cpu: int | None, conn) -> None:
     """``FFNCpuPeer``'s process: runs the jobs ``conn`` brings (``("floor", request bytes,
-    response bytes)`` or ``("echo", *echo_times args)``), blocked on ``conn`` in between (no CPU
-    use); ``None`` or a closed pipe ends it."""
+    response bytes)``, ``("nixl", agent metadata, response bytes)`` or ``("echo",
+    *echo_times args)``), blocked on ``conn`` in between (no CPU use); ``None`` or a closed
+    pipe ends it."""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     torch.set_num_threads(1)
     shared = _SharedBuffers(path, max_request, max_response, create=False)
+    nixl: _NixlEcho | None = None
     conn.send("ready")
     while (job := conn.recv()) is not None:
         if job[0] == "echo":
             conn.send(echo_times(*job[1:]))
+        elif job[0] == "nixl":
+            nixl = nixl or _NixlEcho("ffn")
+            _serve_nixl_floor(nixl, *job[1:], conn)
         else:
             _serve_floor(shared, *job[1:], conn)
 
@@ -238,6 +287,7 @@ class FFNCpuPeer:
             target=_peer_main, args=(path, max_request, max_response, cpu, child), daemon=True
         )
         self.shared = _SharedBuffers(path, max_request, max_response, create=True)
+        self._nixl: _NixlEcho | None = None  # this process's side of the NIXL floor
         try:
             self.proc.start()
             child.close()
@@ -287,6 +337,26 @@ class FFNCpuPeer:
             return _timed(round_trip, seconds)
         finally:
             words[0] = _STOP
+            self._answer()  # "idle"
+
+    def nixl_floor(self, request: int, response: int, seconds: float) -> list[float]:
+        """Times (s) of: a NIXL notification of ``request`` bytes to the peer, its answer of
+        ``response`` bytes back (module docstring)."""
+        if self._nixl is None:
+            self._nixl = _NixlEcho("attention")
+        echo = self._nixl
+        self.conn.send(("nixl", echo.agent.get_agent_metadata(), response))
+        echo.link(self._answer())
+        message = _NIXL_REQUEST + b"R" * max(0, request - 1)
+
+        def round_trip() -> None:
+            echo.agent.send_notif(echo.peer, message)
+            echo.receive()
+
+        try:
+            return _timed(round_trip, seconds)
+        finally:
+            echo.agent.send_notif(echo.peer, _NIXL_STOP)
             self._answer()  # "idle"
 
     def close(self) -> None:
@@ -389,6 +459,7 @@ def measure_point(
     xcore: list[float] = []
     hot: list[float] = []
     echo: list[float] = []
+    nixl: list[float] = []
     share = seconds / _ROUNDS
     for _ in range(_ROUNDS):
         rt += _timed(round_trip, share)
@@ -396,6 +467,8 @@ def measure_point(
         xcore += peer.cross_core_floor(request, response, share / 2)
         hot += hot_copy_floor(request, response, share / 2)
         echo += peer.echo(num_tokens, spec.hidden_size, spec.dtype, spec.top_k, share / 4)
+        if spec.backend == "nixl":
+            nixl += peer.nixl_floor(request, response, share / 2)
     us = 1e6
     row = {
         "backend": spec.backend,
@@ -417,6 +490,9 @@ def measure_point(
     row["transport_us"] = row["rt_median_us"] - row["echo_median_us"]
     row["ratio_hot"] = row["transport_us"] / row["floor_hot_median_us"]
     row["ratio_xcore"] = row["transport_us"] / row["floor_xcore_median_us"]
+    if nixl:
+        row["floor_nixl_median_us"] = statistics.median(nixl) * us
+        row["ratio_nixl"] = row["transport_us"] / row["floor_nixl_median_us"]
     return row
 
 
@@ -465,6 +541,8 @@ _COLUMNS = (
     "xcore_us",
     "x_hot",
     "x_xcore",
+    "nixl_us",
+    "x_nixl",
 )
 
 
@@ -483,6 +561,8 @@ def format_row(row: dict) -> str:
         f"{row['floor_xcore_median_us']:.1f}",
         f"{row['ratio_hot']:.2f}",
         f"{row['ratio_xcore']:.2f}",
+        f"{row['floor_nixl_median_us']:.1f}" if "ratio_nixl" in row else "-",
+        f"{row['ratio_nixl']:.2f}" if "ratio_nixl" in row else "-",
     )
     return "  ".join(f"{c:>11}" for c in cells)
 
@@ -494,9 +574,10 @@ def summarize(results: list[dict]) -> dict:
     for backend in sorted({r["backend"] for r in results}):
         rows = [r for r in results if r["backend"] == backend and r["tokens"] <= DECODE_TOKENS]
         if rows:
+            keys = [k for k in ("ratio_hot", "ratio_xcore", "ratio_nixl") if k in rows[0]]
             summary[backend] = {
                 f"decode_{stat.__name__}_{key}": stat([r[key] for r in rows])
-                for key in ("ratio_hot", "ratio_xcore")
+                for key in keys
                 for stat in (statistics.median, max)
             }
     return summary
@@ -548,6 +629,12 @@ def main(argv: list[str] | None = None) -> int:
             f"hot median {s['decode_median_ratio_hot']:.2f} worst {s['decode_max_ratio_hot']:.2f}"
             f"; cross-core median {s['decode_median_ratio_xcore']:.2f} "
             f"worst {s['decode_max_ratio_xcore']:.2f}"
+            + (
+                f"; NIXL's own median {s['decode_median_ratio_nixl']:.2f} "
+                f"worst {s['decode_max_ratio_nixl']:.2f}"
+                if "decode_median_ratio_nixl" in s
+                else ""
+            )
         )
     if args.json:
         with open(args.json, "w") as fh:

@@ -97,6 +97,17 @@ def nixl_problem() -> str | None:
     return None
 
 
+def make_agent(name: str) -> Any:
+    """A NIXL agent named ``name``, as every one of ours is made: no progress thread (the
+    waits pump), no listener (metadata never crosses an unauthenticated socket), and UCX's
+    tcp transport on the loopback interface unless the operator named the fabric
+    (``UCX_NET_DEVICES``; docs/user-guide.md, "Security")."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    os.environ.setdefault("UCX_NET_DEVICES", LOOPBACK_DEVICE)
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False))
+
+
 def host_identity() -> int:
     """This host and pid namespace as one int64 (60 bits of the boot id, a random UUID, with
     the namespace's inode): pids compare only between processes with the same identity."""
@@ -173,17 +184,12 @@ class NixlPlaneMemory(HostWords):
         problem = nixl_problem()
         if problem is not None:
             raise RuntimeError(problem)
-        from nixl._api import nixl_agent, nixl_agent_config
         from nixl._bindings import nixlBackendError, nixlRemoteDisconnectError
 
-        # UCX's tcp transport listens on every interface it uses, unauthenticated: loopback
-        # only, unless the operator names the fabric (docs/user-guide.md, "Security")
-        os.environ.setdefault("UCX_NET_DEVICES", LOOPBACK_DEVICE)
         super().__init__(timeout_s, False, policy)
         self.reads_on_attach = reads_on_attach
         self.name = f"vllm-afd-{role}-{os.getpid()}-{secrets.token_hex(4)}"
-        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False)
-        self.agent = nixl_agent(self.name, config)
+        self.agent = make_agent(self.name)
         #: What NIXL raises for a peer that went away (a send to it is dropped: ``_drop``).
         self._peer_errors = (nixlRemoteDisconnectError, nixlBackendError)
         #: Buffers this process owns: base address -> (size, bytes).

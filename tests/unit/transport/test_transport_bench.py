@@ -1,4 +1,5 @@
-"""The transport micro-benchmark: both copy floors, echo on the peer, one small end-to-end run."""
+"""The transport micro-benchmark: both copy floors, NIXL's own round trip, echo on the peer, one
+small end-to-end run."""
 
 from __future__ import annotations
 
@@ -70,16 +71,23 @@ def test_main_reports_both_floors(tmp_path, capsys) -> None:
         assert row["transport_us"] == pytest.approx(transport)
         assert row["ratio_hot"] == pytest.approx(transport / row["floor_hot_median_us"])
         assert row["ratio_xcore"] == pytest.approx(transport / row["floor_xcore_median_us"])
+        if row["backend"] == "nixl":  # NIXL's own round trip of the same bytes, beside it
+            assert row["ratio_nixl"] == pytest.approx(transport / row["floor_nixl_median_us"])
+        else:
+            assert "floor_nixl_median_us" not in row
     for backend in ("shm", "nixl"):
         ratios = [r["ratio_xcore"] for r in data["results"] if r["backend"] == backend]
         summary = data["summary"][backend]
         assert summary["decode_max_ratio_xcore"] == max(ratios)
+        nixl = {"decode_median_ratio_nixl", "decode_max_ratio_nixl"} if backend == "nixl" else set()
         assert set(summary) == {
             "decode_median_ratio_hot",
             "decode_max_ratio_hot",
             "decode_median_ratio_xcore",
             "decode_max_ratio_xcore",
+            *nixl,
         }
     printed = capsys.readouterr().out
     assert "x_xcore" in printed and printed.count("cross-core median") == 2
+    assert "x_nixl" in printed and printed.count("NIXL's own median") == 1
     assert _leaked(before) == []
