@@ -89,7 +89,10 @@ announced a newer step). A device wait gives up at its deadline (the GPU's globa
 an error answer, a peer that moved on or an abort word a host watchdog sets when the peer dies
 (``RecordedWaits.abort``: the step's later waits end at once), records its use's value in a
 word of host memory and lets the stream go on (a kernel cannot raise); ``check()`` reads that
-word at step boundaries, where the host looks anyway, without a device sync, and raises.
+word at step boundaries, where the host looks anyway, without a device sync, and raises. An FFN
+rank's wait that gives up also marks its part missed (a word on the device): the use's forward
+still runs, on the slot's stale rows, but the answer to that part is an error answer, so that
+the late request's own wait fails rather than take it.
 """
 
 from __future__ import annotations
@@ -325,9 +328,15 @@ class PlaneMemory(Protocol):
         """The buffer ``handle`` names, mapped into this process."""
 
     def signal(
-        self, flag: torch.Tensor, step: torch.Tensor, position: int, failed: bool = False
+        self,
+        flag: torch.Tensor,
+        step: torch.Tensor,
+        position: int,
+        failed: bool = False,
+        missed: torch.Tensor | None = None,
     ) -> None:
-        """Store the use's value (negated when ``failed``) into ``flag`` after every earlier
+        """Store the use's value (negated when ``failed``, or where ``missed``, the word a
+        ``wait`` for the use's request wrote, holds 1) into ``flag`` after every earlier
         write (release)."""
 
     def publish(
@@ -348,11 +357,12 @@ class PlaneMemory(Protocol):
         flags: Sequence[torch.Tensor],
         steps: Sequence[torch.Tensor],
         positions: Sequence[int],
+        missed: torch.Tensor | None = None,
     ) -> None:
         """``publish`` of several uses at once, each one part: ``srcs[i]`` into ``dsts[i]``,
-        then ``flags[i]`` its use's value (step word ``steps[i]``, ``positions[i]``). One
-        operation on a device (an FFN rank's answers of one use to every attention rank, each
-        into that rank's own buffer)."""
+        then ``flags[i]`` its use's value (step word ``steps[i]``, ``positions[i]``; negated
+        where ``missed[i]`` holds 1: ``signal``). One operation on a device (an FFN rank's
+        answers of one use to every attention rank, each into that rank's own buffer)."""
 
     def wait(
         self,
@@ -360,11 +370,15 @@ class PlaneMemory(Protocol):
         step: torch.Tensor,
         position: int,
         what: str,
+        missed: torch.Tensor | None = None,
     ) -> int | None:
         """Until ``|flag|`` reaches the use's value (acquire), bounded; ``what`` names the flag
         in errors. Returns the flag's value on the host (the caller tells an answer, an error
         answer and a peer that moved on apart); ``None`` where the wait only records a
-        failure (``check``)."""
+        failure (``check``), and then, where ``missed`` (an int64 word on the memory's device)
+        is given, stores 1 there if it failed, else 0: an FFN rank's answer to a request it
+        gave up on must be an error answer (``signal``), not one computed from the slot's
+        stale rows, which the late request's own wait would take as its answer."""
 
     def wait_gather(
         self,
@@ -374,12 +388,14 @@ class PlaneMemory(Protocol):
         srcs: Sequence[Sequence[torch.Tensor]],
         dsts: Sequence[torch.Tensor],
         what: Callable[[int], str],
+        missed: torch.Tensor | None = None,
     ) -> list[int | None]:
         """``wait`` for every request ``flags[i]`` (step word ``steps[i]``, the use at
-        ``positions[i]``), then its parts ``srcs[i]`` (``x`` ``[N_i, H]``, ``ids`` and
-        ``weights`` ``[N_i, K]``) into the next ``N_i`` rows of ``dsts`` (``x``, ``ids``,
-        ``weights`` of ``sum N_i`` rows), in order: an FFN rank's requests of one use from
-        every attention rank, side by side for one forward. One operation on a device."""
+        ``positions[i]``; ``missed[i]`` as ``wait``'s), then its parts ``srcs[i]`` (``x``
+        ``[N_i, H]``, ``ids`` and ``weights`` ``[N_i, K]``) into the next ``N_i`` rows of
+        ``dsts`` (``x``, ``ids``, ``weights`` of ``sum N_i`` rows), in order: an FFN rank's
+        requests of one use from every attention rank, side by side for one forward. One
+        operation on a device."""
 
     def wait_sum(
         self,
@@ -422,52 +438,61 @@ def publish_by_copies(
     signal(flag, step, position)
 
 
+def _word(missed: torch.Tensor | None, i: int) -> torch.Tensor | None:
+    return None if missed is None else missed[i : i + 1]
+
+
 def publish_each(
-    publish: Callable[..., None],
+    signal: Callable[..., None],
     dsts: Sequence[torch.Tensor],
     srcs: Sequence[torch.Tensor],
     flags: Sequence[torch.Tensor],
     steps: Sequence[torch.Tensor],
     positions: Sequence[int],
+    missed: torch.Tensor | None,
 ) -> None:
-    """``publish_all`` as one ``publish`` per part (host memory; on a device, parts its fused
-    kernel does not take)."""
-    for dst, src, flag, step, position in zip(dsts, srcs, flags, steps, positions, strict=True):
-        publish((dst,), (src,), flag, step, position)
+    """``publish_all`` as a copy and a ``signal`` per part (host memory; on a device, parts
+    its fused kernel does not take)."""
+    uses = enumerate(zip(dsts, srcs, flags, steps, positions, strict=True))
+    for i, (dst, src, flag, step, position) in uses:
+        dst.copy_(src)
+        signal(flag, step, position, False, _word(missed, i))
 
 
 def _wait_each(
-    wait: Callable[[torch.Tensor, torch.Tensor, int, str], int | None],
+    wait: Callable[..., int | None],
     flags: Sequence[torch.Tensor],
     steps: Sequence[torch.Tensor],
     positions: Sequence[int],
     what: Callable[[int], str],
+    missed: torch.Tensor | None = None,
 ) -> list[int | None]:
     """``wait`` of each flag ``flags[i]`` for the use at ``positions[i]`` of step word
-    ``steps[i]``, in order; what each returned."""
+    ``steps[i]`` (``missed[i]``: ``PlaneMemory.wait``'s), in order; what each returned."""
     uses = enumerate(zip(flags, steps, positions, strict=True))
-    return [wait(flag, step, position, what(i)) for i, (flag, step, position) in uses]
+    return [wait(f, s, p, what(i), _word(missed, i)) for i, (f, s, p) in uses]
 
 
 def wait_then_gather(
-    wait: Callable[[torch.Tensor, torch.Tensor, int, str], int | None],
+    wait: Callable[..., int | None],
     flags: Sequence[torch.Tensor],
     steps: Sequence[torch.Tensor],
     positions: Sequence[int],
     srcs: Sequence[Sequence[torch.Tensor]],
     dsts: Sequence[torch.Tensor],
     what: Callable[[int], str],
+    missed: torch.Tensor | None,
 ) -> list[int | None]:
     """``wait_gather`` as separate operations: the memory's ``wait`` of each flag, then one
     ``cat`` per part (host memory; on a device, parts its fused kernel does not take)."""
-    found = _wait_each(wait, flags, steps, positions, what)
+    found = _wait_each(wait, flags, steps, positions, what, missed)
     for i, gathered in enumerate(dsts):
         torch.cat([parts[i] for parts in srcs], out=gathered)
     return found
 
 
 def wait_then_sum(
-    wait: Callable[[torch.Tensor, torch.Tensor, int, str], int | None],
+    wait: Callable[..., int | None],
     flags: Sequence[torch.Tensor],
     steps: Sequence[torch.Tensor],
     position: int,
@@ -657,6 +682,13 @@ class FFNPlane:
         #: Per attention rank its step word (views of one tensor).
         words = torch.zeros(len(attention), dtype=torch.int64, device=memory.device)
         self.steps = [words[a : a + 1] for a in attention]
+        #: Where waits only record a failure: per part of a use, whether the wait for its
+        #: request gave up (``PlaneMemory.wait``): its answer is then an error answer.
+        self._missed = (
+            torch.zeros(len(attention), dtype=torch.int64, device=memory.device)
+            if memory.records_waits
+            else None
+        )
         rows = layout.num_attention_ranks * layout.max_tokens
         #: Every attention rank's rows gathered for one forward (``serve``).
         self._gathered = (
@@ -684,7 +716,8 @@ class FFNPlane:
         a = part.attention_rank
         view = self.slots[slot][a]
         what = self._request_name(a, slot)
-        found = self.memory.wait(view.request, self.steps[a], part.position, what)
+        missed = _word(self._missed, 0)
+        found = self.memory.wait(view.request, self.steps[a], part.position, what, missed)
         self._check_taken(part, slot, found)
         return view
 
@@ -701,9 +734,11 @@ class FFNPlane:
             raise PlaneError(f"{what} carries {found:#x}, awaited {want:#x}", found)
 
     def answer(self, slot: int, part: Part) -> None:
-        """Publish ``part``'s answer, already in its attention rank's ``out`` of ``slot``."""
+        """Publish ``part``'s answer, already in its attention rank's ``out`` of ``slot``
+        (after ``take``: an error answer where its wait gave up)."""
         a = part.attention_rank
-        self.memory.signal(self.answers[a][slot].response, self.steps[a], part.position)
+        response = self.answers[a][slot].response
+        self.memory.signal(response, self.steps[a], part.position, False, _word(self._missed, 0))
 
     def fail(self, slot: int, part: Part, message: str) -> None:
         """Answer ``part`` with an error: its attention rank's combine raises ``message``."""
@@ -732,6 +767,7 @@ class FFNPlane:
             [v.rows(n) for v, n in zip(views, rows, strict=True)],
             (x, ids, weights),
             lambda i: self._request_name(parts[i].attention_rank, slot),
+            self._missed,
         )
         for part, value in zip(parts, found, strict=True):
             self._check_taken(part, slot, value)
@@ -742,6 +778,7 @@ class FFNPlane:
             [self.answers[part.attention_rank][slot].response for part in parts],
             [self.steps[part.attention_rank] for part in parts],
             [part.position for part in parts],
+            self._missed,
         )
 
 

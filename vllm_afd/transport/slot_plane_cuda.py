@@ -135,9 +135,22 @@ class TritonWaits(RecordedWaits):
         return {"bound": self.deadline_ns if timed else self.max_spins, "TIMED": timed}
 
     def signal(
-        self, flag: torch.Tensor, step: torch.Tensor, position: int, failed: bool = False
+        self,
+        flag: torch.Tensor,
+        step: torch.Tensor,
+        position: int,
+        failed: bool = False,
+        missed: torch.Tensor | None = None,
     ) -> None:
-        _kernels().signal[(1,)](flag, step, position + 1, -1 if failed else 1, num_warps=1)
+        _kernels().signal[(1,)](
+            flag,
+            step,
+            position + 1,
+            -1 if failed else 1,
+            flag if missed is None else missed,
+            MISSED=missed is not None,
+            num_warps=1,
+        )
 
     def publish(
         self,
@@ -166,9 +179,10 @@ class TritonWaits(RecordedWaits):
         flags: Sequence[torch.Tensor],
         steps: Sequence[torch.Tensor],
         positions: Sequence[int],
+        missed: torch.Tensor | None = None,
     ) -> None:
         """One kernel, a program per part, where every part is fusable and of one pair of
-        types; otherwise one ``publish`` each."""
+        types; otherwise a copy and a ``signal`` each."""
         table = None
         if len(dsts) > 1 and all(
             d.dtype == dsts[0].dtype and s.dtype == srcs[0].dtype and _fusable((d,), (s,))
@@ -182,10 +196,16 @@ class TritonWaits(RecordedWaits):
                 ]
             )
         if table is None:
-            publish_each(self.publish, dsts, srcs, flags, steps, positions)
+            publish_each(self.signal, dsts, srcs, flags, steps, positions, missed)
             return
         _kernels().publish_all[(len(dsts),)](
-            table, dsts[0], srcs[0], BLOCK=_FUSED_BLOCK, num_warps=4
+            table,
+            dsts[0],
+            srcs[0],
+            table if missed is None else missed,
+            MISSED=missed is not None,
+            BLOCK=_FUSED_BLOCK,
+            num_warps=4,
         )
 
     @functools.cached_property
@@ -215,9 +235,18 @@ class TritonWaits(RecordedWaits):
         step: torch.Tensor,
         position: int,
         what: str,
+        missed: torch.Tensor | None = None,
     ) -> None:
         _kernels().wait[(1,)](
-            flag, step, position + 1, self.errors, self.aborted, **self._bound, num_warps=1
+            flag,
+            step,
+            position + 1,
+            self.errors,
+            self.aborted,
+            **self._bound,
+            missed_ptr=flag if missed is None else missed,
+            MISSED=missed is not None,
+            num_warps=1,
         )
 
     def wait_gather(
@@ -228,6 +257,7 @@ class TritonWaits(RecordedWaits):
         srcs: Sequence[Sequence[torch.Tensor]],
         dsts: Sequence[torch.Tensor],
         what: Callable[[int], str],
+        missed: torch.Tensor | None = None,
     ) -> list[int | None]:
         """One kernel, a program per sender (its wait, then its rows' copy), where every part
         is contiguous; otherwise ``wait_then_gather``."""
@@ -255,7 +285,7 @@ class TritonWaits(RecordedWaits):
                 first += sx.shape[0]
             table = self._table(rows)
         if table is None:
-            return wait_then_gather(self.wait, flags, steps, positions, srcs, dsts, what)
+            return wait_then_gather(self.wait, flags, steps, positions, srcs, dsts, what, missed)
         _kernels().wait_gather[(len(flags),)](
             table,
             x,
@@ -266,6 +296,8 @@ class TritonWaits(RecordedWaits):
             self.errors,
             self.aborted,
             **self._bound,
+            missed=table if missed is None else missed,
+            MISSED=missed is not None,
             BLOCK=_FUSED_BLOCK,
             num_warps=4,
         )

@@ -130,10 +130,17 @@ class HostWords(RecordedWaits):
         return words
 
     def signal(
-        self, flag: torch.Tensor, step: torch.Tensor, position: int, failed: bool = False
+        self,
+        flag: torch.Tensor,
+        step: torch.Tensor,
+        position: int,
+        failed: bool = False,
+        missed: torch.Tensor | None = None,
     ) -> None:
         value = self.word(step)[0] + position + 1
-        self.word(flag)[0] = -value if failed else value  # after the payload (x86-64 TSO)
+        if failed or (missed is not None and self.word(missed)[0]):
+            value = -value
+        self.word(flag)[0] = value  # after the payload (x86-64 TSO)
 
     def publish(
         self,
@@ -152,8 +159,9 @@ class HostWords(RecordedWaits):
         flags: Sequence[torch.Tensor],
         steps: Sequence[torch.Tensor],
         positions: Sequence[int],
+        missed: torch.Tensor | None = None,
     ) -> None:
-        publish_each(self.publish, dsts, srcs, flags, steps, positions)
+        publish_each(self.signal, dsts, srcs, flags, steps, positions, missed)
 
     def wait(
         self,
@@ -161,6 +169,7 @@ class HostWords(RecordedWaits):
         step: torch.Tensor,
         position: int,
         what: str,
+        missed: torch.Tensor | None = None,
     ) -> int | None:
         want = self.word(step)[0] + position + 1
         if not self.device_waits:
@@ -169,23 +178,31 @@ class HostWords(RecordedWaits):
             if seen is None:
                 raise FFNTimeout(f"slot plane: {what} did not come within {self.timeout_s} s")
             return seen
-        aborted = self.word(self.aborted)
-        if aborted[0] < want:  # else a step whose peer died: its waits end at once
-            backoff = Backoff(self.policy, pump=self.pump)
-
-            def watch() -> None:
-                if aborted[0] >= want:
-                    raise _Aborted
-
-            try:
-                deadline = backoff.start + self.timeout_s
-                if await_word(self.word(flag), want, deadline, backoff, watch) == want:
-                    return None
-            except _Aborted:
-                pass
-        errors = self.word(self.errors)
-        errors[0] = max(errors[0], want)
+        failed = not self._device_wait(flag, want)
+        if failed:
+            errors = self.word(self.errors)
+            errors[0] = max(errors[0], want)
+        if missed is not None:
+            self.word(missed)[0] = failed
         return None
+
+    def _device_wait(self, flag: torch.Tensor, want: int) -> bool:
+        """The device's wait on the host: whether ``flag`` reached ``want`` before the bound,
+        the abort word or another value ended it."""
+        aborted = self.word(self.aborted)
+        if aborted[0] >= want:  # a step whose peer died: its waits end at once
+            return False
+        backoff = Backoff(self.policy, pump=self.pump)
+
+        def watch() -> None:
+            if aborted[0] >= want:
+                raise _Aborted
+
+        try:
+            deadline = backoff.start + self.timeout_s
+            return await_word(self.word(flag), want, deadline, backoff, watch) == want
+        except _Aborted:
+            return False
 
     def wait_gather(
         self,
@@ -195,8 +212,9 @@ class HostWords(RecordedWaits):
         srcs: Sequence[Sequence[torch.Tensor]],
         dsts: Sequence[torch.Tensor],
         what: Callable[[int], str],
+        missed: torch.Tensor | None = None,
     ) -> list[int | None]:
-        return wait_then_gather(self.wait, flags, steps, positions, srcs, dsts, what)
+        return wait_then_gather(self.wait, flags, steps, positions, srcs, dsts, what, missed)
 
     def wait_sum(
         self,

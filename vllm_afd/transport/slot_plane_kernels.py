@@ -10,11 +10,16 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def signal(  # type: ignore[no-untyped-def]
-    flag_ptr, step_ptr, offset, sign
+    flag_ptr, step_ptr, offset, sign, missed_ptr, MISSED: tl.constexpr
 ):
+    # the use's value, negated by ``sign`` or, where MISSED, by the word in which the wait
+    # for the use's request recorded that it gave up (an error answer, not one computed
+    # from the slot's stale rows)
     value = (tl.load(step_ptr) + offset) * sign
+    if MISSED:
+        value = value * (1 - 2 * tl.load(missed_ptr))
     tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
 
 
@@ -47,11 +52,14 @@ def await_row(  # type: ignore[no-untyped-def]
 ):
     # ``await_flag`` of a fused kernel's table row (int64 words: the flag's address, its
     # sender's step word's address, the use's offset); a failed wait's value recorded in
-    # ``error_ptr`` (host memory the host reads without a sync: system scope) where ``record``
+    # ``error_ptr`` (host memory the host reads without a sync: system scope) where
+    # ``record``; true where it failed
     flag = tl.load(row).to(tl.pointer_type(tl.int64))
     want = tl.load(tl.load(row + 1).to(tl.pointer_type(tl.int64))) + tl.load(row + 2)
-    if await_flag(flag, want, abort_ptr, bound, start, TIMED) & record:
+    failed = await_flag(flag, want, abort_ptr, bound, start, TIMED)
+    if failed & record:
         tl.atomic_max(error_ptr, want, scope="sys")
+    return failed
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -75,13 +83,25 @@ def clock(TIMED: tl.constexpr):  # type: ignore[no-untyped-def]
 
 @triton.jit  # type: ignore[untyped-decorator]
 def wait(  # type: ignore[no-untyped-def]
-    flag_ptr, step_ptr, offset, error_ptr, abort_ptr, bound, TIMED: tl.constexpr
+    flag_ptr,
+    step_ptr,
+    offset,
+    error_ptr,
+    abort_ptr,
+    bound,
+    missed_ptr,
+    TIMED: tl.constexpr,
+    MISSED: tl.constexpr,
 ):
     # one flag, awaited at the use's value; bound: nanoseconds of the GPU's global timer
-    # (TIMED), else polls (the interpreter, which has no device clock)
+    # (TIMED), else polls (the interpreter, which has no device clock); where MISSED, 1 into
+    # ``missed_ptr`` if it gave up, else 0 (what the answer's ``signal`` reads)
     want = tl.load(step_ptr) + offset
-    if await_flag(flag_ptr, want, abort_ptr, bound, clock(TIMED), TIMED):
+    failed = await_flag(flag_ptr, want, abort_ptr, bound, clock(TIMED), TIMED)
+    if failed:
         tl.atomic_max(error_ptr, want, scope="sys")
+    if MISSED:
+        tl.store(missed_ptr, failed.to(tl.int64))
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -110,12 +130,14 @@ def publish(  # type: ignore[no-untyped-def]
 
 @triton.jit  # type: ignore[untyped-decorator]
 def publish_all(  # type: ignore[no-untyped-def]
-    table, dst_type, src_type, BLOCK: tl.constexpr
+    table, dst_type, src_type, missed, MISSED: tl.constexpr, BLOCK: tl.constexpr
 ):
     # program i publishes part i, its row of ``table`` (int64 words: destination, source,
     # elements, flag, step word, offset; addresses, since each destination is another
-    # attention rank's buffer): the copy, the CTA's barrier, the flag's release store;
-    # ``dst_type``, ``src_type``: the first part's tensors, for the element types
+    # attention rank's buffer): the copy, the CTA's barrier, the flag's release store, its
+    # value negated where MISSED and ``missed[i]`` is 1 (the wait for part i's request gave
+    # up: an error answer); ``dst_type``, ``src_type``: the first part's tensors, for the
+    # element types
     row = table + tl.program_id(0) * 6
     dst = tl.load(row).to(dst_type.dtype)
     src = tl.load(row + 1).to(src_type.dtype)
@@ -128,6 +150,8 @@ def publish_all(  # type: ignore[no-untyped-def]
         tl.store(dst + at, part, mask=at < n)
     tl.debug_barrier()
     value = tl.load(step) + tl.load(row + 5)
+    if MISSED:
+        value = value * (1 - 2 * tl.load(missed + tl.program_id(0)))
     tl.atomic_xchg(flag, value, sem="release", scope="sys")
 
 
@@ -142,16 +166,21 @@ def wait_gather(  # type: ignore[no-untyped-def]
     error_ptr,
     abort_ptr,
     bound,
+    missed,
     TIMED: tl.constexpr,
+    MISSED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # program i takes sender i's request, its row of ``table`` (int64 words: flag, step
     # word, offset, then the request's x, ids and weights, its first gathered row, its
-    # rows): the wait, then its rows copied into rows [first, first + rows) of ``x``
-    # ``[R, hidden]``, ``ids`` and ``weights`` ``[R, top_k]`` (the senders' slots lie in
-    # one buffer but a slot apart: the forward needs them side by side)
+    # rows): the wait (where MISSED, 1 into ``missed[i]`` if it gave up, else 0), then its
+    # rows copied into rows [first, first + rows) of ``x`` ``[R, hidden]``, ``ids`` and
+    # ``weights`` ``[R, top_k]`` (the senders' slots lie in one buffer but a slot apart: the
+    # forward needs them side by side)
     row = table + tl.program_id(0) * 8
-    await_row(row, error_ptr, abort_ptr, bound, clock(TIMED), True, TIMED)
+    failed = await_row(row, error_ptr, abort_ptr, bound, clock(TIMED), True, TIMED)
+    if MISSED:
+        tl.store(missed + tl.program_id(0), failed.to(tl.int64))
     first, rows = tl.load(row + 6), tl.load(row + 7)
     copy_rows(x + first * hidden, tl.load(row + 3), rows * hidden, BLOCK)
     copy_rows(ids + first * top_k, tl.load(row + 4), rows * top_k, BLOCK)

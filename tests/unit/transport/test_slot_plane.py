@@ -296,17 +296,19 @@ class _CountingMemory(HostPlaneMemory):
             lambda: super(_CountingMemory, self).publish(dsts, srcs, flag, step, position),
         )
 
-    def publish_all(self, dsts, srcs, flags, steps, positions) -> None:
+    def publish_all(self, dsts, srcs, flags, steps, positions, missed=None) -> None:
         self._one(
             "publish_all",
-            lambda: super(_CountingMemory, self).publish_all(dsts, srcs, flags, steps, positions),
+            lambda: super(_CountingMemory, self).publish_all(
+                dsts, srcs, flags, steps, positions, missed
+            ),
         )
 
-    def wait_gather(self, flags, steps, positions, srcs, dsts, what):
+    def wait_gather(self, flags, steps, positions, srcs, dsts, what, missed=None):
         return self._one(
             "wait_gather",
             lambda: super(_CountingMemory, self).wait_gather(
-                flags, steps, positions, srcs, dsts, what
+                flags, steps, positions, srcs, dsts, what, missed
             ),
         )
 
@@ -316,13 +318,13 @@ class _CountingMemory(HostPlaneMemory):
             lambda: super(_CountingMemory, self).wait_sum(flags, steps, position, srcs, out, what),
         )
 
-    def signal(self, flag, step, position, failed=False) -> None:
+    def signal(self, flag, step, position, failed=False, missed=None) -> None:
         self._count("signal")
-        super().signal(flag, step, position, failed)
+        super().signal(flag, step, position, failed, missed)
 
-    def wait(self, flag, step, position, what):
+    def wait(self, flag, step, position, what, missed=None):
         self._count("wait")
-        return super().wait(flag, step, position, what)
+        return super().wait(flag, step, position, what, missed)
 
 
 @pytest.mark.parametrize(("attention_ranks", "ffn_ranks"), [(1, 1), (2, 1), (2, 2)])
@@ -450,3 +452,44 @@ def test_a_steps_failed_waits_are_raised_once_its_sampled_tokens_are_ready():
     memory.check_through(6)
     memory.check(7)
     memory.close()
+
+
+@pytest.mark.parametrize("attention_ranks", [1, 2])
+def test_an_ffn_wait_that_gave_up_answers_with_an_error_not_with_stale_rows(attention_ranks):
+    """With the device's waits an FFN rank whose wait for a request gave up (its attention
+    rank stalled past the bound) still runs the use, on what its slot held (a kernel cannot
+    branch the host's way); its answer to that rank must be an error answer, so that the late
+    request's own wait records a failure (its step's requests fail) instead of taking an
+    answer computed from stale rows, which nothing would ever flag. The other ranks' answers
+    of the use are exact."""
+    ffn_memory = HostPlaneMemory(timeout_s=0.3, device_waits=True)
+    memories = [HostPlaneMemory(timeout_s=5.0, device_waits=True) for _ in range(attention_ranks)]
+    spec = _spec(attention=attention_ranks, ffn=1)
+    layout = PlaneLayout.of(spec)
+    ffn = FFNPlane(layout, ffn_memory, 0)
+    planes = [AttentionPlane(layout, m, a, [ffn.handle]) for a, m in enumerate(memories)]
+    for a, plane in enumerate(planes):
+        ffn.attach_answers(a, plane.answer_handles[0])
+        ffn.begin(a, 1)
+        plane.begin(1)
+    experts = ScaleExperts(torch.arange(1.0, 9.0) / 4)
+    inputs = [_routing(3, seed=a) for a in range(attention_ranks)]
+    # the slot holds rows of an earlier use: what the FFN rank computes on when it gives up
+    dispatch(planes[0], 0, 0, *_routing(3, seed=9))
+    planes[0].begin(2)
+    ffn.begin(0, 2)
+    handles = {a: dispatch(planes[a], 0, 0, *inputs[a]) for a in range(1, attention_ranks)}
+    parts = [Part(a, 3, 0) for a in range(attention_ranks)]
+    ffn.serve(0, parts, LocalMoE.for_rank(experts, spec, 0))  # rank 0's request: given up
+    with pytest.raises(FFNTimeout, match="a wait of step 2"):
+        ffn_memory.check()  # the FFN rank's own record of it (logged at its step's end)
+    late = dispatch(planes[0], 0, 0, *inputs[0])  # rank 0 resumes: its request comes now
+    combine(planes[0], late)
+    with pytest.raises(StepsFailed, match=r"a wait of step 2 \(layer position 0\)"):
+        memories[0].check(3)  # not a stale answer taken as its own
+    for a, handle in handles.items():
+        out = combine(planes[a], handle)
+        assert torch.equal(out, reference_moe_combine(*inputs[a], experts, 8, 1))
+        memories[a].check(2)
+    for memory in (ffn_memory, *memories):
+        memory.close()

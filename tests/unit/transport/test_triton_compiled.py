@@ -25,9 +25,22 @@ SCRIPT = textwrap.dedent(
     i64, p64 = "i64", "*i64"
     bound = dict(error_ptr=p64, abort_ptr=p64, bound=i64, TIMED="constexpr")
     timed = {"TIMED": True}
+    missed = {"MISSED": True}  # as an FFN rank's waits and answers run: a part's missed word
     kernels = {
-        "signal": (k.signal, dict(flag_ptr=p64, step_ptr=p64, offset=i64, sign=i64), {}),
-        "wait": (k.wait, dict(flag_ptr=p64, step_ptr=p64, offset=i64, **bound), timed),
+        "signal": (
+            k.signal,
+            dict(
+                flag_ptr=p64, step_ptr=p64, offset=i64, sign=i64, missed_ptr=p64,
+                MISSED="constexpr",
+            ),
+            missed,
+        ),
+        "wait": (
+            k.wait,
+            dict(flag_ptr=p64, step_ptr=p64, offset=i64, **bound, missed_ptr=p64,
+                 MISSED="constexpr"),
+            {**timed, **missed},
+        ),
         "publish": (
             k.publish,
             dict(
@@ -38,16 +51,19 @@ SCRIPT = textwrap.dedent(
         ),
         "publish_all": (
             k.publish_all,
-            dict(table=p64, dst_type="*bf16", src_type="*bf16", BLOCK="constexpr"),
-            {"BLOCK": 4096},
+            dict(
+                table=p64, dst_type="*bf16", src_type="*bf16", missed=p64, MISSED="constexpr",
+                BLOCK="constexpr",
+            ),
+            {**missed, "BLOCK": 4096},
         ),
         "wait_gather": (
             k.wait_gather,
             dict(
                 table=p64, x="*bf16", ids="*i32", weights="*fp32", hidden=i64, top_k=i64,
-                **bound, BLOCK="constexpr",
+                **bound, missed=p64, MISSED="constexpr", BLOCK="constexpr",
             ),
-            {**timed, "BLOCK": 4096},
+            {**timed, **missed, "BLOCK": 4096},
         ),
         "wait_sum": (
             k.wait_sum,
@@ -98,3 +114,9 @@ def test_the_plane_kernels_compile_for_sm90_with_the_protocols_memory_semantics(
     for name in ("publish", "publish_all"):  # the payload's stores, a barrier, then the flag
         code = out[name]["code"]
         assert _index(code, "st.global") < _index(code, "bar.sync") < _index(code, release)
+    code = out["signal"]["code"]  # the step word and the missed word, then the flag
+    loads = [i for i, line in enumerate(code) if "ld.global" in line]
+    assert len(loads) == 2 and loads[-1] < _index(code, release)
+    for name in ("wait", "wait_gather"):  # the missed word stored after the wait
+        code = out[name]["code"]
+        assert _last(code, acquire) < _last(code, "st.global")

@@ -115,6 +115,27 @@ SCRIPT = textwrap.dedent(
         except Exception as exc:
             out["missing"] = type(exc).__name__
         out["tables_after"] = len(memory._tables)  # the fused kernels ran: one table each
+        # an FFN rank's wait that gives up marks its part missed, and the answer to it is an
+        # error answer (not one computed from the slot's stale rows): attention rank 1's
+        # request of position 4 never comes, rank 0's of position 1 is there
+        missed = torch.full((2,), 7, dtype=torch.int64)
+        memory.wait_gather(
+            request_flags, [step, other], [1, 4], src, gathered, lambda i: "r", missed
+        )
+        out["missed"] = missed.tolist()
+        shares = torch.arange(24, dtype=torch.float32).reshape(2, 12)
+        memory.publish_all(dsts, [shares[0], shares[1]], flags, [step, other], [10, 11], missed)
+        out["missed_flags"] = [int(f) for f in flags]
+        memory.wait(request_flags[0], step, 20, "a request that never comes", missed[1:])
+        memory.signal(flags[1], step, 20, False, missed[1:])
+        out["missed_one"] = [int(missed[1]), int(flags[1])]
+        memory.wait(request_flags[0], step, 1, "a request that is there", missed[1:])
+        memory.signal(flags[1], step, 1, False, missed[1:])
+        out["taken_one"] = [int(missed[1]), int(flags[1])]
+        try:
+            memory.check()
+        except Exception as exc:
+            out["missed_raised"] = str(exc)
         memory.close()
         print(json.dumps(out))
     """
@@ -139,3 +160,8 @@ def test_the_triton_kernels_carry_the_protocol_between_two_processes(tmp_path):
     assert out["summed"] == [0.75] * 12
     assert out["missing"] == "FFNTimeout"
     assert out["tables_after"] == 4  # publish_all, wait_gather, wait_sum at two positions
+    assert out["missed"] == [0, 1]
+    assert out["missed_flags"] == [(8 << 16) + 11, -((9 << 16) + 12)]
+    assert out["missed_one"] == [1, -((8 << 16) + 21)]
+    assert out["taken_one"] == [0, (8 << 16) + 2]
+    assert "a wait of step 9 (layer position 4)" in out["missed_raised"]  # the largest
