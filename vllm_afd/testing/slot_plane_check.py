@@ -34,6 +34,13 @@ each (the whole well under 5 minutes):
   within ``PEER_DEATH_BOUND_S`` of the kill (the endpoint's watchdog sets the abort word they
   poll; on CUDA, pinned host memory the Triton wait reads) instead of each spinning to its
   bound, and the next announcement raises ``FFNRankLost``.
+* ``cuda-stalled-peer``: the ``slots`` pair with a wait bound of ``STALL_BOUND_S``; in its
+  second step both attention ranks stall past that bound before one layer: the FFN process's
+  waits for that layer give up and run the use on the slots' stale rows, and the answers must
+  be error answers (the missed word the wait writes, read by the answer's release store), so
+  that the late requests' own waits record a failure, raised when the step's sampled tokens
+  are read (``check_sampled``), rather than take the stale answers as their own. The same
+  function runs on the host in the unit tests.
 * ``cuda-round-trip``: per decode-sized batch, the round trip per MoE layer (graph replays of a
   step of ``LAYERS`` layers, the router included, FFN compute an echo) and the bytes it moves,
   against the time the GPU's own copy takes for those bytes. Two processes time-slice one GPU
@@ -76,11 +83,12 @@ STEPS = (
     ("cuda-ipc-probe", 20),
     ("cuda-plane", 30),
     ("cuda-two-gpus", 30),
-    ("cuda-graphs", 35),
+    ("cuda-graphs", 30),
     ("cuda-slots", 30),
-    ("cuda-round-trip", 40),
+    ("cuda-round-trip", 30),
     ("host-peer-death", 25),
-    ("cuda-peer-death", 30),
+    ("cuda-peer-death", 25),
+    ("cuda-stalled-peer", 20),
 )
 
 
@@ -404,7 +412,9 @@ def step_probe() -> dict:
     return {"gpus": torch.cuda.device_count(), "name": torch.cuda.get_device_name(0)}
 
 
-def _slots_spec(dtype: torch.dtype, waits: str, addresses: tuple[str, ...] = ()):
+def _slots_spec(
+    dtype: torch.dtype, waits: str, addresses: tuple[str, ...] = (), timeout_s: float = 30.0
+):
     from vllm_afd.transport import TransportSpec
 
     return TransportSpec(
@@ -416,14 +426,16 @@ def _slots_spec(dtype: torch.dtype, waits: str, addresses: tuple[str, ...] = ())
         TOP_K,
         TOKENS,
         dtype,
-        timeout_s=30.0,
+        timeout_s=timeout_s,
         moe_layers=tuple(range(LAYERS)),
         addresses=addresses,
         config={"waits": waits},
     )
 
 
-def _slots_ffn_main(kind: str, dtype: torch.dtype, steps: int, to_attention, done) -> None:
+def _slots_ffn_main(
+    kind: str, dtype: torch.dtype, steps: int, to_attention, done, timeout_s: float = 30.0
+) -> None:
     """The FFN process of ``run_slots_pair``: the slots FFN endpoint serving whole steps, as
     ``FFNExecutor._serve_step`` does, around the toy model's experts: ``steps`` steps, and the
     attention ranks' capture announced among them captured ahead (``_capture_ahead``)."""
@@ -432,7 +444,7 @@ def _slots_ffn_main(kind: str, dtype: torch.dtype, steps: int, to_attention, don
 
     if kind == "cuda":
         torch.cuda.set_device(0)
-    transport = create_ffn_transport(_slots_spec(dtype, "device"), 0)
+    transport = create_ffn_transport(_slots_spec(dtype, "device", timeout_s=timeout_s), 0)
     device = transport.memory.device
     model = ToyMoE(dtype, device)
     forwards = [model.experts(layer) for layer in range(LAYERS)]
@@ -466,14 +478,16 @@ def _slots_ffn_main(kind: str, dtype: torch.dtype, steps: int, to_attention, don
     transport.close()
 
 
-def _start_slots_child(kind: str, dtype: torch.dtype, steps: int):
+def _start_slots_child(kind: str, dtype: torch.dtype, steps: int, timeout_s: float = 30.0):
     """The FFN process of the slots steps (``_slots_ffn_main``) and its two queues."""
     if kind == "cuda":
         torch.cuda.set_device(0)
     ctx = mp.get_context("spawn")
     to_attention, done = ctx.Queue(), ctx.Queue()
     child = ctx.Process(
-        target=_slots_ffn_main, args=(kind, dtype, steps, to_attention, done), daemon=True
+        target=_slots_ffn_main,
+        args=(kind, dtype, steps, to_attention, done, timeout_s),
+        daemon=True,
     )
     child.start()
     return child, to_attention, done
@@ -600,6 +614,80 @@ def run_peer_death(kind: str, dtype: torch.dtype) -> dict:
         if child.is_alive():
             child.kill()
         child.join(5)
+
+
+#: The wait bound of ``run_stalled_peer``, which stalls its attention ranks past it.
+STALL_BOUND_S = 2.0
+
+
+def run_stalled_peer(kind: str, dtype: torch.dtype) -> dict:
+    """Two steps of the slots pair, waits bounded by ``STALL_BOUND_S``: the first served
+    whole; in the second both attention ranks stall 1.5 bounds before layer 1, so the FFN
+    process gives up on that layer's requests (on the host it waits for them in turn: rank 1's
+    may come within its own bound). Per rank and step, what its read of the step's waits
+    (``check_sampled``, as W1 calls it) raised, and the largest deviation from the reference
+    of the steps that raised nothing: an FFN wait that gave up must answer with an error,
+    never with the answer of the slot's stale rows."""
+    from vllm_afd.errors import StepsFailed
+    from vllm_afd.transport import create_attention_transport
+    from vllm_afd.transport.control import StepSchedule
+
+    child, to_attention, done = _start_slots_child(kind, dtype, 2, STALL_BOUND_S)
+    endpoints = []
+    try:
+        address = to_attention.get(timeout=60)
+        spec = _slots_spec(dtype, "device", (address,), STALL_BOUND_S)
+        endpoints = [create_attention_transport(spec, a) for a in range(2)]
+        device = endpoints[0].memory.device
+        model = ToyMoE(dtype, device)
+        g = torch.Generator().manual_seed(7)
+        raised: dict[str, str] = {}
+        worst = 0.0
+        for number in (1, 2):
+            for endpoint in endpoints:
+                endpoint.begin_step(StepSchedule(number, (TOKENS,), spec.moe_layers))
+            inputs = [torch.randn(TOKENS, HIDDEN, generator=g).to(dtype).to(device) for _ in "ab"]
+            xs = [x.clone() for x in inputs]
+            for layer in range(LAYERS):
+                if number == 2 and layer == 1:
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    time.sleep(1.5 * STALL_BOUND_S)  # past the FFN's waits for layer 1
+                handles = [
+                    e.dispatch(layer, x, *model.route(layer, x))
+                    for e, x in zip(endpoints, xs, strict=True)
+                ]
+                for x, e, h in zip(xs, endpoints, handles, strict=True):
+                    x += e.combine(h)
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # as vLLM's wait for the sampled tokens
+            for a, endpoint in enumerate(endpoints):
+                try:
+                    endpoint.check_sampled(number)
+                except StepsFailed as failed:
+                    raised[f"rank {a} step {number}"] = str(failed)
+                    continue
+                want = model.reference(inputs[a])
+                worst = max(worst, (xs[a].float() - want.float()).abs().max().item())
+        if not raised or any(not key.endswith("step 2") for key in raised):
+            raise AssertionError(
+                "an FFN wait that gave up must answer with an error, failing the stalled step "
+                f"(and only it); raised: {raised}"
+            )
+        done.put("done")
+        return {"raised": raised, "max_abs_error": worst}
+    finally:
+        for endpoint in endpoints:
+            endpoint.close()
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+
+
+def step_cuda_stalled_peer() -> dict:
+    _require_cuda()
+    return _bf16_close(run_stalled_peer("cuda", torch.bfloat16))
 
 
 def step_host_peer_death() -> dict:

@@ -209,6 +209,7 @@ def test_the_device_check_runs_on_cpu_with_its_device_steps_skipped(tmp_path):
         "cuda-slots",
         "cuda-round-trip",
         "cuda-peer-death",
+        "cuda-stalled-peer",
     )
     assert {report[s]["status"] for s in cuda} == {device}
     two = "PASS" if torch.cuda.device_count() > 1 else "SKIP"
@@ -493,3 +494,13 @@ def test_an_ffn_wait_that_gave_up_answers_with_an_error_not_with_stale_rows(atte
         memories[a].check(2)
     for memory in (ffn_memory, *memories):
         memory.close()
+
+
+def test_the_device_checks_stalled_peer_runs_on_the_host():
+    """The device check's ``cuda-stalled-peer`` on host memory (the same function, the
+    device's wait semantics): the stalled step fails on attention rank 0 through the FFN
+    process's error answer (rank 1's request, awaited after rank 0's gave up, comes within
+    its own bound here and is served); every output nothing flagged is exact."""
+    result = slot_plane_check.run_stalled_peer("host", torch.float32)
+    assert "a wait of step 2 (layer position 1)" in result["raised"]["rank 0 step 2"], result
+    assert result["max_abs_error"] == 0.0
