@@ -42,9 +42,7 @@ be: the step's uses ran (on a GPU, one graph replay) before anyone knew.
 
 from __future__ import annotations
 
-import threading
 import weakref
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -76,24 +74,16 @@ class Failed:
 @dataclass
 class Failures:
     """The session's failed requests: those of the forward running, and every one failed
-    since the runner last took them (W1). Failed and taken on the runner's thread, and
-    with the device's waits on vLLM's async output thread too (W1): under a lock."""
+    since the runner last took them (W1). The runner's thread's only."""
 
     #: The forward running, where it failed requests.
     forward: Failed | None = None
     #: request id -> the FFN's error text.
     requests: dict[str, str] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def fail(self, errors: Mapping[str, str]) -> None:
-        """Add ``errors`` (request id -> the FFN's error text)."""
-        with self._lock:
-            self.requests.update(errors)
 
     def take(self) -> dict[str, str]:
         """The requests failed since the last call (the step is over: the forward too)."""
-        with self._lock:
-            taken, self.requests, self.forward = self.requests, {}, None
+        taken, self.requests, self.forward = self.requests, {}, None
         return taken
 
 
@@ -156,7 +146,7 @@ def isolate(
     kept = torch.cat(healthy) if healthy else torch.empty(0, dtype=torch.long)
     failures = session.failures
     failures.forward = Failed(weakref.ref(forward_context()), gone, kept.to(x.device))
-    failures.fail(errors)  # logged by the scheduler as it fails them (W2)
+    failures.requests.update(errors)  # logged by the scheduler as it fails them (W2)
     later = tuple(n for n in session.steps.layers if n > layer)
     if later:
         session.steps.announce((kept.numel(),), later)

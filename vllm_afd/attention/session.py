@@ -134,25 +134,27 @@ class AttentionSession:
         try:
             self.steps.begin(microbatch_tokens, contexts)
         except StepsFailed as failed:
-            if not self.fail_steps(failed):
+            errors = self.fail_steps(failed)
+            if errors is None:
                 raise
+            self.failures.requests.update(errors)
             self.steps.begin(microbatch_tokens, contexts)
         self.step_requests[self.endpoint.step] = self.batch
         self.step_requests.pop(self.endpoint.step - STEPS_KEPT, None)
 
-    def fail_steps(self, failed: StepsFailed) -> bool:
-        """Fail the requests of ``failed.steps`` (their outputs may be spoiled) with its
+    def fail_steps(self, failed: StepsFailed) -> dict[str, str] | None:
+        """The requests of ``failed.steps`` (their outputs may be spoiled), each with its
         cause: the scheduler finishes them with vLLM's error (W1, W2); the others go on.
-        ``False`` where a step's requests are unknown (a runner W1 does not wrap): then the
+        ``None`` where a step's requests are unknown (a runner W1 does not wrap): then the
         error must reach vLLM, which fails every request, rather than let spoiled tokens on."""
         requests: set[str] = set()
         for step in failed.steps:
             batch = self.step_requests.get(step)
             if batch is None:
-                return False
+                return None
             requests |= batch
         if not failed.steps:
-            return True  # their requests failed already (``sampled``)
+            return {}  # their requests failed already (``sampled``)
         logger.warning(
             "AFD: attention rank %d: %s; failing the %d request(s) of those steps",
             self.endpoint.rank,
@@ -160,14 +162,14 @@ class AttentionSession:
             len(requests),
         )
         recorder.record_error(recorder.error_kind(failed.cause), rank=self.endpoint.rank)
-        self.failures.fail(dict.fromkeys(requests, str(failed.cause)))
-        return True
+        return dict.fromkeys(requests, str(failed.cause))
 
-    def sampled(self, step: int) -> None:
+    def sampled(self, step: int) -> dict[str, str]:
         """W1: the sampled tokens of the runner step that announced ``step`` are ready, its
-        device work done (vLLM synchronized on them): where the device's waits recorded a
-        failure of it or an earlier step, their requests fail now (``fail_steps``), before
-        a token of theirs leaves; the announcement would see it a step later, or two.
+        device work done (vLLM synchronized on them; with async scheduling on vLLM's output
+        thread): the requests to fail with them, where the device's waits recorded a failure
+        of that step or an earlier one (``fail_steps``), so that no token of theirs leaves;
+        the announcement would see it a step later, or two.
 
         Raises:
             StepsFailed: where a failed step's requests are unknown (as ``begin_step``).
@@ -175,8 +177,11 @@ class AttentionSession:
         try:
             self.endpoint.check_sampled(step)
         except StepsFailed as failed:
-            if not self.fail_steps(failed):
+            errors = self.fail_steps(failed)
+            if errors is None:
                 raise
+            return errors
+        return {}
 
     def before_dispatch(self, num_tokens: int) -> None:
         """Before a layer's dispatch: begin a step unless this forward's step was begun (by a

@@ -55,18 +55,18 @@ def _with_failures(session, output):
 
     step = session.endpoint.step
     if isinstance(output, ModelRunnerOutput):
-        return _carrying(output, session, step)
+        return _carrying(output, {**session.take_failed_requests(), **session.sampled(step)})
     if isinstance(output, AsyncModelRunnerOutput):
-        get_output = output.get_output
-        output.get_output = lambda: _carrying(get_output(), session, step)
+        failed, get_output = session.take_failed_requests(), output.get_output
+        # on vLLM's output thread: ``sampled`` reads the waits only, the session's failures
+        # stay the runner's thread's
+        output.get_output = lambda: _carrying(get_output(), {**failed, **session.sampled(step)})
     return output
 
 
-def _carrying(output, session, step: int):
-    """``output`` (a ``ModelRunnerOutput``; a copy if it is vLLM's shared empty one) with the
-    requests failed by ``step`` (its device work done) and since the last output."""
-    session.sampled(step)
-    failed = session.take_failed_requests()
+def _carrying(output, failed: dict[str, str]):
+    """``output`` (a ``ModelRunnerOutput``; a copy if it is vLLM's shared empty one)
+    carrying ``failed``, if any."""
     if failed:
         output = copy.copy(output)  # vLLM returns one EMPTY_MODEL_RUNNER_OUTPUT for all
         setattr(output, FAILED_ATTRIBUTE, failed)
