@@ -689,6 +689,7 @@ class FFNPlane:
             if memory.records_waits
             else None
         )
+        self._missed_alone = _word(self._missed, 0)  # a use of one attention rank's
         rows = layout.num_attention_ranks * layout.max_tokens
         #: Every attention rank's rows gathered for one forward (``serve``).
         self._gathered = (
@@ -716,7 +717,7 @@ class FFNPlane:
         a = part.attention_rank
         view = self.slots[slot][a]
         what = self._request_name(a, slot)
-        missed = _word(self._missed, 0)
+        missed = self._missed_alone
         found = self.memory.wait(view.request, self.steps[a], part.position, what, missed)
         self._check_taken(part, slot, found)
         return view
@@ -738,7 +739,7 @@ class FFNPlane:
         (after ``take``: an error answer where its wait gave up)."""
         a = part.attention_rank
         response = self.answers[a][slot].response
-        self.memory.signal(response, self.steps[a], part.position, False, _word(self._missed, 0))
+        self.memory.signal(response, self.steps[a], part.position, False, self._missed_alone)
 
     def fail(self, slot: int, part: Part, message: str) -> None:
         """Answer ``part`` with an error: its attention rank's combine raises ``message``."""
