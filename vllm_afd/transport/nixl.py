@@ -100,8 +100,9 @@ def nixl_problem() -> str | None:
 def make_agent(name: str) -> Any:
     """A NIXL agent named ``name``, as every one of ours is made: no progress thread (the
     waits pump), no listener (metadata never crosses an unauthenticated socket), and UCX's
-    tcp transport on the loopback interface unless the operator named the fabric
-    (``UCX_NET_DEVICES``; docs/user-guide.md, "Security")."""
+    tcp transport, which listens unauthenticated on every interface it uses, on the loopback
+    interface unless the operator named the fabric (``UCX_NET_DEVICES``; docs/user-guide.md,
+    "Security")."""
     from nixl._api import nixl_agent, nixl_agent_config
 
     os.environ.setdefault("UCX_NET_DEVICES", LOOPBACK_DEVICE)
