@@ -303,3 +303,23 @@ def test_the_scheduler_finishes_a_failed_request_with_an_error_and_evicts_its_bl
     assert scheduler.grammar_compile_error_reqs == {"b"}
     assert output.sampled_token_ids == [[11], []]
     assert scheduler.kv_cache_manager.evicted == {1, 2, 7}
+
+
+def test_failed_requests_never_ride_vllms_shared_empty_output():
+    """vLLM returns one ``EMPTY_MODEL_RUNNER_OUTPUT`` for every step without a forward: W1
+    puts a step's failed requests on a copy of it, or every later empty step would fail
+    them again."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    from vllm_afd.patches.request_errors import FAILED_ATTRIBUTE, _with_failures
+
+    failed = failures.Failures(requests={"a": "FFN rank 0: boom"})
+    session = SimpleNamespace(
+        endpoint=SimpleNamespace(step=3),
+        take_failed_requests=failed.take,
+        sampled=lambda step: {},
+    )
+    out = _with_failures(session, EMPTY_MODEL_RUNNER_OUTPUT)
+    assert out is not EMPTY_MODEL_RUNNER_OUTPUT
+    assert getattr(out, FAILED_ATTRIBUTE) == {"a": "FFN rank 0: boom"}
+    assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, FAILED_ATTRIBUTE)
