@@ -30,7 +30,7 @@ awaited value. A kernel cannot raise: a wait that gives up at its deadline (the 
 ``%globaltimer`` against the transport's ``timeout_s``: a dead peer costs a wait seconds, not a
 poll budget of minutes), or ends on another value than its own (an error answer, a peer that
 moved on), or that a host watchdog aborted (a word in pinned host memory it polls), records its
-use's value in a word of pinned host memory (``slot_plane.RecordedWaits``), and ``check()``
+use's value in a word of pinned host memory (``slot_plane_failures.RecordedWaits``), and ``check()``
 reads that word at the next step boundary without a device sync. Under Triton's interpreter
 (the suite: no device clock) a wait is bounded by a number of polls instead.
 
@@ -56,12 +56,12 @@ from typing import Any
 import torch
 
 from vllm_afd.transport.slot_plane import (
-    RecordedWaits,
     publish_by_copies,
     publish_each,
     wait_then_gather,
     wait_then_sum,
 )
+from vllm_afd.transport.slot_plane_failures import RecordedWaits
 
 #: Polls a wait makes before it gives up where there is no device clock to bound it by (the
 #: interpreter in the suite); on a GPU a wait is bounded by time (``CudaPlaneMemory``).

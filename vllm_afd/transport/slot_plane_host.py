@@ -22,7 +22,6 @@ from vllm_afd.transport.slot_plane import (
     PLANE_PREFIX,
     WATCH_INTERVAL_S,
     Push,
-    RecordedWaits,
     Watch,
     _words,
     publish_by_copies,
@@ -30,6 +29,7 @@ from vllm_afd.transport.slot_plane import (
     wait_then_gather,
     wait_then_sum,
 )
+from vllm_afd.transport.slot_plane_failures import RecordedWaits
 from vllm_afd.transport.wait import Backoff, WaitPolicy
 
 #: Fresh names a segment's creator tries when a name is taken (planted by someone else).

@@ -62,10 +62,10 @@ from vllm_afd.transport.slot_plane import (
     FFNPlane,
     PlaneLayout,
     PlaneMemory,
-    RecordedWaits,
     SlotViews,
     value_use,
 )
+from vllm_afd.transport.slot_plane_failures import RecordedWaits
 from vllm_afd.transport.slot_plane_host import HostWords
 from vllm_afd.transport.wait import Backoff, WaitPolicy, current_cpu
 

@@ -15,7 +15,7 @@ import torch
 
 from tests.unit.ubatchlib import run_ubatch_threads
 from vllm_afd.errors import FFNRankLost, FFNTimeout, StepsFailed
-from vllm_afd.testing import slot_plane_check
+from vllm_afd.testing import slot_plane_check, slots_check
 from vllm_afd.testing.reference import (
     LocalMoE,
     ScaleExperts,
@@ -200,7 +200,7 @@ def test_the_device_check_runs_on_cpu_with_its_device_steps_skipped(tmp_path):
     assert report["host-slots"]["result"]["ffn_eager_steps"] == 4
     death = report["host-peer-death"]
     assert death["status"] == "PASS" and "died" in death["result"]["raised"]
-    assert death["result"]["waits_ended_s"] <= slot_plane_check.PEER_DEATH_BOUND_S
+    assert death["result"]["waits_ended_s"] <= slots_check.PEER_DEATH_BOUND_S
     device = "PASS" if torch.cuda.is_available() else "SKIP"
     cuda = (
         "cuda-ipc-probe",
@@ -501,6 +501,6 @@ def test_the_device_checks_stalled_peer_runs_on_the_host():
     device's wait semantics): the stalled step fails on attention rank 0 through the FFN
     process's error answer (rank 1's request, awaited after rank 0's gave up, comes within
     its own bound here and is served); every output nothing flagged is exact."""
-    result = slot_plane_check.run_stalled_peer("host", torch.float32)
+    result = slots_check.run_stalled_peer("host", torch.float32)
     assert "a wait of step 2 (layer position 1)" in result["raised"]["rank 0 step 2"], result
     assert result["max_abs_error"] == 0.0
