@@ -191,7 +191,7 @@ def test_the_device_check_fits_five_minutes():
 
 def test_the_device_check_runs_on_cpu_with_its_device_steps_skipped(tmp_path):
     out = tmp_path / "check.json"
-    assert slot_plane_check.main(["--json", str(out)]) == 0
+    assert slot_plane_check.main(["--json", str(out), "--limit-scale", "3"]) == 0
     report = json.loads(out.read_text())
     for host in ("host-plane", "host-slots"):
         assert report[host]["status"] == "PASS"
