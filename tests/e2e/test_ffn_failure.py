@@ -142,7 +142,17 @@ def failover_server(servers) -> Server:
 
 def test_an_ffn_serve_error_under_streams_is_a_failover_that_loses_nothing(failover_server):
     server = failover_server
-    lose_the_ffn_rank_under_streams(server, server.colocated, fail_once(server.fault))
+    for attempt in (1, 2):
+        try:
+            lose_the_ffn_rank_under_streams(server, server.colocated, fail_once(server.fault))
+            break
+        except AssertionError:
+            # on a starved machine every stream's first chunk may reach this test's client
+            # only after generation: the fault was armed when nothing was left to serve (its
+            # file unread). Nothing was tested then: once more (CI, 2026-12-07)
+            if attempt == 2 or not server.fault.exists():
+                raise
+            server.fault.unlink()
     assert not server.fault.exists(), "the fault did not fire"
     log = server.log.read_text()
     assert "failed serving a request" in log, log[-3000:]
