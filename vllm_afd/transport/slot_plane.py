@@ -423,18 +423,20 @@ class PlaneMemory(Protocol):
 
 
 def publish_by_copies(
-    signal: Callable[[torch.Tensor, torch.Tensor, int], None],
+    signal: Callable[..., None],
     dsts: Sequence[torch.Tensor],
     srcs: Sequence[torch.Tensor],
     flag: torch.Tensor,
     step: torch.Tensor,
     position: int,
+    missed: torch.Tensor | None = None,
 ) -> None:
-    """``publish`` as separate operations: the copies, then the memory's ``signal`` (host
-    memory; on a device, a use its fused kernel does not take)."""
+    """``publish`` as separate operations: the copies, then the memory's ``signal`` (its
+    value negated where ``missed`` holds 1; host memory; on a device, a use its fused kernel
+    does not take)."""
     if dsts:
         torch._foreach_copy_(list(dsts), list(srcs))
-    signal(flag, step, position)
+    signal(flag, step, position, False, missed)
 
 
 def _word(missed: torch.Tensor | None, i: int) -> torch.Tensor | None:
@@ -450,12 +452,11 @@ def publish_each(
     positions: Sequence[int],
     missed: torch.Tensor | None,
 ) -> None:
-    """``publish_all`` as a copy and a ``signal`` per part (host memory; on a device, parts
+    """``publish_all`` as one ``publish_by_copies`` per part (host memory; on a device, parts
     its fused kernel does not take)."""
     uses = enumerate(zip(dsts, srcs, flags, steps, positions, strict=True))
     for i, (dst, src, flag, step, position) in uses:
-        dst.copy_(src)
-        signal(flag, step, position, False, _word(missed, i))
+        publish_by_copies(signal, (dst,), (src,), flag, step, position, _word(missed, i))
 
 
 def _wait_each(
