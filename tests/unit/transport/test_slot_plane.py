@@ -7,8 +7,12 @@ rot)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +42,8 @@ from vllm_afd.transport.slot_plane import (
 from vllm_afd.transport.slot_plane_host import HostPlaneMemory
 
 pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _spans(buffer: torch.Tensor, tensors) -> list[tuple[int, int]]:
@@ -189,9 +195,34 @@ def test_the_device_check_fits_five_minutes():
     assert sum(limit for _, limit in slot_plane_check.STEPS) <= 300
 
 
+#: Imported at start by every interpreter that has its folder on ``PYTHONPATH`` (``site``):
+#: makes ``import vllm`` fail, as on the device machine, which has PyTorch and Triton only.
+NO_VLLM = """
+import importlib.abc, sys
+
+class _NoVLLM(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ImportError(f"{name}: not installed on the device machine (test)")
+
+sys.meta_path.insert(0, _NoVLLM())
+"""
+
+
 def test_the_device_check_runs_on_cpu_with_its_device_steps_skipped(tmp_path):
+    """As the device machine runs it: ``python -m vllm_afd.testing.slot_plane_check`` in a
+    fresh interpreter where vLLM cannot be imported, in it or in the processes it spawns."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_VLLM)
     out = tmp_path / "check.json"
-    assert slot_plane_check.main(["--json", str(out), "--limit-scale", "3"]) == 0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(site), str(REPO)))}
+    blocked = subprocess.run([sys.executable, "-c", "import vllm"], env=env, capture_output=True)
+    assert b"not installed on the device machine" in blocked.stderr
+    args = ["--json", str(out), "--limit-scale", "3"]
+    check = [sys.executable, "-m", "vllm_afd.testing.slot_plane_check", *args]
+    done = subprocess.run(check, env=env, capture_output=True, text=True)  # steps: bounded
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     for host in ("host-plane", "host-slots"):
         assert report[host]["status"] == "PASS"
