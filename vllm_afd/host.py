@@ -308,6 +308,25 @@ class Creator:
         return self.start is not None and process_start_time(self.pid) != self.start
 
 
+def session_pids(sid: int) -> list[int]:
+    """Pids of the live processes of session ``sid`` (from /proc; zombies left out)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            if os.getsid(pid) != sid:
+                continue
+            with open(f"/proc/{pid}/stat") as fields:
+                if fields.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+        except (OSError, IndexError):
+            continue
+        found.append(pid)
+    return found
+
+
 def process_stopped(pid: int) -> bool:
     """The process is stopped (SIGSTOP, a debugger: state ``T`` or ``t`` in ``/proc``)."""
     fields = _stat_fields(pid)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import psutil
 
-from vllm_afd.bench.server import ServeProcess, Streamed, http_request, session_pids
-from vllm_afd.host import free_port
+from vllm_afd.bench.server import ServeProcess, Streamed, http_request
+from vllm_afd.host import free_port, session_pids
 
 __all__ = ["Server", "Streamed", "free_port", "http_request", "session_processes"]
 

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_afd.host import session_pids
+
 
 def exit_on_sigterm() -> None:
     """A SIGTERM to this process raises ``SystemExit`` (143) in its main thread, so that the
@@ -63,25 +65,6 @@ def http_request(
             return response.status, json.loads(text) if text.startswith("{") else text
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode(errors="replace")
-
-
-def session_pids(sid: int) -> list[int]:
-    """Pids of the live processes of session ``sid`` (from /proc; zombies left out)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
-        try:
-            if os.getsid(pid) != sid:
-                continue
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
-        except (OSError, IndexError):
-            continue
-        found.append(pid)
-    return found
 
 
 class ServeProcess:

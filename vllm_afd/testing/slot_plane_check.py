@@ -67,6 +67,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_afd.host import session_pids
 from vllm_afd.testing.slots_check import run_peer_death, run_slots_pair, run_stalled_peer
 from vllm_afd.testing.toy_model import (
     HIDDEN,
@@ -80,6 +81,8 @@ from vllm_afd.transport.control import Part
 from vllm_afd.transport.slot_plane import AttentionPlane, FFNPlane, PlaneLayout
 
 SKIP = 77
+#: How long a step's processes get to exit after a SIGTERM at its timeout (``stop_session``).
+STOP_GRACE_S = 5.0
 #: (step, timeout in seconds): 300 s in all, so the whole check fits the device budget.
 STEPS = (
     ("probe", 10),
@@ -587,6 +590,21 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def stop_session(sid: int, grace_s: float = STOP_GRACE_S) -> None:
+    """Stop a step's session at its timeout: SIGTERM first, which ends the step's processes
+    but not multiprocessing's resource tracker (it ignores SIGTERM), so that once they are gone
+    the tracker unlinks what they leaked (their queues' semaphores in ``/dev/shm``) and exits;
+    SIGKILL for whatever is left after ``grace_s`` seconds. (A SIGKILL of the whole session
+    killed the tracker with the step and left the semaphores behind.)"""
+    os.killpg(sid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while session_pids(sid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in session_pids(sid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _spawn_step(name: str, limit: float) -> tuple[str, dict]:
     """Run one step in a process group of its own; kill the group at ``limit``."""
     import tempfile
@@ -603,7 +621,7 @@ def _spawn_step(name: str, limit: float) -> tuple[str, dict]:
     try:
         log, _ = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        stop_session(proc.pid)
         log, _ = proc.communicate()
         return "FAIL", {"line": f"timed out after {limit} s", "log": log[-4000:]}
     finally:

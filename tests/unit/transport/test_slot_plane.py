@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import torch
 
 from tests.unit.ubatchlib import run_ubatch_threads
 from vllm_afd.errors import FFNRankLost, FFNTimeout, StepsFailed
+from vllm_afd.host import session_pids
 from vllm_afd.testing import slot_plane_check, slots_check
 from vllm_afd.testing.reference import (
     LocalMoE,
@@ -245,6 +247,40 @@ def test_the_device_check_runs_on_cpu_with_its_device_steps_skipped(tmp_path):
     assert {report[s]["status"] for s in cuda} == {device}
     two = "PASS" if torch.cuda.device_count() > 1 else "SKIP"
     assert report["cuda-two-gpus"]["status"] == two
+
+
+#: A step that hangs holding a multiprocessing queue (its semaphores in ``/dev/shm``, its
+#: resource tracker a child of its own); prints the semaphores' names.
+_HANGING_STEP = """
+import multiprocessing as mp, time
+queue = mp.get_context("spawn").Queue()
+print(*(lock._semlock.name for lock in (queue._rlock, queue._wlock, queue._sem)), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_step_stopped_at_its_timeout_leaves_no_process_and_no_semaphore():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HANGING_STEP],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        names = proc.stdout.readline().split()
+        assert len(names) == 3, names
+        semaphores = [Path("/dev/shm") / ("sem." + name.lstrip("/")) for name in names]
+        assert all(path.exists() for path in semaphores), semaphores
+        assert len(session_pids(proc.pid)) == 2  # the step and its resource tracker
+        slot_plane_check.stop_session(proc.pid)
+        assert proc.wait(5) == -signal.SIGTERM
+        assert session_pids(proc.pid) == []
+        assert not [path for path in semaphores if path.exists()]
+    finally:
+        for pid in session_pids(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.stdout.close()
+        proc.wait()
 
 
 def _run_ubatches(monkeypatch, layers: int, moe_layer) -> tuple[list, dict, list, object]:
