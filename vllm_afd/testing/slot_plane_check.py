@@ -305,10 +305,11 @@ def run_pair(
         def compare(inputs: list[torch.Tensor]) -> None:
             if echo:  # timing only
                 return
-            for x, x0 in zip((x for rank in xs for x in rank), inputs, strict=True):
-                want = model.reference(x0.to(memory.device))
-                err = (x.float() - want.float()).abs().max().item()
-                result["max_abs_error"] = max(result["max_abs_error"], err)
+            for mb in range(microbatches):  # a use: every attention rank's microbatch mb
+                x0s = [inputs[a * microbatches + mb].to(memory.device) for a in range(len(xs))]
+                for rank, want in zip(xs, model.reference(*x0s), strict=True):
+                    err = (rank[mb].float() - want.float()).abs().max().item()
+                    result["max_abs_error"] = max(result["max_abs_error"], err)
             result["steps_checked"] += 1
 
         def step() -> None:

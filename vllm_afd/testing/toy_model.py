@@ -43,12 +43,21 @@ class ToyMoE:
 
         return forward
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The step in one process: ``x = x + moe_l(x)`` for every layer."""
+    def reference(self, *xs: torch.Tensor) -> list[torch.Tensor]:
+        """The step in one process, as the plane computes it: ``x = x + moe_l(x)`` for every
+        layer, each attention rank's rows (``xs[a]``, one use) routed on their own and the
+        experts run once over all of them in rank order (the FFN rank's gather), so that
+        every matrix product has the FFN's shape: on a GPU a row's product may change with
+        the number of rows (cuBLAS's kernel choice), and one bf16 step anywhere flips a
+        later layer's top-k, which no bf16 tolerance absorbs."""
+        rows = [x.shape[0] for x in xs]
         for layer in range(self.router.shape[0]):
-            ids, weights = self.route(layer, x)
-            x = x + self.experts(layer)(x, ids, weights, torch.empty_like(x))
-        return x
+            routed = [self.route(layer, x) for x in xs]
+            x = torch.cat(xs)
+            ids, weights = (torch.cat(parts) for parts in zip(*routed, strict=True))
+            out = self.experts(layer)(x, ids, weights, torch.empty_like(x))
+            xs = tuple(x + o for x, o in zip(xs, out.split(rows), strict=True))
+        return list(xs)
 
 
 def dbo_order(layers: int, microbatches: int = 2) -> list[tuple[str, int, int]]:

@@ -74,8 +74,11 @@ DEFAULT_MAX_SPINS = 1 << 26
 FUSED_MAX_BYTES = 1 << 20
 #: Elements each step of the fused copy moves.
 _FUSED_BLOCK = 4096
-#: The fused kernels' tables kept per memory (one per set of parts: slot and ranks).
+#: The fused kernels' tables kept per memory (one per set of parts: slot and ranks), besides
+#: those a CUDA graph captured, which are kept for good (``_table``).
 _MAX_TABLES = 4096
+#: Programs of ``copy_parts`` at most (a use over ``FUSED_MAX_BYTES``).
+_COPY_PROGRAMS = 32
 #: Programs of ``wait_sum`` at most: each spins on the answers' flags before its blocks, on an
 #: SM the other microbatch's attention could use (DBO), so few; a decode use's 16 x 7168
 #: elements are 28 blocks, 3-4 per program.
@@ -213,20 +216,33 @@ class TritonWaits(RecordedWaits):
         """The fused kernels' tables by their rows (``_table``)."""
         return {}
 
+    @functools.cached_property
+    def _captured(self) -> set[tuple[tuple[int, ...], ...]]:
+        """The rows of the tables a CUDA graph captured: a graph keeps only their address,
+        so they live as long as this memory."""
+        return set()
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
     def _table(self, rows: Sequence[tuple[int, ...]]) -> torch.Tensor | None:
         """A fused kernel's table of int64 ``rows`` (addresses, counts) on the memory's
         device, built once per set of rows (a CUDA graph replays the one its capture read);
         ``None`` where a capture would have to build it (a copy to the device is no graph
-        node: the step's eager run before its capture builds it)."""
+        node: the step's eager run before its capture builds it). Past ``_MAX_TABLES`` tables
+        no graph captured, those are dropped (prefill chunks of every size are rows too)."""
         key = tuple(rows)
         table = self._tables.get(key)
+        capturing = self._capturing()
         if table is None:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if capturing:
                 return None
-            if len(self._tables) >= _MAX_TABLES:
-                self._tables.clear()
+            if len(self._tables) - len(self._captured) >= _MAX_TABLES:
+                self._tables = {k: t for k, t in self._tables.items() if k in self._captured}
             table = torch.tensor(rows, dtype=torch.int64, device=self.device)
             self._tables[key] = table
+        if capturing:
+            self._captured.add(key)
         return table
 
     def wait(

@@ -329,7 +329,7 @@ def test_vllms_own_ubatch_threads_drive_the_plane_in_dbo_order(monkeypatch):
     calls, results, inputs, model = _run_ubatches(monkeypatch, 3, moe_layer)
     assert calls == slot_plane_check.dbo_order(3)
     for mb, x0 in enumerate(inputs):
-        assert torch.equal(results[mb], model.reference(x0))
+        assert torch.equal(results[mb], model.reference(x0)[0])
 
 
 class _CountingMemory(HostPlaneMemory):
@@ -571,3 +571,30 @@ def test_the_device_checks_stalled_peer_runs_on_the_host():
     result = slots_check.run_stalled_peer("host", torch.float32)
     assert "a wait of step 2 (layer position 1)" in result["raised"]["rank 0 step 2"], result
     assert result["max_abs_error"] == 0.0
+
+
+def test_the_tables_a_cuda_graph_captured_outlive_the_cache(monkeypatch):
+    """A graph keeps only its fused kernels' table addresses: past the cache's bound the
+    tables no capture read are dropped, those a capture read are kept (``TritonWaits._table``,
+    no Triton needed)."""
+    from vllm_afd.transport import slot_plane_cuda
+
+    class Tables(slot_plane_cuda.TritonWaits):
+        device = torch.device("cpu")
+        capturing = False
+
+        def _capturing(self) -> bool:
+            return self.capturing
+
+    monkeypatch.setattr(slot_plane_cuda, "_MAX_TABLES", 2)
+    memory = Tables()
+    captured = memory._table([(1, 2)])  # built by the eager run before the capture
+    memory.capturing = True
+    assert memory._table([(1, 2)]) is captured  # the capture reads it
+    assert memory._table([(3, 4)]) is None  # a capture cannot build one
+    memory.capturing = False
+    eager = [memory._table([(i, i)]) for i in range(10, 14)]
+    assert memory._table([(1, 2)]) is captured  # kept across every drop
+    assert memory._table([(13, 13)]) is eager[-1]
+    assert len(memory._tables) <= 1 + 2
+    assert torch.equal(captured, torch.tensor([[1, 2]]))
