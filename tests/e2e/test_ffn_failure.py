@@ -18,6 +18,12 @@ streams are in flight; the supervisor replaces the rank, the attention rank send
 more, to the replacement, and every stream ends with colocated's text and tokens. Then the
 fault file reading ``rows>=20`` poisons one long request: it fails alone while the streams end
 with colocated's text, `/health` is back to 200 and the server serves on.
+
+A third server runs on the slot plane with the device's waits (``slots``, ``waits: device``:
+the CPU stand-in of every GPU's), failover on: an FFN rank SIGKILLed under six streams is
+replaced; the requests of the step its death spoiled fail with that step's output (a device
+wait cannot send a use again), every other stream ends with colocated's text, and once
+readiness is back every prompt gets colocated's tokens.
 """
 
 from __future__ import annotations
@@ -37,21 +43,27 @@ from failoverlib import (
     colocated_job,
     fail_once,
     lose_the_ffn_rank_under_streams,
+    streams_around,
 )
 from serverlib import Server, http_request
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
+#: The slot plane with the device's waits (every GPU's; here the CPU stand-in).
+DEVICE_WAITS = ("--afd-transport", "slots", "--afd-transport-config", '{"waits": "device"}')
+
 
 @pytest.fixture(scope="module")
-def servers(tiny_qwen3, run_once, tmp_path_factory) -> Iterator[tuple[Server, Server]]:
-    """This module's two servers, started side by side (a start is mostly its processes'
-    imports, on either core), both up before the first test: failover off, then on."""
+def servers(tiny_qwen3, run_once, tmp_path_factory) -> Iterator[tuple[Server, Server, Server]]:
+    """This module's three servers, started side by side (a start is mostly its processes'
+    imports, on either core), all up before the first test: failover off, then on, then on
+    with the device's waits."""
     started: list[Server] = []
     try:
-        for name, failover, plugins in (
+        for name, flags, plugins in (
             ("ffn_failure", ("--afd-failover-timeout", "0"), {}),
             ("ffn_error_failover", (), {"VLLM_PLUGINS": "afd"}),
+            ("stepped_failover", DEVICE_WAITS, {"VLLM_PLUGINS": "afd"}),
         ):
             tmp = tmp_path_factory.mktemp(name)
             srv = Server(
@@ -59,7 +71,7 @@ def servers(tiny_qwen3, run_once, tmp_path_factory) -> Iterator[tuple[Server, Se
                 tmp / "server.log",
                 # vLLM refuses to start on a VLLM_* variable it does not know (patch E1 declares
                 # ours)
-                extra=("--afd-ratio", "1:1", *failover, "--fail-on-environ-validation"),
+                extra=("--afd-ratio", "1:1", *flags, "--fail-on-environ-validation"),
                 env={"VLLM_AFD_FAULT_FILE": str(tmp / "fault"), **plugins},
             )
             srv.fault = tmp / "fault"
@@ -67,7 +79,7 @@ def servers(tiny_qwen3, run_once, tmp_path_factory) -> Iterator[tuple[Server, Se
         started[1].colocated = run_once(colocated_job(tiny_qwen3))
         for srv in started:
             srv.wait_healthy()
-        yield started[0], started[1]
+        yield started[0], started[1], started[2]
     finally:
         for srv in started:
             try:
@@ -194,3 +206,41 @@ def test_a_request_an_ffn_error_follows_fails_alone_and_the_server_serves_on(fai
     assert re.search(r"request \S+ failed: an FFN rank fails its tokens: .*injected fault", log)
     assert _seconds_until(server, lambda h: h == 200, 60.0) < 60.0
     assert server.complete("hello world", 4)[0] == 200
+
+
+@pytest.fixture(scope="module")
+def stepped_server(servers) -> Server:
+    """1:1 on the slot plane with the device's waits, failover on (the default)."""
+    return servers[2]
+
+
+def test_with_the_device_waits_a_killed_ffn_rank_is_replaced_and_the_server_serves_on(
+    stepped_server, failover_server
+):
+    server, colocated = stepped_server, failover_server.colocated
+    pid = server.ffn_pid()
+    _, results, (killed_at, _) = streams_around(server, lambda: os.kill(pid, signal.SIGKILL))
+    failed = [i for i, r in enumerate(results) if r.status != 200 or r.error]
+    for i, result in enumerate(results):
+        if i not in failed:  # a stream none of whose steps the death spoiled
+            assert result.token_ids == colocated["token_ids"][i], i
+            assert result.text == colocated["texts"][i], i
+    in_flight = failed or [r for r in results if r.times and r.times[-1] > killed_at]
+    assert in_flight, "the death hit no stream in flight"
+    # replaced (logged once up) and ready again
+    deadline = time.monotonic() + 60
+    while server.ffn_pid() == pid or http_request(server.url + "/afd/ready")[0] != 200:
+        assert time.monotonic() < deadline, "no replacement ready within 60 s"
+        time.sleep(0.2)
+    log = server.log.read_text()
+    assert f"FFN rank 0 (pid {pid}) died; replacing it" in log, log[-3000:]
+    assert "FFN rank 0 replaced in" in log, log[-3000:]
+    if failed:  # failed with the loss, not with wrong tokens
+        assert re.search(rf"FFN rank 0 \(pid {pid}\) died \(steps [0-9-]+\); failing", log)
+        for i in failed:
+            assert "died" in results[i].error or results[i].status >= 500, results[i]
+    # the replacement serves colocated's tokens
+    for i, prompt in enumerate(PROMPTS):
+        status, reply = server.complete(prompt, 16)
+        assert status == 200, reply
+        assert reply["choices"][0]["token_ids"] == colocated["token_ids"][i][:16], i

@@ -385,9 +385,12 @@ class Feature(enum.Enum):
     """A pool feature a backend can claim (``Backend.features``), only by implementing what it
     needs."""
 
-    #: A lost FFN rank is replaced and the requests in flight complete (``--afd-failover-
-    #: timeout``): an attention endpoint that ``Reconnects``, an FFN side that
-    #: ``ServesRequests`` (its waits raise, so a loss is seen at once).
+    #: A lost FFN rank is replaced and the deployment serves on (``--afd-failover-timeout``):
+    #: an attention endpoint that ``Reconnects``. Where the FFN side ``ServesRequests`` (its
+    #: waits raise, so a loss is seen at once) the requests in flight complete with their
+    #: tokens; where it ``ServesSteps`` (the device's waits: a kernel cannot raise) the
+    #: requests of the step the loss spoiled fail with that step's output, and the next step
+    #: runs on the replacement (``attention/failures.py``).
     FAILOVER = "failover"
     #: The FFN pool changes size while it serves (``POST /afd/scale``): each attention rank
     #: switches to the new pool at a step boundary of its own (``ServesRequests``).
@@ -440,13 +443,13 @@ class Backend:
 
     @classmethod
     def features(cls, settings: Mapping[str, Any] | None = None) -> frozenset[Feature]:
-        """The pool features its endpoints for ``settings`` implement (``Feature``): none
-        unless its FFN side ``ServesRequests``, failover only where its attention side
-        ``Reconnects``."""
+        """The pool features its endpoints for ``settings`` implement (``Feature``): failover
+        where its attention side ``Reconnects``; live scaling, request isolation and shared
+        groups where its FFN side ``ServesRequests``."""
         attention, ffn = cls.endpoints(settings or {})
-        if not issubclass(ffn, ServesRequests):
-            return frozenset()
-        features = {Feature.LIVE_SCALING, Feature.ISOLATION, Feature.SHARED_GROUP}
+        features = set()
+        if issubclass(ffn, ServesRequests):
+            features |= {Feature.LIVE_SCALING, Feature.ISOLATION, Feature.SHARED_GROUP}
         if issubclass(attention, Reconnects):
             features.add(Feature.FAILOVER)
         return frozenset(features)

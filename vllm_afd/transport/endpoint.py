@@ -673,7 +673,10 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         self.addresses[ffn_rank], self._incarnation[ffn_rank] = entry.address, entry.incarnation
         self.replacements += 1
         self._replaced_at[ffn_rank] = self.replacements
-        if self.schedule is not None:
+        if self.schedule is not None and not self.memory.records_waits:
+            # the lost rank's unanswered requests of this step go again to the replacement;
+            # with the device's waits the step failed and goes nowhere again: announced to the
+            # replacement, it would wait for uses that never come (up to ``timeout_s`` each)
             self.controls[ffn_rank].announce(self.rank, self.schedule)
         logger.warning(
             "AFD: attention rank %d reconnected to FFN rank %d (incarnation %d, pid %d, %s)",

@@ -326,6 +326,11 @@ class PlaneMemory(Protocol):
     def attach(self, handle: str, nbytes: int) -> torch.Tensor:
         """The buffer ``handle`` names, mapped into this process."""
 
+    def readdress(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """``new`` (a replacement's buffer, just attached) takes the place of ``old``: what
+        the memory keeps of ``old``'s addresses for operations replayed without the plane (a
+        CUDA graph's tables) addresses the same bytes of ``new`` from now on."""
+
     def signal(
         self,
         flag: torch.Tensor,
@@ -538,7 +543,9 @@ class AttentionPlane:
         self, layout: PlaneLayout, memory: PlaneMemory, rank: int, handles: Sequence[str]
     ) -> None:
         self.layout, self.memory, self.rank = layout, memory, rank
-        self.slots = [self._map(handle) for handle in handles]
+        #: Every FFN rank's request buffer, mapped; ``slots``: views of it per slot.
+        self.buffers = [memory.attach(handle, layout.total_bytes) for handle in handles]
+        self.slots = [self._views(buffer) for buffer in self.buffers]
         self.answers: list[list[AnswerViews]] = []
         self.answer_handles: list[str] = []
         for _ in handles:
@@ -553,14 +560,16 @@ class AttentionPlane:
         self._push = memory.push
         self._records = memory.records_waits
 
-    def _map(self, handle: str) -> list[SlotViews]:
-        buffer = self.memory.attach(handle, self.layout.total_bytes)
+    def _views(self, buffer: torch.Tensor) -> list[SlotViews]:
         return [SlotViews(buffer, self.layout, self.rank, s) for s in range(self.layout.num_slots)]
 
     def attach(self, ffn_rank: int, handle: str) -> None:
         """Map FFN rank ``ffn_rank``'s new request buffer (its replacement's), in place of its
-        old one; its answers keep coming into the same answer buffer."""
-        self.slots[ffn_rank] = self._map(handle)
+        old one, also for the sends a CUDA graph replays (``PlaneMemory.readdress``); its
+        answers keep coming into the same answer buffer."""
+        old, new = self.buffers[ffn_rank], self.memory.attach(handle, self.layout.total_bytes)
+        self.memory.readdress(old, new)
+        self.buffers[ffn_rank], self.slots[ffn_rank] = new, self._views(new)
 
     def last_step(self) -> int:
         """The largest step found in this rank's request flags of every buffer (a restarted

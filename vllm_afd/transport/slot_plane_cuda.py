@@ -1,6 +1,7 @@
 """The slot plane's device layer (``slot_plane.py``): buffers in device memory shared by CUDA
-IPC, and six Triton kernels, one per protocol operation: signal, wait, publish, publish_all,
-wait_gather, wait_sum. Everything else is the shared protocol.
+IPC, and Triton kernels, one per protocol operation: signal, wait, publish (or copy_parts then
+release, for a large use), publish_all, wait_gather, wait_sum. Everything else is the shared
+protocol.
 PyTorch and Triton only (the GPU machine this project is lent has no vLLM or DeepEP).
 
 Why these primitives: a use is one kernel per side and direction around the MoE kernel (issue
@@ -9,9 +10,13 @@ Why these primitives: a use is one kernel per side and direction around the MoE 
 * ``publish`` (an attention rank's send): one program copies the parts element by element into
   the peer's slot (the expert ids converted to the slot's int32), a CTA barrier orders its
   threads' stores, then the flag is stored with release semantics at system scope (a store,
-  not a remote atomic read-modify-write, which PCIe peers lack); a strided part, or a use over
-  ``FUSED_MAX_BYTES`` (a prefill chunk), goes by the copy engines and ``signal`` (an
-  ``atomic_xchg`` with release semantics at system scope, after the copies in stream order).
+  not a remote atomic read-modify-write, which PCIe peers lack); a use over
+  ``FUSED_MAX_BYTES`` (a prefill chunk, a large decode batch) is copied by ``copy_parts``'
+  programs, then ``release`` stores the flag (stream order). Their destinations and flag are
+  read from a table row, which ``readdress`` rewrites when a lost FFN rank's replacement takes
+  its place, so that the sends a CUDA graph captured reach the new buffer. A strided part goes
+  by the copy engines and ``signal`` (an ``atomic_xchg`` with release semantics at system
+  scope, after the copies in stream order).
 * ``wait_gather`` (an FFN rank's take of one use from every attention rank): a program per
   attention rank waits for its request, then copies its rows next to the others' for the one
   forward (the slots lie a slot apart); ``wait`` (one flag: an FFN rank with one attention
@@ -94,17 +99,27 @@ def _kernels() -> ModuleType:
 
 
 def _fusable(
-    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
+    dsts: Sequence[torch.Tensor],
+    srcs: Sequence[torch.Tensor],
+    max_bytes: int | None = FUSED_MAX_BYTES,
 ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """The parts as (destination, source) pairs one kernel can copy, or ``None`` (more than
-    three parts, a strided tensor, too many bytes)."""
-    if len(dsts) > 3 or sum(d.numel() * d.element_size() for d in dsts) > FUSED_MAX_BYTES:
+    three parts, a strided tensor, more than ``max_bytes``)."""
+    nbytes = sum(d.numel() * d.element_size() for d in dsts)
+    if len(dsts) > 3 or (max_bytes is not None and nbytes > max_bytes):
         return None
     parts = list(zip(dsts, srcs, strict=True))
     for dst, src in parts:
         if dst.shape != src.shape or not (dst.is_contiguous() and src.is_contiguous()):
             return None
     return parts
+
+
+def _row(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], flag: torch.Tensor) -> tuple[int, ...]:
+    """``publish``'s table row: its destinations' addresses (the flag's for an absent part),
+    then the flag's."""
+    dsts = [d.data_ptr() for d, _ in parts] + [flag.data_ptr()] * (3 - len(parts))
+    return (*dsts, flag.data_ptr())
 
 
 def _hex(data: bytes | None) -> str | None:
@@ -163,17 +178,52 @@ class TritonWaits(RecordedWaits):
         step: torch.Tensor,
         position: int,
     ) -> None:
-        """One kernel for a use up to ``FUSED_MAX_BYTES`` of contiguous parts; otherwise the
-        copies, then ``signal``."""
-        parts = _fusable(dsts, srcs)
-        if parts is None:
+        """Up to three contiguous parts: one kernel for a use up to ``FUSED_MAX_BYTES``, else
+        ``copy_parts`` over several programs, then ``release``; the destinations and the flag
+        (the peer's buffer) read from a table ``readdress`` rewrites when a replacement's
+        buffer takes the place of this one (a CUDA graph replays the table). Otherwise (a
+        strided part) the copies, then ``signal``."""
+        parts = _fusable(dsts, srcs, max_bytes=None)
+        row = None if parts is None else self._table([_row(parts, flag)])
+        if parts is None or row is None:
             publish_by_copies(self.signal, dsts, srcs, flag, step, position)
             return
-        args: list[Any] = []
+        args: list[Any] = [row]
         for d, s in parts:
             args += [d, s, d.numel()]
         args += [flag, flag, 0] * (3 - len(parts))  # absent parts: no words to copy
-        _kernels().publish[(1,)](*args, flag, step, position + 1, BLOCK=_FUSED_BLOCK, num_warps=4)
+        kernels = _kernels()
+        if sum(d.numel() * d.element_size() for d, _ in parts) <= FUSED_MAX_BYTES:
+            kernels.publish[(1,)](*args, step, position + 1, BLOCK=_FUSED_BLOCK, num_warps=4)
+            return
+        programs = min(-(-max(d.numel() for d, _ in parts) // _FUSED_BLOCK), _COPY_PROGRAMS)
+        kernels.copy_parts[(programs,)](*args, BLOCK=_FUSED_BLOCK, num_warps=4)
+        kernels.release[(1,)](row, step, position + 1, num_warps=1)
+
+    def readdress(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """``new`` takes the place of ``old`` (a lost FFN rank's request buffer, in this
+        process): the tables whose words address ``old`` (``publish``'s destinations and
+        flag) now address the same bytes of ``new``, rewritten in place, since a CUDA graph
+        replays the tables its capture read (vLLM does not capture its graphs again)."""
+        start, nbytes = old.data_ptr(), old.numel() * old.element_size()
+        shift = new.data_ptr() - start
+        if new.numel() * new.element_size() != nbytes:
+            raise ValueError(f"a buffer of other size than {nbytes} bytes cannot replace it")
+
+        def moved(key: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+            end = start + nbytes
+            return tuple(tuple(w + shift if start <= w < end else w for w in row) for row in key)
+
+        tables = {}
+        for key, table in self._tables.items():
+            to = moved(key)
+            if to != key:
+                table.copy_(torch.tensor(to, dtype=torch.int64))
+                if key in self._captured:
+                    self._captured.discard(key)
+                    self._captured.add(to)
+            tables[to] = table
+        self._tables = tables
 
     def publish_all(
         self,

@@ -121,6 +121,9 @@ class HostWords(RecordedWaits):
         #: through one costs a fraction of a tensor's ``int()`` or ``fill_``, on the hot path.
         self._words: dict[tuple[int, int], memoryview] = {}
 
+    def readdress(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Nothing: no operation on host memory is replayed from recorded addresses."""
+
     def word(self, tensor: torch.Tensor) -> memoryview:
         """``tensor``'s int64 words (a flag line, a flag, a step word), as a memoryview."""
         key = (tensor.data_ptr(), tensor.numel())

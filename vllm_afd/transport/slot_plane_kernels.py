@@ -105,27 +105,56 @@ def wait(  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def copy_part(  # type: ignore[no-untyped-def]
+    dst, src, n, first, stride, BLOCK: tl.constexpr
+):
+    # blocks ``first``, ``first + stride``, ... of the ``n`` elements of ``src`` into ``dst``,
+    # converted to ``dst``'s element type
+    for start in range(first * BLOCK, n, stride * BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        part = tl.load(src + at, mask=at < n).to(dst.dtype.element_ty)
+        tl.store(dst + at, part, mask=at < n)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def publish(  # type: ignore[no-untyped-def]
-    d0, s0, n0, d1, s1, n1, d2, s2, n2, flag_ptr, step_ptr, offset, BLOCK: tl.constexpr
+    row, t0, s0, n0, t1, s1, n1, t2, s2, n2, step_ptr, offset, BLOCK: tl.constexpr
 ):
     # one program: every element of up to three parts into the peer's slot, converted to
     # the destination's type (vLLM's int64 expert ids to the slot's int32), the CTA's
-    # stores ordered before the flag (barrier, then a release store at system scope)
-    for start in range(0, n0, BLOCK):
-        at = start + tl.arange(0, BLOCK)
-        part = tl.load(s0 + at, mask=at < n0).to(d0.dtype.element_ty)
-        tl.store(d0 + at, part, mask=at < n0)
-    for start in range(0, n1, BLOCK):
-        at = start + tl.arange(0, BLOCK)
-        part = tl.load(s1 + at, mask=at < n1).to(d1.dtype.element_ty)
-        tl.store(d1 + at, part, mask=at < n1)
-    for start in range(0, n2, BLOCK):
-        at = start + tl.arange(0, BLOCK)
-        part = tl.load(s2 + at, mask=at < n2).to(d2.dtype.element_ty)
-        tl.store(d2 + at, part, mask=at < n2)
+    # stores ordered before the flag (barrier, then a release store at system scope). The
+    # destinations and the flag are ``row``'s int64 words (addresses in the peer's buffer,
+    # rewritten when a replacement's buffer takes its place: a CUDA graph replays ``row``);
+    # ``t0``-``t2`` give only their element types
+    copy_part(tl.load(row).to(t0.dtype), s0, n0, 0, 1, BLOCK)
+    copy_part(tl.load(row + 1).to(t1.dtype), s1, n1, 0, 1, BLOCK)
+    copy_part(tl.load(row + 2).to(t2.dtype), s2, n2, 0, 1, BLOCK)
     tl.debug_barrier()
     value = tl.load(step_ptr) + offset
-    tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
+    tl.atomic_xchg(
+        tl.load(row + 3).to(tl.pointer_type(tl.int64)), value, sem="release", scope="sys"
+    )
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def copy_parts(  # type: ignore[no-untyped-def]
+    row, t0, s0, n0, t1, s1, n1, t2, s2, n2, BLOCK: tl.constexpr
+):
+    # ``publish``'s copies by every program (a use too large for one: a prefill chunk, a
+    # large decode batch), each its share of the blocks; ``release`` stores the flag after
+    copy_part(tl.load(row).to(t0.dtype), s0, n0, tl.program_id(0), tl.num_programs(0), BLOCK)
+    copy_part(tl.load(row + 1).to(t1.dtype), s1, n1, tl.program_id(0), tl.num_programs(0), BLOCK)
+    copy_part(tl.load(row + 2).to(t2.dtype), s2, n2, tl.program_id(0), tl.num_programs(0), BLOCK)
+
+
+@triton.jit
+def release(row, step_ptr, offset):  # type: ignore[no-untyped-def]
+    # the flag of ``row`` (its word 3), after ``copy_parts`` in stream order: a release store
+    # at system scope of the use's value
+    value = tl.load(step_ptr) + offset
+    tl.atomic_xchg(
+        tl.load(row + 3).to(tl.pointer_type(tl.int64)), value, sem="release", scope="sys"
+    )
 
 
 @triton.jit  # type: ignore[untyped-decorator]

@@ -18,8 +18,9 @@ the wait semantics (``waits``):
   data-parallel ranks step together, idle ones with a dummy batch), then walks the union of
   their schedules (``control.Step``). A rank that has not announced within half of
   ``timeout_s`` after the first is left out of that step (logged) and served in a later one.
-  Waits record where they fail and raise at the next step boundary, so none of the pool
-  features above is claimed there yet (``Backend.features``; docs/architecture.md, "The slot
+  Waits record where they fail and raise at the next step boundary: of the pool features above
+  failover is claimed there (a lost FFN rank is replaced; the requests of the step its loss
+  spoiled fail), the others not yet (``Backend.features``; docs/architecture.md, "The slot
   plane").
 
 A backend of the plane on another memory subclasses these endpoints and supplies the memory

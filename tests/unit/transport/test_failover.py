@@ -24,6 +24,7 @@ from vllm_afd.testing.reference import LocalMoE, ScaleExperts, reference_moe_com
 from vllm_afd.transport import create_attention_transport
 from vllm_afd.transport import directory as ffn_directory
 from vllm_afd.transport.control import Mode, StepSchedule
+from vllm_afd.transport.control_block import SCHEDULE_RING
 from vllm_afd.transport.directory import FAILED, RECOVERING, UP, RankEntry
 
 pytestmark = pytest.mark.timeout(90)
@@ -270,6 +271,9 @@ def test_with_the_device_waits_a_killed_rank_fails_its_step_and_the_replacement_
             att.begin_step(StepSchedule(2, (5,), LAYERS, Mode.RUN))
         assert failed.value.steps == (range(2, 2) if sampled else range(1, 2))
         assert att.replacements == 1 and att.addresses[1] != cluster.spec.addresses[1]
+        # the failed step goes nowhere again: the replacement is not told of it (it would
+        # wait for uses that never come), only of the step announced next
+        assert att.controls[1].announced_steps(0) == [0] * SCHEDULE_RING
         att.begin_step(StepSchedule(2, (5,), LAYERS, Mode.RUN))  # announced again: served
         for layer in LAYERS:
             x = routing(5, spec, seed=3 + layer)

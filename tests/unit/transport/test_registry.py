@@ -63,7 +63,7 @@ def test_a_backend_declares_what_it_can_do() -> None:
     assert [b.name for b in (shm, nixl, slots)] == ["shm", "nixl", "slots"]
     every = frozenset(Feature)
     assert shm.features() == nixl.features() == slots.features() == every  # host waits
-    assert slots.features({"waits": "device"}) == frozenset()
+    assert slots.features({"waits": "device"}) == {Feature.FAILOVER}  # whole steps
     assert slots.endpoints({"waits": "device"})[1] is SteppedPlaneFFN
     assert shm.endpoints({})[1] is slots.endpoints({"waits": "host"})[1] is PlaneFFN
     assert shm.device_problem("cpu", "cuda") is None  # FFN ranks may compute on a GPU
@@ -108,14 +108,14 @@ class _Bare(Backend):
 
 def test_a_backend_claims_only_what_its_endpoints_implement() -> None:
     """Nothing is claimed by default: an FFN side serving requests gives scaling, isolation and
-    shared groups; failover needs an attention endpoint that ``Reconnects`` too."""
+    shared groups; failover needs an attention endpoint that ``Reconnects``."""
     assert Feature.FAILOVER not in _Bare.features()
     assert _Bare.features() == {Feature.LIVE_SCALING, Feature.ISOLATION, Feature.SHARED_GROUP}
 
     class Stepped(_Bare):
         ffn = SteppedPlaneFFN
 
-    assert Stepped.features() == frozenset()
+    assert Stepped.features() == frozenset()  # failover needs ``Reconnects``
 
 
 #: docs/architecture.md's backend x feature table: its columns, as (backend, settings).

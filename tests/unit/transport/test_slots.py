@@ -327,7 +327,7 @@ def test_what_the_backend_takes_and_refuses():
     assert slots.device_problem("cpu", "cpu") is None
     assert slots.device_problem("cuda", "cuda") is None
     assert "attention ranks on cuda and FFN ranks on cpu" in slots.device_problem("cuda", "cpu")
-    assert slots.features({"waits": "device"}) == frozenset()
+    assert slots.features({"waits": "device"}) == {Feature.FAILOVER}
     assert Feature.FAILOVER in slots.features({"waits": "host"})
 
 

@@ -26,6 +26,10 @@ SCRIPT = textwrap.dedent(
     bound = dict(error_ptr=p64, abort_ptr=p64, bound=i64, TIMED="constexpr")
     timed = {"TIMED": True}
     missed = {"MISSED": True}  # as an FFN rank's waits and answers run: a part's missed word
+    # a send's three parts: the destinations' types (their addresses are the row's), sources
+    parts = dict(
+        t0="*bf16", s0="*bf16", n0=i64, t1="*i32", s1=p64, n1=i64, t2="*fp32", s2="*fp32", n2=i64
+    )
     kernels = {
         "signal": (
             k.signal,
@@ -44,11 +48,12 @@ SCRIPT = textwrap.dedent(
         "publish": (
             k.publish,
             dict(
-                d0="*bf16", s0="*bf16", n0=i64, d1="*i32", s1=p64, n1=i64, d2="*fp32",
-                s2="*fp32", n2=i64, flag_ptr=p64, step_ptr=p64, offset=i64, BLOCK="constexpr",
+                row=p64, **parts, step_ptr=p64, offset=i64, BLOCK="constexpr",
             ),
             {"BLOCK": 4096},
         ),
+        "copy_parts": (k.copy_parts, dict(row=p64, **parts, BLOCK="constexpr"), {"BLOCK": 4096}),
+        "release": (k.release, dict(row=p64, step_ptr=p64, offset=i64), {}),
         "publish_all": (
             k.publish_all,
             dict(
@@ -110,7 +115,10 @@ def test_the_plane_kernels_compile_for_sm90_with_the_protocols_memory_semantics(
         code = out[name]["code"]
         assert _index(code, acquire) < _last(code, "ld.global") and "st.global" in str(code)
     release = "atom.global.sys.release.exch.b64"
-    assert any(release in line for line in out["signal"]["code"])
+    for name in ("signal", "release"):
+        assert any(release in line for line in out[name]["code"])
+    assert "st.global" in str(out["copy_parts"]["code"])  # copies only: ``release`` follows
+    assert not any(release in line for line in out["copy_parts"]["code"])
     for name in ("publish", "publish_all"):  # the payload's stores, a barrier, then the flag
         code = out[name]["code"]
         assert _index(code, "st.global") < _index(code, "bar.sync") < _index(code, release)

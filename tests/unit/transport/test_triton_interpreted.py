@@ -165,3 +165,91 @@ def test_the_triton_kernels_carry_the_protocol_between_two_processes(tmp_path):
     assert out["missed_one"] == [1, -((8 << 16) + 21)]
     assert out["taken_one"] == [0, (8 << 16) + 2]
     assert "a wait of step 9 (layer position 4)" in out["missed_raised"]  # the largest
+
+
+REPLAY = textwrap.dedent(
+    """
+    import json
+    import torch
+    from vllm_afd.testing import slot_plane_check
+    from vllm_afd.transport import slot_plane_cuda
+    from vllm_afd.transport.slot_plane import step_word
+
+    launches = []  # what a CUDA graph captures of a send: its kernels and their arguments
+
+
+    class Recorded:
+        def __init__(self, module):
+            self.module = module
+
+        def __getattr__(self, name):
+            kernel = getattr(self.module, name)
+
+            class Grid:
+                def __getitem__(self, grid):
+                    def launch(*args, **kwargs):
+                        launches.append((name, kernel, grid, args, kwargs))
+                        return kernel[grid](*args, **kwargs)
+
+                    return launch
+
+            return Grid()
+
+
+    def slot(buffer):  # a request slot: the flag, x [2, 4], ids [2, 2], weights [2, 2]
+        return (
+            buffer[:8].view(torch.int64),
+            buffer[128:160].view(torch.float32).view(2, 4),
+            buffer[256:272].view(torch.int32).view(2, 2),
+            buffer[384:400].view(torch.float32).view(2, 2),
+        )
+
+
+    if __name__ == "__main__":
+        memory = slot_plane_check.interpreted_memory()
+        slot_plane_cuda._kernels = lambda module=slot_plane_cuda._kernels(): Recorded(module)
+        out = {}
+        for path, fused_max in (("fused", slot_plane_cuda.FUSED_MAX_BYTES), ("large", 16)):
+            slot_plane_cuda.FUSED_MAX_BYTES = fused_max
+            launches.clear()
+            step = step_word(memory.device)
+            step.fill_(3 << 16)
+            x = torch.arange(8, dtype=torch.float32).view(2, 4)
+            ids, weights = torch.tensor([[1, 2], [3, 4]]), torch.full((2, 2), 0.5)
+            lost, replacement = memory.create(512)[0], memory.create(512)[0]
+            flag, *dsts = slot(lost)
+            memory.publish(dsts, (x, ids, weights), flag, step, 0)  # the run a capture records
+            memory.readdress(lost, replacement)  # the lost FFN rank's replacement linked
+            x.mul_(10)  # the next step's activations, in the same tensors
+            step.fill_(4 << 16)
+            for _, kernel, grid, args, kwargs in launches:  # the graph replayed
+                kernel[grid](*args, **kwargs)
+            out[path] = {
+                "kernels": [name for name, *_ in launches],
+                "lost": [int(flag), slot(lost)[1].flatten().tolist()],
+                "replacement": [int(t) if i == 0 else t.flatten().tolist()
+                                for i, t in enumerate(slot(replacement))],
+            }
+        memory.close()
+        print(json.dumps(out))
+    """
+)
+
+
+def test_a_replayed_send_reaches_the_replacement_of_a_lost_ffn_rank(tmp_path):
+    """A CUDA graph replays a send's kernels with the arguments its capture read; once a lost
+    FFN rank's replacement is linked (``PlaneMemory.readdress``), those same launches write
+    the payload and the flag into the replacement's buffer and nothing into the lost one's,
+    for a use in one kernel and for one too large for it (``copy_parts``, then ``release``)."""
+    out = run_with_triton(REPLAY, tmp_path, {"TRITON_INTERPRET": "1"})
+    assert out["fused"]["kernels"] == ["publish"]
+    assert out["large"]["kernels"] == ["copy_parts", "release"]
+    for path in ("fused", "large"):
+        lost, replacement = out[path]["lost"], out[path]["replacement"]
+        assert lost == [(3 << 16) + 1, [float(i) for i in range(8)]], path  # the first send only
+        assert replacement == [
+            (4 << 16) + 1,
+            [10.0 * i for i in range(8)],
+            [1, 2, 3, 4],
+            [0.5] * 4,
+        ], path
