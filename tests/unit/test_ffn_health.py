@@ -20,7 +20,9 @@ from vllm_afd.metrics.blocks import F_BUSY_SINCE, F_FAILURES, F_HEARTBEAT, FFNSt
 from vllm_afd.placement import HEARTBEAT_TIMEOUT_S, Supervisor, ffn_group_problems, restart_delay
 from vllm_afd.transport import TransportSpec
 from vllm_afd.transport import directory as ffn_directory
+from vllm_afd.transport.base import AttentionTransport
 from vllm_afd.transport.directory import FAILED, RECOVERING, UP, RankEntry
+from vllm_afd.transport.slots import SlotsBackend
 
 HOST = socket.gethostname()
 
@@ -148,13 +150,30 @@ def test_liveness_fails_only_on_what_failover_cannot_heal(monkeypatch, tmp_path)
     monkeypatch.setenv("VLLM_AFD_RUNTIME", _spec(tmp_path, failover_s=0.0).to_json())
     _publish(tmp_path, 999999999)
     assert healing() == [False]  # failover off: nothing will replace it
-    monkeypatch.setenv(
-        "VLLM_AFD_RUNTIME",
-        dataclasses.replace(
-            _spec(tmp_path, failover_s=60.0), backend="slots", config={"waits": "device"}
-        ).to_json(),
-    )
-    assert healing() == [False]  # a backend failover cannot cover (whole steps)
+    for backend, covered in (("slots", True), (f"{__name__}:NoFailover", False)):
+        spec = _spec(tmp_path, failover_s=60.0)
+        spec = dataclasses.replace(spec, backend=backend, config={"waits": "device"})
+        monkeypatch.setenv("VLLM_AFD_RUNTIME", spec.to_json())
+        assert healing() == [covered], backend  # whole steps fail over; a bare backend not
+
+
+class _Bare(AttentionTransport):
+    def dispatch(self, layer, x, topk_ids, topk_weights, microbatch=0):
+        raise NotImplementedError
+
+    def combine(self, handle):
+        raise NotImplementedError
+
+
+class NoFailover(SlotsBackend):
+    """``slots`` with an attention endpoint that cannot link a replacement (no
+    ``Reconnects``): no failover."""
+
+    name = "no-failover"
+
+    @classmethod
+    def endpoints(cls, settings):
+        return _Bare, super().endpoints(settings)[1]
 
 
 def test_a_rank_that_failed_requests_heals_only_with_failover(rank_block, monkeypatch, tmp_path):
