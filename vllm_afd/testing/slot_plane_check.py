@@ -64,6 +64,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -87,14 +88,14 @@ STOP_GRACE_S = 5.0
 STEPS = (
     ("probe", 10),
     ("host-plane", 25),
-    ("host-slots", 25),
+    ("host-slots", 20),
     ("cuda-ipc-probe", 20),
     ("cuda-plane", 30),
     ("cuda-two-gpus", 30),
-    ("cuda-graphs", 30),
+    ("cuda-graphs", 40),
     ("cuda-slots", 30),
     ("cuda-round-trip", 30),
-    ("host-peer-death", 25),
+    ("host-peer-death", 20),
     ("cuda-peer-death", 25),
     ("cuda-stalled-peer", 20),
 )
@@ -210,11 +211,12 @@ def interpreted_memory():
 
 def _ffn_main(kind, dtype, layout_args, plan, to_attention, from_attention) -> None:
     """The FFN process: create the request buffer, send its handle, map the attention ranks'
-    answer buffers, serve ``plan`` steps."""
+    answer buffers, serve the steps of ``plan``: (first, last, rows, graphs, echo); with
+    graphs the first step eagerly (the warm-up), then a graph of it replayed."""
     memory = _memory(kind)
     layout = PlaneLayout(*layout_args)
     plane = FFNPlane(layout, memory, 0)
-    steps, rows, graphs, echo = plan
+    first, last, rows, graphs, echo = plan
     model = ToyMoE(dtype, memory.device)
     if echo:
         forwards = [lambda x, i, w, out: out.copy_(x)] * LAYERS
@@ -225,13 +227,13 @@ def _ffn_main(kind, dtype, layout_args, plan, to_attention, from_attention) -> N
         plane.attach_answers(a, handle)
     microbatches = layout.num_slots
     if graphs:
-        ffn_begin(plane, 1)
+        ffn_begin(plane, first)
         graph = _capture(lambda: ffn_step(plane, forwards, rows, microbatches))
-        for step in range(2, steps + 2):
+        for step in range(first + 1, last + 1):
             ffn_begin(plane, step)  # outside the graph: the replay reads the step word
             graph.replay()
     else:
-        for step in range(1, steps + 1):
+        for step in range(first, last + 1):
             ffn_begin(plane, step)
             ffn_step(plane, forwards, rows, microbatches)
     if memory.device.type == "cuda":
@@ -260,22 +262,34 @@ def run_pair(
     echo: bool = False,
     attention_ranks: int = 1,
     ffn_gpu: int | None = None,
+    replace_at: int | None = None,
 ) -> dict:
     """Run ``steps`` steps between this process (``attention_ranks`` attention ranks) and an
     FFN child (``ffn_gpu``: on that GPU, which is all its ``CUDA_VISIBLE_DEVICES`` shows it);
-    returns the largest deviation from the reference, and for ``echo`` the seconds per step."""
+    returns the largest deviation from the reference, and for ``echo`` the seconds per step.
+    ``replace_at``: before that step the child is killed and a replacement serves the rest,
+    linked as failover links one (``AttentionPlane.attach``); with graphs, the attention
+    ranks' graph captured against the lost child's buffer is replayed into the new one."""
     ctx = mp.get_context("spawn")
-    to_attention, from_attention = ctx.Queue(), ctx.Queue()
     layout_args = (attention_ranks, microbatches, rows, HIDDEN, TOP_K, dtype)
-    # with graphs both sides run one eager warm-up step, capture, then replay ``steps``
-    plan = (steps, rows, graphs, echo)
-    child = ctx.Process(
-        target=_ffn_main,
-        args=(kind, dtype, layout_args, plan, to_attention, from_attention),
-        daemon=True,
-    )
-    with _visible_devices(None if ffn_gpu is None else str(ffn_gpu)):
-        child.start()  # a spawned child takes the environment as it is now
+    # with graphs both sides run one eager warm-up step (step 1), capture, then replay
+    # ``steps`` steps (2 .. steps + 1)
+    last = steps + 1 if graphs else steps
+    first_lost = replace_at if replace_at is not None else last + 1
+
+    def start(first: int) -> tuple[Any, Any, Any]:
+        to_attention, from_attention = ctx.Queue(), ctx.Queue()
+        plan = (first, first_lost - 1 if first == 1 else last, rows, graphs, echo)
+        child = ctx.Process(
+            target=_ffn_main,
+            args=(kind, dtype, layout_args, plan, to_attention, from_attention),
+            daemon=True,
+        )
+        with _visible_devices(None if ffn_gpu is None else str(ffn_gpu)):
+            child.start()  # a spawned child takes the environment as it is now
+        return child, to_attention, from_attention
+
+    child, to_attention, from_attention = start(1)
     try:
         memory = _memory(kind)
         layout = PlaneLayout(*layout_args)
@@ -316,6 +330,16 @@ def run_pair(
             attention_step(planes, model, xs, LAYERS)
 
         def begin(step: int) -> None:
+            nonlocal child, to_attention, from_attention
+            if step == replace_at:  # the FFN child lost between steps, its replacement linked
+                child.kill()
+                child.join(10)
+                child, to_attention, from_attention = start(step)
+                handle = to_attention.get(timeout=60)
+                for plane in planes:
+                    plane.attach(0, handle)
+                from_attention.put([plane.answer_handles[0] for plane in planes])
+                result["replaced_at"] = step
             for plane in planes:
                 plane.begin(step)
 
@@ -323,16 +347,16 @@ def run_pair(
             fresh_inputs()
             begin(1)
             graph = _capture(step)
-            start = time.perf_counter()
-            for k in range(2, steps + 2):
+            started = time.perf_counter()
+            for k in range(2, last + 1):
                 inputs = fresh_inputs()
                 begin(k)
                 graph.replay()
                 torch.cuda.synchronize()
                 compare(inputs)
-            result["seconds_per_step"] = (time.perf_counter() - start) / steps
+            result["seconds_per_step"] = (time.perf_counter() - started) / steps
         else:
-            for k in range(1, steps + 1):
+            for k in range(1, last + 1):
                 inputs = fresh_inputs()
                 begin(k)
                 step()
@@ -474,7 +498,7 @@ def step_cuda_two_gpus() -> dict:
 
 
 def step_host_plane() -> dict:
-    result = run_pair("host", torch.float32, steps=2, attention_ranks=2)
+    result = run_pair("host", torch.float32, steps=2, attention_ranks=2, replace_at=2)
     if result["max_abs_error"] != 0.0:
         raise AssertionError(f"host plane differs from the reference: {result}")
     return result
@@ -493,7 +517,10 @@ def step_cuda_plane() -> dict:
 
 def step_cuda_graphs() -> dict:
     _require_cuda()
-    return _bf16_close(run_pair("cuda", torch.bfloat16, steps=3, graphs=True, attention_ranks=2))
+    # the FFN child lost after two steps: the graph captured against its buffer replayed
+    # into its replacement's (``PlaneMemory.readdress``), as failover links one
+    graphs = run_pair("cuda", torch.bfloat16, steps=3, graphs=True, attention_ranks=2, replace_at=3)
+    return _bf16_close(graphs)
 
 
 def step_cuda_round_trip() -> dict:

@@ -229,6 +229,7 @@ def test_the_device_check_runs_on_cpu_with_its_device_steps_skipped(tmp_path):
     for host in ("host-plane", "host-slots"):
         assert report[host]["status"] == "PASS"
         assert report[host]["result"]["max_abs_error"] == 0.0
+    assert report["host-plane"]["result"]["replaced_at"] == 2  # a lost FFN child's replacement
     # the announced capture is no step served; on the host every step runs eagerly
     assert report["host-slots"]["result"]["ffn_eager_steps"] == 4
     death = report["host-peer-death"]

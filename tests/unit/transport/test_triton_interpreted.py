@@ -35,9 +35,11 @@ SCRIPT = textwrap.dedent(
             kind.wait_sum is TritonWaits.wait_sum,
         ]
         # two processes, two attention ranks (the FFN rank gathers their rows and publishes
-        # each share), the toy model's 4 layers x 2 microbatches x 2 steps, vLLM's DBO order
+        # each share), the toy model's 4 layers x 2 microbatches x 3 steps, vLLM's DBO order;
+        # the FFN process killed before step 3 and a replacement linked (its buffer takes the
+        # place of the lost one in the fused kernels' tables: ``readdress``)
         out["pair"] = slot_plane_check.run_pair(
-            "interpreted", torch.float32, steps=2, attention_ranks=2
+            "interpreted", torch.float32, steps=3, attention_ranks=2, replace_at=3
         )
         # a wait nobody answers, aborted by a watchdog 0.3 s in: it ends at once, check raises
         buffer, _ = memory.create(64)
@@ -145,7 +147,7 @@ SCRIPT = textwrap.dedent(
 def test_the_triton_kernels_carry_the_protocol_between_two_processes(tmp_path):
     out = run_with_triton(SCRIPT, tmp_path, {"TRITON_INTERPRET": "1"})
     assert out["kernels"] == [True] * 6
-    assert out["pair"] == {"max_abs_error": 0.0, "steps_checked": 2}
+    assert out["pair"] == {"max_abs_error": 0.0, "steps_checked": 3, "replaced_at": 3}
     assert out["aborted_after_s"] < 2.0  # the bound would be 40,000 polls (~10 s)
     assert out["raised"] == ["FFN rank 0 died", [7]]
     assert out["still_aborted_after_s"] < 2.0
