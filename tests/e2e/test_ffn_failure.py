@@ -29,6 +29,7 @@ readiness is back every prompt gets colocated's tokens.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import re
 import signal
@@ -218,20 +219,25 @@ def test_with_the_device_waits_a_killed_ffn_rank_is_replaced_and_the_server_serv
     stepped_server, failover_server
 ):
     server, colocated = stepped_server, failover_server.colocated
-    pid = server.ffn_pid()
-    _, results, (killed_at, _) = streams_around(server, lambda: os.kill(pid, signal.SIGKILL))
-    failed = [i for i, r in enumerate(results) if r.status != 200 or r.error]
-    for i, result in enumerate(results):
-        if i not in failed:  # a stream none of whose steps the death spoiled
-            assert result.token_ids == colocated["token_ids"][i], i
-            assert result.text == colocated["texts"][i], i
-    in_flight = failed or [r for r in results if r.times and r.times[-1] > killed_at]
-    assert in_flight, "the death hit no stream in flight"
-    # replaced (logged once up) and ready again
-    deadline = time.monotonic() + 60
-    while server.ffn_pid() == pid or http_request(server.url + "/afd/ready")[0] != 200:
-        assert time.monotonic() < deadline, "no replacement ready within 60 s"
-        time.sleep(0.2)
+    for attempt in (1, 2):
+        pid = server.ffn_pid()
+        kill = functools.partial(os.kill, pid, signal.SIGKILL)
+        _, results, (killed_at, _) = streams_around(server, kill)
+        failed = [i for i, r in enumerate(results) if r.status != 200 or r.error]
+        for i, result in enumerate(results):
+            if i not in failed:  # a stream none of whose steps the death spoiled
+                assert result.token_ids == colocated["token_ids"][i], i
+                assert result.text == colocated["texts"][i], i
+        # replaced (logged once up) and ready again
+        deadline = time.monotonic() + 60
+        while server.ffn_pid() == pid or http_request(server.url + "/afd/ready")[0] != 200:
+            assert time.monotonic() < deadline, "no replacement ready within 60 s"
+            time.sleep(0.2)
+        if failed or [r for r in results if r.times and r.times[-1] > killed_at]:
+            break
+        # on a starved machine every stream may end before the kill comes from the client's
+        # thread (as in the serve-error test above): nothing was tested, once more
+        assert attempt == 1, "the death hit no stream in flight"
     log = server.log.read_text()
     assert f"FFN rank 0 (pid {pid}) died; replacing it" in log, log[-3000:]
     assert "FFN rank 0 replaced in" in log, log[-3000:]
