@@ -157,14 +157,6 @@ def test_liveness_fails_only_on_what_failover_cannot_heal(monkeypatch, tmp_path)
         assert healing() == [covered], backend  # whole steps fail over; a bare backend not
 
 
-class _Bare(AttentionTransport):
-    def dispatch(self, layer, x, topk_ids, topk_weights, microbatch=0):
-        raise NotImplementedError
-
-    def combine(self, handle):
-        raise NotImplementedError
-
-
 class NoFailover(SlotsBackend):
     """``slots`` with an attention endpoint that cannot link a replacement (no
     ``Reconnects``): no failover."""
@@ -173,7 +165,7 @@ class NoFailover(SlotsBackend):
 
     @classmethod
     def endpoints(cls, settings):
-        return _Bare, super().endpoints(settings)[1]
+        return AttentionTransport, super().endpoints(settings)[1]
 
 
 def test_a_rank_that_failed_requests_heals_only_with_failover(rank_block, monkeypatch, tmp_path):

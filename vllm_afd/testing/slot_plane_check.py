@@ -275,11 +275,11 @@ def run_pair(
     # with graphs both sides run one eager warm-up step (step 1), capture, then replay
     # ``steps`` steps (2 .. steps + 1)
     last = steps + 1 if graphs else steps
-    first_lost = replace_at if replace_at is not None else last + 1
 
-    def start(first: int) -> tuple[Any, Any, Any]:
+    def start(first: int, until: int) -> tuple[Any, Any, Any]:
+        """An FFN child serving steps ``first`` to ``until``, and its two queues."""
         to_attention, from_attention = ctx.Queue(), ctx.Queue()
-        plan = (first, first_lost - 1 if first == 1 else last, rows, graphs, echo)
+        plan = (first, until, rows, graphs, echo)
         child = ctx.Process(
             target=_ffn_main,
             args=(kind, dtype, layout_args, plan, to_attention, from_attention),
@@ -289,7 +289,7 @@ def run_pair(
             child.start()  # a spawned child takes the environment as it is now
         return child, to_attention, from_attention
 
-    child, to_attention, from_attention = start(1)
+    child, to_attention, from_attention = start(1, last if replace_at is None else replace_at - 1)
     try:
         memory = _memory(kind)
         layout = PlaneLayout(*layout_args)
@@ -334,7 +334,7 @@ def run_pair(
             if step == replace_at:  # the FFN child lost between steps, its replacement linked
                 child.kill()
                 child.join(10)
-                child, to_attention, from_attention = start(step)
+                child, to_attention, from_attention = start(step, last)
                 handle = to_attention.get(timeout=60)
                 for plane in planes:
                     plane.attach(0, handle)

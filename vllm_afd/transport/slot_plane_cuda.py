@@ -99,20 +99,22 @@ def _kernels() -> ModuleType:
 
 
 def _fusable(
-    dsts: Sequence[torch.Tensor],
-    srcs: Sequence[torch.Tensor],
-    max_bytes: int | None = FUSED_MAX_BYTES,
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
 ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """The parts as (destination, source) pairs one kernel can copy, or ``None`` (more than
-    three parts, a strided tensor, more than ``max_bytes``)."""
-    nbytes = sum(d.numel() * d.element_size() for d in dsts)
-    if len(dsts) > 3 or (max_bytes is not None and nbytes > max_bytes):
+    """The parts as (destination, source) pairs a kernel can copy, or ``None`` (more than
+    three parts, a strided tensor); how many bytes one program takes is the caller's
+    (``_nbytes``)."""
+    if len(dsts) > 3:
         return None
     parts = list(zip(dsts, srcs, strict=True))
     for dst, src in parts:
         if dst.shape != src.shape or not (dst.is_contiguous() and src.is_contiguous()):
             return None
     return parts
+
+
+def _nbytes(dsts: Sequence[torch.Tensor]) -> int:
+    return sum(d.numel() * d.element_size() for d in dsts)
 
 
 def _row(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], flag: torch.Tensor) -> tuple[int, ...]:
@@ -183,7 +185,7 @@ class TritonWaits(RecordedWaits):
         (the peer's buffer) read from a table ``readdress`` rewrites when a replacement's
         buffer takes the place of this one (a CUDA graph replays the table). Otherwise (a
         strided part) the copies, then ``signal``."""
-        parts = _fusable(dsts, srcs, max_bytes=None)
+        parts = _fusable(dsts, srcs)
         row = None if parts is None else self._table([_row(parts, flag)])
         if parts is None or row is None:
             publish_by_copies(self.signal, dsts, srcs, flag, step, position)
@@ -193,7 +195,7 @@ class TritonWaits(RecordedWaits):
             args += [d, s, d.numel()]
         args += [flag, flag, 0] * (3 - len(parts))  # absent parts: no words to copy
         kernels = _kernels()
-        if sum(d.numel() * d.element_size() for d, _ in parts) <= FUSED_MAX_BYTES:
+        if _nbytes(dsts) <= FUSED_MAX_BYTES:
             kernels.publish[(1,)](*args, step, position + 1, BLOCK=_FUSED_BLOCK, num_warps=4)
             return
         programs = min(-(-max(d.numel() for d, _ in parts) // _FUSED_BLOCK), _COPY_PROGRAMS)
@@ -238,7 +240,10 @@ class TritonWaits(RecordedWaits):
         types; otherwise a copy and a ``signal`` each."""
         table = None
         if len(dsts) > 1 and all(
-            d.dtype == dsts[0].dtype and s.dtype == srcs[0].dtype and _fusable((d,), (s,))
+            d.dtype == dsts[0].dtype
+            and s.dtype == srcs[0].dtype
+            and _fusable((d,), (s,))
+            and _nbytes((d,)) <= FUSED_MAX_BYTES
             for d, s in zip(dsts, srcs, strict=True)
         ):
             rows = zip(dsts, srcs, flags, steps, positions, strict=True)
