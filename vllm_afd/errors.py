@@ -23,9 +23,12 @@ class FFNRankLost(TransportError):
     requests the lost rank had not answered (``transport/endpoint.py``).
     """
 
-    def __init__(self, ffn_rank: int, message: str) -> None:
+    def __init__(self, ffn_rank: int, message: str, incarnation: int | None = None) -> None:
         super().__init__(message)
         self.ffn_rank = ffn_rank
+        #: The incarnation of the rank that was lost, where the attention side knows it (a
+        #: loss of one already replaced is not recovered from again).
+        self.incarnation = incarnation
 
 
 class FFNTimeout(TransportError):

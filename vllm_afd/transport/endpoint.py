@@ -641,9 +641,10 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         entry = directory.lookup(self.spec.directory, ffn_rank)
         if entry is None:
             return
-        if entry.state != directory.UP or entry.incarnation != self._incarnation[ffn_rank]:
+        linked = self._incarnation[ffn_rank]
+        if entry.state != directory.UP or entry.incarnation != linked:
             reason = entry.reason or f"incarnation {entry.incarnation} is {entry.state}"
-            raise FFNRankLost(ffn_rank, f"the failover supervisor replaces it ({reason})")
+            raise FFNRankLost(ffn_rank, f"the failover supervisor replaces it ({reason})", linked)
 
     def _recover(self, lost: FFNRankLost) -> None:
         """Replace the link to the lost FFN rank by one to its replacement, or re-raise.
@@ -656,6 +657,10 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         spec, ffn_rank = self.spec, lost.ffn_rank
         if not spec.fails_over:
             raise lost
+        if lost.incarnation not in (None, self._incarnation[ffn_rank]):
+            # replaced already: the watchdog's abort for a death that an announcement, waiting
+            # on the rank's ring, found and recovered from first
+            return
         logger.warning(
             "AFD: attention rank %d lost FFN rank %d (%s); waiting up to %gs for its replacement",
             self.rank,
@@ -698,11 +703,12 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         """Raise ``FFNRankLost`` for the first of ``ffn_ranks`` that closed its endpoint, died,
         or that the failover supervisor declared lost (a wedged rank: ``_check_superseded``)."""
         for f in ffn_ranks:
-            control, creator = self.controls[f], self._creators[f]
+            control, creator, linked = self.controls[f], self._creators[f], self._incarnation[f]
+            what = f"FFN rank {f} (pid {creator.pid})"
             if control.closed:
-                raise FFNRankLost(f, f"FFN rank {f} (pid {creator.pid}) closed its endpoint")
+                raise FFNRankLost(f, f"{what} closed its endpoint", linked)
             if creator.died():
-                raise FFNRankLost(f, f"FFN rank {f} (pid {creator.pid}) died")
+                raise FFNRankLost(f, f"{what} died", linked)
             self._check_superseded(f)
 
     def reconnect(self, ffn_rank: int, address: str) -> None:

@@ -329,7 +329,8 @@ class PlaneMemory(Protocol):
     def readdress(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """``new`` (a replacement's buffer, just attached) takes the place of ``old``: what
         the memory keeps of ``old``'s addresses for operations replayed without the plane (a
-        CUDA graph's tables) addresses the same bytes of ``new`` from now on."""
+        CUDA graph's tables) addresses the same bytes of ``new`` from now on, and nothing
+        launched before addresses ``old`` any more once it returns (the caller unmaps it)."""
 
     def signal(
         self,

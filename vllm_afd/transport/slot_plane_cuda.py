@@ -459,5 +459,13 @@ class CudaPlaneMemory(TritonWaits):
             storage, 0, (nbytes,), (1,)
         )
 
+    def readdress(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """``TritonWaits.readdress``, then a device sync: the caller drops ``old``, which
+        closes its CUDA IPC mapping, and kernels launched before may still address it (the
+        spoiled steps' sends; their waits were aborted with the loss, so they end at once).
+        At a failover only, off the token path."""
+        super().readdress(old, new)
+        torch.cuda.synchronize(self.device)
+
     def close(self) -> None:
         self._keep.clear()

@@ -281,3 +281,45 @@ def test_with_the_device_waits_a_killed_rank_fails_its_step_and_the_replacement_
             assert torch.equal(out, reference_moe_combine(*x, SCALES, 8, 2)), layer
     finally:
         att.close()
+
+
+def test_a_loss_the_announcement_recovered_from_is_not_recovered_again(start_ffn, tmp_path):
+    """With the device's waits, an announcement that finds its FFN rank dead while the rank's
+    ring of schedules is full (``_await_ring``: an attention rank steps ahead, as during CUDA
+    graph captures) links the replacement itself; the watchdog, which saw the same death
+    meanwhile, aborted the step's waits. The next announcement raises that abort
+    (``StepsFailed``, the spoiled step's requests fail) without waiting for yet another
+    replacement of a rank already replaced (before: ``--afd-failover-timeout`` later, a
+    ``TransportError``), and the step after runs on the replacement."""
+    spec = make_spec("slots-device", 1, 1, directory=str(tmp_path), failover_s=5.0)
+    cluster = start_ffn(spec, [_forward(spec, 0)])
+    ffn_directory.publish(str(tmp_path), _entry(0, 1, UP, cluster.spec.addresses[0]))
+    att = create_attention_transport(cluster.spec, 0)
+
+    def supervise() -> None:  # what placement's supervisor does, by hand
+        cluster.kill(0)
+        time.sleep(0.5)  # the watchdog looks every 50 ms: it sees the death meanwhile
+        address, pid = cluster.replace(0, _forward(spec, 0))
+        ffn_directory.publish(str(tmp_path), _entry(0, 2, UP, address, pid, failovers=1))
+
+    try:
+        for step in range(1, SCHEDULE_RING + 2):  # the rank takes step 1 and waits for its uses
+            att.begin_step(StepSchedule(step, (8,), LAYERS, Mode.CAPTURE))
+        threading.Timer(0.3, supervise).start()
+        # the ring is full: this announcement waits for the rank to take step 2, and links
+        # the replacement once the rank died
+        att.begin_step(StepSchedule(SCHEDULE_RING + 2, (8,), LAYERS, Mode.RUN))
+        assert att.replacements == 1
+        for layer in LAYERS:  # served by the replacement; the watchdog's abort fails them
+            att.combine(att.dispatch(layer, *routing(8, spec, seed=layer)))
+        start = time.perf_counter()
+        with pytest.raises(StepsFailed, match=r"FFN rank 0 \(pid \d+\) died"):
+            att.begin_step(StepSchedule(SCHEDULE_RING + 3, (5,), LAYERS, Mode.RUN))
+        assert time.perf_counter() - start < 2.0 and att.replacements == 1
+        att.begin_step(StepSchedule(SCHEDULE_RING + 3, (5,), LAYERS, Mode.RUN))
+        for layer in LAYERS:
+            x = routing(5, spec, seed=3 + layer)
+            out = att.combine(att.dispatch(layer, *x))
+            assert torch.equal(out, reference_moe_combine(*x, SCALES, 8, 1)), layer
+    finally:
+        att.close()

@@ -599,3 +599,22 @@ def test_the_tables_a_cuda_graph_captured_outlive_the_cache(monkeypatch):
     assert memory._table([(13, 13)]) is eager[-1]
     assert len(memory._tables) <= 1 + 2
     assert torch.equal(captured, torch.tensor([[1, 2]]))
+
+
+def test_a_lost_buffer_is_dropped_on_a_gpu_only_after_the_work_that_may_address_it(monkeypatch):
+    """``CudaPlaneMemory.readdress``: the caller drops the lost FFN rank's buffer (closing its
+    CUDA IPC mapping) once it returns, so it rewrites the captured tables, then waits for the
+    device, where the spoiled steps' sends may still run (no GPU needed: the sync is
+    recorded)."""
+    from vllm_afd.transport import slot_plane_cuda
+
+    synced: list[tuple[torch.device, list[int]]] = []
+    memory = object.__new__(slot_plane_cuda.CudaPlaneMemory)  # no CUDA here to make one
+    memory.device = torch.device("cpu")  # the tables' device; the sync's is recorded
+    lost, replacement = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    table = memory._table([(lost.data_ptr() + 8, 5)])
+    monkeypatch.setattr(
+        torch.cuda, "synchronize", lambda device: synced.append((device, table[0].tolist()))
+    )
+    memory.readdress(lost, replacement)
+    assert synced == [(memory.device, [replacement.data_ptr() + 8, 5])]
