@@ -255,6 +255,8 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         self.memory = self._make_memory()
         self.controls = [self._connect(f, a) for f, a in enumerate(self.addresses)]
         self._creators = [self._watch(f, c) for f, c in enumerate(self.controls)]
+        #: Control blocks of FFN ranks replaced since (``reconnect``), mapped until ``close``.
+        self._unlinked: list[ControlBlock] = []
         #: It sends an FFN rank only the rows routed to it (``split_by_ffn_rank``); where waits
         #: record (device memory: fixed shapes), every row to every FFN rank.
         self.filters_rows = not self.memory.records_waits
@@ -713,11 +715,12 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
 
     def reconnect(self, ffn_rank: int, address: str) -> None:
         """Map the replacement's control block and request buffer (``address``: its control
-        block; the old mappings stay until ``close``) and offer it this rank's answer buffer."""
+        block; the old block stays mapped until ``close``, since the watchdog's thread may be
+        reading it) and offer it this rank's answer buffer."""
         control = self._connect(ffn_rank, address)
         self._creators[ffn_rank] = self._watch(ffn_rank, control)
         self.controls[ffn_rank], old = control, self.controls[ffn_rank]
-        old.close()
+        self._unlinked.append(old)
         self.plane.attach(ffn_rank, control.handle)
         control.offer_answers(self.rank, self.plane.answer_handles[ffn_rank])
 
@@ -726,9 +729,9 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         self._closed.set()
         if self._watching is not None:
             self._watching.join()  # before the control blocks it reads go
-        for control in self.controls:
+        for control in self.controls + self._unlinked:
             control.close()
-        self.controls = []
+        self.controls, self._unlinked = [], []
         self.memory.close()
 
 

@@ -241,7 +241,8 @@ def test_with_the_device_waits_a_killed_rank_fails_its_step_and_the_replacement_
     that step (the attention session fails its requests), and the step announced again runs
     on the replacement. Where the step's sampled tokens were read first (W1:
     ``check_sampled``), that read names the step, and the announcement, which still links
-    the replacement, names none."""
+    the replacement, names none. The lost rank's control block stays mapped until the
+    endpoint closes (the watchdog's thread may be reading it as the replacement is linked)."""
     spec = make_spec("slots-device", 1, 2, directory=str(tmp_path), failover_s=20.0)
     forwards = [_forward(spec, 0), DelayedForward(_forward(spec, 1), delay_s=30.0)]
     cluster = start_ffn(spec, forwards)
@@ -255,6 +256,7 @@ def test_with_the_device_waits_a_killed_rank_fails_its_step_and_the_replacement_
         address, pid = cluster.replace(1, _forward(spec, 1))
         ffn_directory.publish(str(tmp_path), _entry(1, 2, UP, address, pid, failovers=1))
 
+    lost = att.controls[1]
     try:
         att.begin_step(StepSchedule(1, (8,), LAYERS, Mode.RUN))
         threading.Timer(0.3, supervise).start()
@@ -271,6 +273,9 @@ def test_with_the_device_waits_a_killed_rank_fails_its_step_and_the_replacement_
             att.begin_step(StepSchedule(2, (5,), LAYERS, Mode.RUN))
         assert failed.value.steps == (range(2, 2) if sampled else range(1, 2))
         assert att.replacements == 1 and att.addresses[1] != cluster.spec.addresses[1]
+        # the watchdog's thread, which may have taken the lost rank's block just before the
+        # replacement's took its place, reads it still (unmapped only at close)
+        assert not lost.closed
         # the failed step goes nowhere again: the replacement is not told of it (it would
         # wait for uses that never come), only of the step announced next
         assert att.controls[1].announced_steps(0) == [0] * SCHEDULE_RING
