@@ -705,12 +705,11 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         """Raise ``FFNRankLost`` for the first of ``ffn_ranks`` that closed its endpoint, died,
         or that the failover supervisor declared lost (a wedged rank: ``_check_superseded``)."""
         for f in ffn_ranks:
-            control, creator, linked = self.controls[f], self._creators[f], self._incarnation[f]
-            what = f"FFN rank {f} (pid {creator.pid})"
-            if control.closed:
-                raise FFNRankLost(f, f"{what} closed its endpoint", linked)
-            if creator.died():
-                raise FFNRankLost(f, f"{what} died", linked)
+            control, creator = self.controls[f], self._creators[f]
+            gone = "closed its endpoint" if control.closed else "died" if creator.died() else ""
+            if gone:
+                lost = f"FFN rank {f} (pid {creator.pid}) {gone}"
+                raise FFNRankLost(f, lost, self._incarnation[f])
             self._check_superseded(f)
 
     def reconnect(self, ffn_rank: int, address: str) -> None:
