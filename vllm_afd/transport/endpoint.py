@@ -22,7 +22,10 @@ have given (same experts, same inputs), so a failover changes no token. ``redisp
 counts the requests sent again. A request the FFN rank failed (``FFNServeError``) goes once
 more, to the rank's replacement (``_serve_error_as_loss``). With the device's waits (a wait
 cannot watch its peer), a watchdog thread checks the FFN ranks' liveness and aborts the step's
-waits (``RecordedWaits.abort``); none of this failover runs there yet.
+waits (``RecordedWaits.abort``); the next announcement links the replacement and raises
+``StepsFailed`` for the steps the loss spoiled (their requests fail; nothing is sent again).
+A rank lost before this attention rank first linked it (it died while the engine started) is
+awaited and linked the same way (``_link``), instead of failing the engine's start.
 
 Two pure functions define the protocol's arithmetic:
 
@@ -253,8 +256,12 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         self._replaced_at = [0] * spec.num_ffn_ranks
         self.layout = layout = PlaneLayout.of(spec)
         self.memory = self._make_memory()
-        self.controls = [self._connect(f, a) for f, a in enumerate(self.addresses)]
-        self._creators = [self._watch(f, c) for f, c in enumerate(self.controls)]
+        self.controls: list[ControlBlock] = []
+        self._creators: list[Creator] = []
+        for f in range(spec.num_ffn_ranks):
+            control, creator = self._link(f)
+            self.controls.append(control)
+            self._creators.append(creator)
         #: Control blocks of FFN ranks replaced since (``reconnect``), mapped until ``close``.
         self._unlinked: list[ControlBlock] = []
         #: It sends an FFN rank only the rows routed to it (``split_by_ffn_rank``); where waits
@@ -279,17 +286,39 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
             self._watching = threading.Thread(target=self._watchdog, name=name, daemon=True)
             self._watching.start()
 
+    def _link(self, ffn_rank: int) -> tuple[ControlBlock, Creator]:
+        """FFN rank ``ffn_rank``'s control block, mapped, and its process, watched. With
+        failover, a rank lost before this attention rank first linked it (it died while the
+        engine started) is a loss like any other: its replacement is awaited and linked
+        instead of the engine's start failing."""
+        while True:
+            try:
+                control = self._connect(ffn_rank, self.addresses[ffn_rank])
+                try:
+                    return control, self._watch(ffn_rank, control)
+                except FFNRankLost:
+                    control.close()
+                    raise
+            except FFNRankLost as lost:
+                if not self.spec.fails_over:
+                    raise
+                entry = self._replacement(lost)
+                self.addresses[ffn_rank] = entry.address
+                self._incarnation[ffn_rank] = entry.incarnation
+
     def _make_memory(self) -> PlaneMemory:
         return plane_memory(self.spec)
 
     def _connect(self, ffn_rank: int, address: str) -> ControlBlock:
-        """FFN rank ``ffn_rank``'s control block at ``address``, mapped."""
+        """FFN rank ``ffn_rank``'s control block at ``address``, mapped (``FFNRankLost``
+        where it is gone)."""
         try:
             return ControlBlock.attach(address, self.layout, self.spec.moe_layers)
         except FileNotFoundError:
-            raise TransportError(
+            raise FFNRankLost(
+                ffn_rank,
                 f"FFN rank {ffn_rank}: control block {address!r} not found (FFN rank not "
-                "started, or already gone)"
+                "started, or already gone)",
             ) from None
         except UnsafeFileError as exc:
             raise TransportError(f"FFN rank {ffn_rank}: {exc}") from None
@@ -663,19 +692,7 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
             # replaced already: the watchdog's abort for a death that an announcement, waiting
             # on the rank's ring, found and recovered from first
             return
-        logger.warning(
-            "AFD: attention rank %d lost FFN rank %d (%s); waiting up to %gs for its replacement",
-            self.rank,
-            ffn_rank,
-            lost,
-            spec.failover_s,
-        )
-        try:
-            entry = directory.wait_for_replacement(
-                spec.directory, ffn_rank, self._incarnation[ffn_rank], spec.failover_s
-            )
-        except directory.ReplacementTimeout as exc:
-            raise TransportError(f"{lost}; {exc}") from None
+        entry = self._replacement(lost)
         self.reconnect(ffn_rank, entry.address)
         self.addresses[ffn_rank], self._incarnation[ffn_rank] = entry.address, entry.incarnation
         self.replacements += 1
@@ -693,6 +710,28 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
             entry.pid,
             entry.address,
         )
+
+    def _replacement(self, lost: FFNRankLost) -> directory.RankEntry:
+        """The directory's entry of the lost FFN rank's replacement, once it is up.
+
+        Raises:
+            TransportError: when none came up within ``spec.failover_s`` or the supervisor
+                gave up on the rank (the message says which).
+        """
+        spec, ffn_rank = self.spec, lost.ffn_rank
+        logger.warning(
+            "AFD: attention rank %d lost FFN rank %d (%s); waiting up to %gs for its replacement",
+            self.rank,
+            ffn_rank,
+            lost,
+            spec.failover_s,
+        )
+        try:
+            return directory.wait_for_replacement(
+                spec.directory, ffn_rank, self._incarnation[ffn_rank], spec.failover_s
+            )
+        except directory.ReplacementTimeout as exc:
+            raise TransportError(f"{lost}; {exc}") from None
 
     def _release_slot(self, slot: int) -> None:
         """``slot`` is free again; one already free stays listed once (the slot plane frees
@@ -739,12 +778,13 @@ def watch_creator(ffn_rank: int, control: ControlBlock, pid_ns: int) -> Creator:
     watched (``host.Creator``).
 
     Raises:
-        TransportError: if it is dead already.
+        FFNRankLost: if it is dead already.
     """
     creator = Creator.watch(control.pid, pid_ns)
     if creator is None:
-        raise TransportError(
+        raise FFNRankLost(
+            ffn_rank,
             f"FFN rank {ffn_rank}: its process (pid {control.pid}) of control block "
-            f"{control.name[:80]!r} is dead"
+            f"{control.name[:80]!r} is dead",
         )
     return creator

@@ -498,9 +498,14 @@ class NixlAttention(AttentionEndpoint):
         return self.nixl
 
     def _connect(self, ffn_rank: int, address: str) -> ControlBlock:
+        """As on shared memory; an FFN rank that cannot be reached (its agent refuses the
+        connection, the READ of its control block fails) is lost."""
         peer = NixlAddress.parse(address)
-        self._agents[ffn_rank] = self.nixl.connect(peer.metadata)
-        mirror = self.nixl.attach(peer.control, peer.control_bytes)
+        try:
+            self._agents[ffn_rank] = self.nixl.connect(peer.metadata)
+            mirror = self.nixl.attach(peer.control, peer.control_bytes)
+        except (TransportError, *self.nixl._peer_errors) as exc:
+            raise FFNRankLost(ffn_rank, f"FFN rank {ffn_rank} unreachable: {exc!r}") from None
         return ControlBlock.open(address, mirror, self.layout, self.spec.moe_layers, self.nixl.push)
 
     def reconnect(self, ffn_rank: int, address: str) -> None:

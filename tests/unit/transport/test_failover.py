@@ -93,6 +93,33 @@ def test_requests_of_a_killed_rank_are_answered_by_its_replacement(backend, star
         assert peers == set(att._agents.values()) and len(peers) == 2
 
 
+@pytest.mark.parametrize("backend", [*BACKENDS, "slots-device"])
+def test_a_rank_lost_before_the_attention_rank_linked_it_is_awaited(backend, start_ffn, tmp_path):
+    """An FFN rank that died while the engine started (before its attention ranks first
+    linked it) is a loss like any other: the attention endpoint waits for its replacement
+    and links that, instead of failing the engine's start; the first step is exact."""
+    spec, cluster = _cluster(start_ffn, backend, tmp_path, delay_rank1=0.0)
+    cluster.kill(1)
+    cluster.current[1].join(5)
+
+    def supervise() -> None:  # what placement's supervisor does, by hand
+        ffn_directory.publish(str(tmp_path), _entry(1, 1, RECOVERING, reason="died"))
+        address, pid = cluster.replace(1, _forward(spec, 1))
+        ffn_directory.publish(str(tmp_path), _entry(1, 2, UP, address, pid, failovers=1))
+
+    threading.Timer(0.3, supervise).start()
+    att = create_attention_transport(cluster.spec, 0)
+    try:
+        assert att.addresses[1] != cluster.spec.addresses[1]
+        att.begin_step(StepSchedule(att.step + 1, (8,), LAYERS, Mode.RUN))
+        for layer in LAYERS:
+            x = routing(8, spec, seed=layer)
+            out = att.combine(att.dispatch(layer, *x))
+            assert torch.equal(out, reference_moe_combine(*x, SCALES, 8, 2)), layer
+    finally:
+        att.close()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_rank_the_supervisor_gave_up_on_fails_at_once(backend, start_ffn, tmp_path):
     spec, cluster = _cluster(start_ffn, backend, tmp_path, delay_rank1=30.0)
