@@ -294,11 +294,47 @@ class _SlowGroup(_Group):
     def __init__(self, spec: TransportSpec, start_s: float) -> None:
         super().__init__(spec)
         self.start_s, self.starting = start_s, threading.Event()
+        self.spans: list[tuple[float, float]] = []  # each start's, as it ended
 
     def start_rank(self, rank: int) -> None:
         self.starting.set()
+        began = time.monotonic()
         time.sleep(self.start_s)
         super().start_rank(rank)
+        self.spans.append((began, time.monotonic()))
+
+
+def test_ranks_lost_together_are_replaced_side_by_side(tmp_path):
+    """Two FFN ranks lost at once (a node that held both) are replaced concurrently: each
+    replacement's start begins before the other's ended, and both are published."""
+    start_s = 1.0
+    spec = dataclasses.replace(_spec(tmp_path), num_ffn_ranks=2, addresses=("unused0", "unused1"))
+    group = _SlowGroup(spec, start_s=start_s)
+    group.actors, group.infos = [None, None], [{}, {}]
+    firsts = [_sleeper(), _sleeper()]
+    for rank, first in enumerate(firsts):
+        ffn_directory.publish(str(tmp_path), RankEntry(rank, 1, UP, "first", HOST, first.pid))
+    supervisor = Supervisor(group)
+    try:
+        for first in firsts:
+            first.kill()
+            first.wait()
+        deadline = time.monotonic() + 10 * start_s
+        entries = []
+        while time.monotonic() < deadline:
+            entries = ffn_directory.entries(str(tmp_path), 2)
+            if all(e.state == UP and e.incarnation == 2 for e in entries):
+                break
+            time.sleep(0.05)
+        assert all(e.state == UP and e.incarnation == 2 for e in entries), entries
+        (began0, ended0), (began1, ended1) = group.spans
+        assert max(began0, began1) < min(ended0, ended1), group.spans
+        assert {e.pid for e in entries} == {p.pid for p in group.procs}
+    finally:
+        supervisor.stop()
+        for proc in group.procs:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_supervisor_stopped_mid_replacement_returns_at_once_and_kills_it_later(tmp_path):

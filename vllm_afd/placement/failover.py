@@ -137,7 +137,8 @@ class Supervisor:
     loss is seen within one interval (died), ``HEARTBEAT_TIMEOUT_S`` plus one (stopped) or
     ``FROZEN_TIMEOUT_S`` plus one (frozen; ``health.py``), and a rank that failed serving a
     request (an exception in its serve loop: the failure count of its stats block) within one
-    interval. Then it marks the rank
+    interval. Then, on a thread of its own for each lost rank (ranks lost together, as on a
+    node that held several, are replaced side by side), it marks the rank
     ``recovering``, kills what is left of it (a stopped or wedged process would never answer),
     removes its shared-memory segments, starts a replacement in the same placement bundle
     (``FFNGroup.start_rank``: same experts, loaded again) and publishes it ``up`` with the next
@@ -158,6 +159,9 @@ class Supervisor:
         self._cause = [""] * num_ffn  # of each rank's last failure: a streak is of one cause
         self._started = [time.monotonic()] * num_ffn
         self._ray = RayWatch(group)
+        #: The failovers under way, one thread each: ranks lost together (a node that held
+        #: several) are replaced side by side, not one start after the other.
+        self._failing: dict[int, threading.Thread] = {}
         _SUPERVISED.update(info["pid"] for info in group.infos if info and "pid" in info)
         ray_errors.apply(supervised_pid)  # Ray's report of a watched rank's death: not printed
         self._stop = threading.Event()
@@ -170,14 +174,18 @@ class Supervisor:
         while its FFN ranks die with it (a signal to its whole process group) exits at once
         instead of waiting out a start that cannot finish."""
         self._stop.set()
+        deadline = time.monotonic() + STOP_WAIT_S
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=STOP_WAIT_S)
+        for thread in list(self._failing.values()):
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         spec = self.group.spec
         while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+            self._failing = {r: t for r, t in self._failing.items() if t.is_alive()}
             for entry in directory.entries(spec.directory, spec.num_ffn_ranks):
-                if entry is None or entry.state != directory.UP:
+                if entry is None or entry.state != directory.UP or entry.rank in self._failing:
                     continue
                 problem, failures = rank_problem(entry, spec.timeout_s)
                 if problem is None and self._ray.watches(entry.rank):
@@ -186,10 +194,19 @@ class Supervisor:
                 if problem is None and failures:  # its state after an exception is not trusted
                     problem = f"FFN rank {entry.rank} (pid {entry.pid}) failed serving a request"
                 if problem is not None and not self._stop.is_set():
-                    try:
-                        self._fail_over(entry, problem)
-                    except Exception:  # noqa: BLE001 - the supervisor must outlive one failover
-                        logger.exception("AFD: failover of FFN rank %d failed", entry.rank)
+                    self._failing[entry.rank] = thread = threading.Thread(
+                        target=self._guarded_fail_over,
+                        args=(entry, problem),
+                        name=f"afd-ffn-failover-{entry.rank}",
+                        daemon=True,
+                    )
+                    thread.start()
+
+    def _guarded_fail_over(self, entry: RankEntry, problem: str) -> None:
+        try:
+            self._fail_over(entry, problem)
+        except Exception:  # noqa: BLE001 - the supervisor must outlive one failover
+            logger.exception("AFD: failover of FFN rank %d failed", entry.rank)
 
     def _publish(self, entry: RankEntry, **changes) -> RankEntry:
         entry = dataclasses.replace(entry, **changes)
