@@ -25,7 +25,8 @@ cannot watch its peer), a watchdog thread checks the FFN ranks' liveness and abo
 waits (``RecordedWaits.abort``); the next announcement links the replacement and raises
 ``StepsFailed`` for the steps the loss spoiled (their requests fail; nothing is sent again).
 A rank lost before this attention rank first linked it (it died while the engine started) is
-awaited and linked the same way (``_link``), instead of failing the engine's start.
+awaited and linked the same way (``_link``), instead of failing the engine's start; a
+replacement gone before it was linked is passed over for the next one.
 
 Two pure functions define the protocol's arithmetic:
 
@@ -293,18 +294,23 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         instead of the engine's start failing."""
         while True:
             try:
-                control = self._connect(ffn_rank, self.addresses[ffn_rank])
-                try:
-                    return control, self._watch(ffn_rank, control)
-                except FFNRankLost:
-                    control.close()
-                    raise
+                return self._map(ffn_rank, self.addresses[ffn_rank])
             except FFNRankLost as lost:
                 if not self.spec.fails_over:
                     raise
                 entry = self._replacement(lost)
                 self.addresses[ffn_rank] = entry.address
                 self._incarnation[ffn_rank] = entry.incarnation
+
+    def _map(self, ffn_rank: int, address: str) -> tuple[ControlBlock, Creator]:
+        """FFN rank ``ffn_rank``'s control block at ``address``, mapped, and its process,
+        watched (``FFNRankLost`` where it is gone)."""
+        control = self._connect(ffn_rank, address)
+        try:
+            return control, self._watch(ffn_rank, control)
+        except FFNRankLost:
+            control.close()
+            raise
 
     def _make_memory(self) -> PlaneMemory:
         return plane_memory(self.spec)
@@ -692,8 +698,13 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
             # replaced already: the watchdog's abort for a death that an announcement, waiting
             # on the rank's ring, found and recovered from first
             return
-        entry = self._replacement(lost)
-        self.reconnect(ffn_rank, entry.address)
+        while True:
+            entry = self._replacement(lost)
+            try:
+                self.reconnect(ffn_rank, entry.address)
+                break
+            except FFNRankLost as dead:  # the replacement is gone already: await the next one
+                self._incarnation[ffn_rank], lost = entry.incarnation, dead
         self.addresses[ffn_rank], self._incarnation[ffn_rank] = entry.address, entry.incarnation
         self.replacements += 1
         self._replaced_at[ffn_rank] = self.replacements
@@ -755,8 +766,7 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         """Map the replacement's control block and request buffer (``address``: its control
         block; the old block stays mapped until ``close``, since the watchdog's thread may be
         reading it) and offer it this rank's answer buffer."""
-        control = self._connect(ffn_rank, address)
-        self._creators[ffn_rank] = self._watch(ffn_rank, control)
+        control, self._creators[ffn_rank] = self._map(ffn_rank, address)
         self.controls[ffn_rank], old = control, self.controls[ffn_rank]
         self._unlinked.append(old)
         self.plane.attach(ffn_rank, control.handle)

@@ -126,6 +126,31 @@ def test_a_rank_lost_before_the_attention_rank_linked_it_is_awaited(backend, sta
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_replacement_dead_on_arrival_is_passed_over_for_the_next(backend, start_ffn, tmp_path):
+    """A replacement that died before the attention rank linked it (published ``up``, then
+    gone) is a loss of its own: the attention rank awaits the next incarnation and links
+    that; the requests the lost rank had not answered are answered exactly."""
+    spec, cluster = _cluster(start_ffn, backend, tmp_path, delay_rank1=30.0)
+    att = cluster.connect(0)
+    x = routing(8, spec, seed=1)
+    handle = att.dispatch(0, *x)
+
+    def supervise() -> None:  # what placement's supervisor does, by hand
+        cluster.kill(1)
+        address, pid = cluster.replace(1, _forward(spec, 1))
+        cluster.kill(1)  # the replacement, dead on arrival
+        cluster.current[1].join(5)
+        ffn_directory.publish(str(tmp_path), _entry(1, 2, UP, address, pid, failovers=1))
+        time.sleep(0.5)
+        address, pid = cluster.replace(1, _forward(spec, 1))
+        ffn_directory.publish(str(tmp_path), _entry(1, 3, UP, address, pid, failovers=2))
+
+    threading.Timer(0.3, supervise).start()
+    assert torch.equal(att.combine(handle), reference_moe_combine(*x, SCALES, 8, 2))
+    assert att.replacements == 1 and att._incarnation[1] == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_rank_the_supervisor_gave_up_on_fails_at_once(backend, start_ffn, tmp_path):
     spec, cluster = _cluster(start_ffn, backend, tmp_path, delay_rank1=30.0)
     att = cluster.connect(0)
