@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -85,6 +85,7 @@ from vllm_afd.transport.wait import Backoff, ViewCache, WaitPolicy, current_cpu
 #: it was sent to, then its replacement).
 SERVE_ERROR_ATTEMPTS = 2
 logger = logging.getLogger("vllm.afd")
+_T = TypeVar("_T")
 
 
 @functools.lru_cache(maxsize=64)
@@ -292,15 +293,12 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         failover, a rank lost before this attention rank first linked it (it died while the
         engine started) is a loss like any other: its replacement is awaited and linked
         instead of the engine's start failing."""
-        while True:
-            try:
-                return self._map(ffn_rank, self.addresses[ffn_rank])
-            except FFNRankLost as lost:
-                if not self.spec.fails_over:
-                    raise
-                entry = self._replacement(lost)
-                self.addresses[ffn_rank] = entry.address
-                self._incarnation[ffn_rank] = entry.incarnation
+        try:
+            return self._map(ffn_rank, self.addresses[ffn_rank])
+        except FFNRankLost as lost:
+            if not self.spec.fails_over:
+                raise
+            return self._relink(lost, lambda address: self._map(ffn_rank, address))[0]
 
     def _map(self, ffn_rank: int, address: str) -> tuple[ControlBlock, Creator]:
         """FFN rank ``ffn_rank``'s control block at ``address``, mapped, and its process,
@@ -698,14 +696,7 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
             # replaced already: the watchdog's abort for a death that an announcement, waiting
             # on the rank's ring, found and recovered from first
             return
-        while True:
-            entry = self._replacement(lost)
-            try:
-                self.reconnect(ffn_rank, entry.address)
-                break
-            except FFNRankLost as dead:  # the replacement is gone already: await the next one
-                self._incarnation[ffn_rank], lost = entry.incarnation, dead
-        self.addresses[ffn_rank], self._incarnation[ffn_rank] = entry.address, entry.incarnation
+        _, entry = self._relink(lost, lambda address: self.reconnect(ffn_rank, address))
         self.replacements += 1
         self._replaced_at[ffn_rank] = self.replacements
         if self.schedule is not None and not self.memory.records_waits:
@@ -721,6 +712,28 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
             entry.pid,
             entry.address,
         )
+
+    def _relink(
+        self, lost: FFNRankLost, link: Callable[[str], _T]
+    ) -> tuple[_T, directory.RankEntry]:
+        """``link(address)`` of the lost FFN rank's replacement, once one is up, and its
+        directory entry, whose address and incarnation the rank is linked to from then on; a
+        replacement gone before it was linked (``link`` raises ``FFNRankLost``) is passed
+        over for the next one.
+
+        Raises:
+            TransportError: as ``_replacement``.
+        """
+        while True:
+            entry = self._replacement(lost)
+            try:
+                linked = link(entry.address)
+            except FFNRankLost as dead:
+                self._incarnation[lost.ffn_rank], lost = entry.incarnation, dead
+                continue
+            self.addresses[lost.ffn_rank] = entry.address
+            self._incarnation[lost.ffn_rank] = entry.incarnation
+            return linked, entry
 
     def _replacement(self, lost: FFNRankLost) -> directory.RankEntry:
         """The directory's entry of the lost FFN rank's replacement, once it is up.
@@ -756,8 +769,8 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         or that the failover supervisor declared lost (a wedged rank: ``_check_superseded``)."""
         for f in ffn_ranks:
             control, creator = self.controls[f], self._creators[f]
-            gone = "closed its endpoint" if control.closed else "died" if creator.died() else ""
-            if gone:
+            if control.closed or creator.died():
+                gone = "closed its endpoint" if control.closed else "died"
                 lost = f"FFN rank {f} (pid {creator.pid}) {gone}"
                 raise FFNRankLost(f, lost, self._incarnation[f])
             self._check_superseded(f)
