@@ -264,7 +264,8 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
             control, creator = self._link(f)
             self.controls.append(control)
             self._creators.append(creator)
-        #: Control blocks of FFN ranks replaced since (``reconnect``), mapped until ``close``.
+        #: Control blocks of FFN ranks replaced since (``reconnect``) that the watchdog's
+        #: thread unmaps at its next look (it may be reading one as the replacement is linked).
         self._unlinked: list[ControlBlock] = []
         #: It sends an FFN rank only the rows routed to it (``split_by_ffn_rank``); where waits
         #: record (device memory: fixed shapes), every row to every FFN rank.
@@ -340,6 +341,8 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
         that follow."""
         aborted_for = None
         while not self._closed.wait(WATCH_INTERVAL_S):
+            while self._unlinked:
+                self._unlinked.pop().close()
             try:
                 self._check_alive(range(len(self.controls)))
             except TransportError as lost:
@@ -777,11 +780,15 @@ class AttentionEndpoint(AttentionTransport, Reconnects):
 
     def reconnect(self, ffn_rank: int, address: str) -> None:
         """Map the replacement's control block and request buffer (``address``: its control
-        block; the old block stays mapped until ``close``, since the watchdog's thread may be
-        reading it) and offer it this rank's answer buffer."""
+        block) in place of the lost rank's, which are unmapped (the old block at the
+        watchdog's next look, where a watchdog's thread may be reading it), and offer it
+        this rank's answer buffer."""
         control, self._creators[ffn_rank] = self._map(ffn_rank, address)
         self.controls[ffn_rank], old = control, self.controls[ffn_rank]
-        self._unlinked.append(old)
+        if self._watching is None:
+            old.close()
+        else:
+            self._unlinked.append(old)
         self.plane.attach(ffn_rank, control.handle)
         control.offer_answers(self.rank, self.plane.answer_handles[ffn_rank])
 

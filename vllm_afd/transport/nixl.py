@@ -289,6 +289,15 @@ class NixlPlaneMemory(HostWords):
                 self._mirror_of[at] = found
         return found
 
+    def readdress(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """``HostWords.readdress``; where ``new`` mirrors another peer's buffer (a lost FFN
+        rank's replacement, a restarted front-end), ``old``'s peer is forgotten (``forget``),
+        also one that died without saying so."""
+        super().readdress(old, new)
+        gone, now = self._mirror(old), self._mirror(new)
+        if gone is not None and now is not None and gone.agent != now.agent:
+            self.forget(gone.agent)
+
     def forget(self, agent: str) -> None:
         """``agent`` was replaced or closed: its mirrors are deregistered (once no WRITE to it
         is in flight: ``_pump``) and a push into one is dropped from now on."""
@@ -507,13 +516,6 @@ class NixlAttention(AttentionEndpoint):
         except (TransportError, *self.nixl._peer_errors) as exc:
             raise FFNRankLost(ffn_rank, f"FFN rank {ffn_rank} unreachable: {exc!r}") from None
         return ControlBlock.open(address, mirror, self.layout, self.spec.moe_layers, self.nixl.push)
-
-    def reconnect(self, ffn_rank: int, address: str) -> None:
-        """As on shared memory; the lost rank's mirrors are deregistered (``forget``)."""
-        old = self._agents[ffn_rank]
-        super().reconnect(ffn_rank, address)
-        if self._agents[ffn_rank] != old:
-            self.nixl.forget(old)
 
     def _check_alive(self, ffn_ranks: Collection[int]) -> None:
         """As on shared memory; an FFN rank that closed says so in a notification (its

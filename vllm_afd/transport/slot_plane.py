@@ -330,7 +330,8 @@ class PlaneMemory(Protocol):
         """``new`` (a replacement's buffer, just attached) takes the place of ``old``: what
         the memory keeps of ``old``'s addresses for operations replayed without the plane (a
         CUDA graph's tables) addresses the same bytes of ``new`` from now on, and nothing
-        launched before addresses ``old`` any more once it returns (the caller unmaps it)."""
+        launched before addresses ``old`` any more once it returns; the memory holds no
+        mapping of ``old`` any more (it goes with the caller's views of it)."""
 
     def signal(
         self,
@@ -689,6 +690,7 @@ class FFNPlane:
         ]
         #: Per attention rank, the slots of its answer buffer for this FFN rank (once mapped).
         self.answers: list[list[AnswerViews]] = [[] for _ in attention]
+        self._answer_buffers: list[torch.Tensor | None] = [None for _ in attention]
         #: Per attention rank its step word (views of one tensor).
         words = torch.zeros(len(attention), dtype=torch.int64, device=memory.device)
         self.steps = [words[a : a + 1] for a in attention]
@@ -713,6 +715,10 @@ class FFNPlane:
         """Map ``attention_rank``'s answer buffer for this FFN rank (``handle``: its
         ``AttentionPlane.answer_handles`` entry), in place of any before."""
         buffer = self.memory.attach(handle, self.layout.answer_bytes)
+        old = self._answer_buffers[attention_rank]
+        if old is not None:  # a restarted front-end's: the old one goes (``readdress``)
+            self.memory.readdress(old, buffer)
+        self._answer_buffers[attention_rank] = buffer
         slots = range(self.layout.num_slots)
         self.answers[attention_rank] = [AnswerViews(buffer, self.layout, s) for s in slots]
 

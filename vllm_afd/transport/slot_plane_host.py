@@ -122,7 +122,12 @@ class HostWords(RecordedWaits):
         self._words: dict[tuple[int, int], memoryview] = {}
 
     def readdress(self, old: torch.Tensor, new: torch.Tensor) -> None:
-        """Nothing: no operation on host memory is replayed from recorded addresses."""
+        """No operation on host memory is replayed from recorded addresses; the words cached
+        of ``old`` go (each holds its mapping)."""
+        start = old.data_ptr()
+        end = start + old.numel() * old.element_size()
+        for key in [key for key in self._words if start <= key[0] < end]:
+            del self._words[key]
 
     def word(self, tensor: torch.Tensor) -> memoryview:
         """``tensor``'s int64 words (a flag line, a flag, a step word), as a memoryview."""
@@ -257,7 +262,8 @@ class HostPlaneMemory(HostWords):
             raise RuntimeError(problem)
         super().__init__(timeout_s, device_waits, policy)
         self.prefix = prefix
-        self._maps: list[mmap.mmap] = []
+        #: Every segment mapped, by the address its tensor starts at.
+        self._maps: dict[int, mmap.mmap] = {}
         self._created: list[multiprocessing.util.Finalize] = []
 
     def create(self, nbytes: int) -> tuple[torch.Tensor, str]:
@@ -276,8 +282,16 @@ class HostPlaneMemory(HostWords):
         return self._map(map_segment(handle, nbytes), nbytes)
 
     def _map(self, mm: mmap.mmap, nbytes: int) -> torch.Tensor:
-        self._maps.append(mm)
-        return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+        buffer = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+        self._maps[buffer.data_ptr()] = mm
+        return buffer
+
+    def readdress(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """``HostWords.readdress``, and ``old``'s segment is forgotten: it is unmapped once the
+        caller's views of it go (a lost FFN rank's request buffer, a restarted front-end's
+        answer buffer: its pages would otherwise stay until ``close``, at every failover)."""
+        super().readdress(old, new)
+        self._maps.pop(old.data_ptr(), None)
 
     def close(self) -> None:
         """Unmap (a mapping still viewed by a live tensor stays until that goes) and unlink
@@ -285,7 +299,7 @@ class HostPlaneMemory(HostWords):
         for finalizer in self._created:
             finalizer()
         self._words.clear()
-        for mm in self._maps:
+        for mm in self._maps.values():
             try:
                 mm.close()
             except BufferError:

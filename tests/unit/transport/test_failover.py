@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from transport_testlib import LAYERS, make_spec, routing
+from transport_testlib import LAYERS, make_spec, mappings, routing
 
 from vllm_afd.errors import FFNRankLost, FFNServeError, StepsFailed, TransportError
 from vllm_afd.testing.ffn import DelayedForward, FailingForward
@@ -77,6 +77,7 @@ def test_requests_of_a_killed_rank_are_answered_by_its_replacement(backend, star
     handles = [att.dispatch(0, *inputs[mb], microbatch=mb) for mb in (0, 1)]
     assert all(set(h.token_index) == {0, 1} for h in handles)
     answers = _answer_memory(att)
+    lost = [att.controls[1].name, att.controls[1].handle]  # on shm: its segments' names
 
     def supervise() -> None:  # what placement's supervisor does, by hand
         cluster.kill(1)
@@ -99,6 +100,9 @@ def test_requests_of_a_killed_rank_are_answered_by_its_replacement(backend, star
     if backend == "nixl":  # the lost rank's mirrors went with it (``NixlPlaneMemory.forget``)
         peers = {peer for _, _, peer in att.nixl._registered.values()} - {None}
         assert peers == set(att._agents.values()) and len(peers) == 2
+    else:  # the lost rank's control block and request buffer are unmapped (no pages held)
+        assert [mappings(name) for name in lost] == [0, 0]
+        assert mappings(att.controls[1].name) == mappings(att.controls[1].handle) == 1
 
 
 @pytest.mark.parametrize("backend", [*BACKENDS, "slots-device"])
@@ -299,7 +303,7 @@ def test_with_the_device_waits_a_killed_rank_fails_its_step_and_the_replacement_
     on the replacement. Where the step's sampled tokens were read first (W1:
     ``check_sampled``), that read names the step, and the announcement, which still links
     the replacement, names none. The lost rank's control block stays mapped until the
-    endpoint closes (the watchdog's thread may be reading it as the replacement is linked)."""
+    watchdog's next look (its thread may be reading it as the replacement is linked)."""
     spec = make_spec("slots-device", 1, 2, directory=str(tmp_path), failover_s=20.0)
     forwards = [_forward(spec, 0), DelayedForward(_forward(spec, 1), delay_s=30.0)]
     cluster = start_ffn(spec, forwards)
@@ -313,7 +317,7 @@ def test_with_the_device_waits_a_killed_rank_fails_its_step_and_the_replacement_
         address, pid = cluster.replace(1, _forward(spec, 1))
         ffn_directory.publish(str(tmp_path), _entry(1, 2, UP, address, pid, failovers=1))
 
-    lost = att.controls[1]
+    lost = [att.controls[1].name, att.controls[1].handle]  # its segments' names
     try:
         att.begin_step(StepSchedule(1, (8,), LAYERS, Mode.RUN))
         threading.Timer(0.3, supervise).start()
@@ -331,8 +335,12 @@ def test_with_the_device_waits_a_killed_rank_fails_its_step_and_the_replacement_
         assert failed.value.steps == (range(2, 2) if sampled else range(1, 2))
         assert att.replacements == 1 and att.addresses[1] != cluster.spec.addresses[1]
         # the watchdog's thread, which may have taken the lost rank's block just before the
-        # replacement's took its place, reads it still (unmapped only at close)
-        assert not lost.closed
+        # replacement's took its place, unmaps it at its next look (50 ms), and lives on
+        assert mappings(lost[1]) == 0  # the request buffer at once
+        deadline = time.monotonic() + 5.0
+        while mappings(lost[0]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mappings(lost[0]) == 0 and att._watching.is_alive()
         # the failed step goes nowhere again: the replacement is not told of it (it would
         # wait for uses that never come), only of the step announced next
         assert att.controls[1].announced_steps(0) == [0] * SCHEDULE_RING

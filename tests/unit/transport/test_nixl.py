@@ -86,10 +86,9 @@ def test_a_malformed_store_is_dropped_whole_and_serving_goes_on(caplog):
         owner.close()
 
 
-def test_a_closed_or_replaced_peer_is_forgotten_and_its_mirrors_deregistered():
-    """A peer that says it closes (or an FFN rank's replacement: ``NixlAttention.reconnect``)
-    is forgotten: the mirrors of its buffers are deregistered at the next pump, and a push
-    into one is dropped, not an error."""
+def test_a_closed_peer_is_forgotten_and_its_mirrors_deregistered():
+    """A peer that says it closes is forgotten: the mirrors of its buffers are deregistered
+    at the next pump, and a push into one is dropped, not an error."""
     owner, writer = NixlPlaneMemory(5.0), NixlPlaneMemory(5.0, reads_on_attach=False)
     try:
         buffer, handle = owner.create(1024)
@@ -103,6 +102,28 @@ def test_a_closed_or_replaced_peer_is_forgotten_and_its_mirrors_deregistered():
         writer.push((), mirror[:8].view(torch.int64))  # dropped
     finally:
         writer.close()
+
+
+def test_a_peer_replaced_without_a_word_is_forgotten_when_its_replacement_takes_its_place():
+    """A peer gone without saying so (killed) is forgotten once another peer's buffer takes
+    the place of its own (``readdress``: a lost FFN rank's replacement, a restarted
+    front-end): its mirrors are deregistered at the next pump."""
+    old, new = NixlPlaneMemory(5.0), NixlPlaneMemory(5.0)
+    writer = NixlPlaneMemory(5.0, reads_on_attach=False)
+    try:
+        mirrors = []
+        for owner in (old, new):
+            buffer, handle = owner.create(1024)
+            writer.connect(owner.metadata)
+            _until(lambda o=owner: writer.name in o._peers, owner, writer)
+            mirrors.append(writer.attach(handle, buffer.numel()))
+        writer.readdress(*mirrors)
+        _until(lambda: len(writer._registered) == 1, writer)
+        assert [peer for _, _, peer in writer._registered.values()] == [new.name]
+        assert old.name not in writer.gone and writer._peers == [new.name]
+    finally:
+        for memory in (writer, new, old):
+            memory.close()
 
 
 def test_large_requests_and_answers_go_by_write_and_come_out_exact(loopback):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transport_testlib import mappings
 
 from tests.unit.ubatchlib import run_ubatch_threads
 from vllm_afd.errors import FFNRankLost, FFNTimeout, StepsFailed
@@ -155,6 +156,36 @@ def test_two_attention_ranks_and_two_ffn_ranks_get_the_reference_moe(experts, ex
             assert torch.equal(got[key], value), key
         else:
             torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_restarted_front_ends_answer_buffer_takes_the_old_ones_place_unmapped():
+    """A front-end restarted (an attention rank's new life: a new engine, a front-end of a
+    shared FFN group joining again) offers a new answer buffer: the FFN rank answers into it,
+    exactly, and unmaps the old one (else each restart would hold its pages for the FFN
+    rank's life)."""
+    spec = _spec(attention=1, ffn=1)
+    layout = PlaneLayout.of(spec)
+    experts = ScaleExperts(torch.arange(1.0, 9.0))
+    ffn_memory = HostPlaneMemory(timeout_s=5.0)
+    ffn = FFNPlane(layout, ffn_memory, 0)
+    olds = []
+    for life in range(3):
+        memory = HostPlaneMemory(timeout_s=5.0)
+        plane = AttentionPlane(layout, memory, 0, [ffn.handle])
+        ffn.attach_answers(0, plane.answer_handles[0])
+        assert mappings(plane.answer_handles[0]) == 2  # its creator's and the FFN rank's
+        step = plane.last_step() + 1
+        plane.begin(step)
+        ffn.begin(0, step)
+        x = _routing(4, seed=life)
+        handle = dispatch(plane, 0, 0, *x)
+        ffn.serve(0, [Part(0, 4, 0)], LocalMoE.for_rank(experts, spec, 0))
+        assert torch.equal(combine(plane, handle), reference_moe_combine(*x, experts, 8, 1))
+        olds.append(plane.answer_handles[0])
+        memory.close()  # the front-end's life ends: its mapping goes with its views
+        del plane, handle
+        assert [mappings(old) for old in olds[:-1]] == [0] * life  # the FFN rank's too
+    ffn_memory.close()
 
 
 def test_dbo_order_is_the_alternation_of_two_ubatch_threads():

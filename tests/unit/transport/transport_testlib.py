@@ -48,6 +48,12 @@ def leftover_segments() -> list[str]:
     return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(SHM_PREFIX))
 
 
+def mappings(segment: str) -> int:
+    """How many times this process maps the shared-memory segment ``segment``."""
+    with open("/proc/self/maps") as maps:
+        return sum(line.split()[5:6] == [f"{SHM_DIR}/{segment}"] for line in maps)
+
+
 #: The MoE layers of a test spec: a step announced by ``announce`` visits them all.
 LAYERS = tuple(range(16))
 
