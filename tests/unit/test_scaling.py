@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from vllm_afd.config import AFDConfig
+from vllm_afd.host import SHM_DIR
 from vllm_afd.placement import lifecycle, routes, scaling
 from vllm_afd.placement.cluster import FFNGroup, GroupRequest
 from vllm_afd.transport import TransportSpec
@@ -91,7 +97,7 @@ def test_a_scale_the_front_ends_stop_overtook_stops_its_new_pool(group, monkeypa
     monkeypatch.setattr(lifecycle, "_launch", launch)
     monkeypatch.setattr(lifecycle, "_ffn_directory", lambda epoch: str(tmp_path / f"ffn{epoch}"))
     monkeypatch.setattr(lifecycle, "supervise", lambda pool: None)
-    monkeypatch.setattr(lifecycle, "stop_ranks", stopped.append)
+    monkeypatch.setattr(lifecycle, "stop_ranks", lambda pool: stopped.append(pool) or [])
     monkeypatch.delenv("VLLM_AFD_RUNTIME", raising=False)
     with pytest.raises(scaling.ScaleError, match="stopped its FFN group") as refused:
         scaling.scale_ffn_group(2)
@@ -106,7 +112,7 @@ def test_a_stop_after_the_adoption_stops_the_replaced_pool_too(group, monkeypatc
     stops nothing twice."""
     new = dataclasses.replace(group, owns_ray=False)
     stopped = []
-    monkeypatch.setattr(lifecycle, "stop_ranks", stopped.append)
+    monkeypatch.setattr(lifecycle, "stop_ranks", lambda pool: stopped.append(pool) or [])
     monkeypatch.setattr(lifecycle, "release_credentials", lambda: None)
     monkeypatch.setattr(lifecycle, "DRAINING", [])
     assert lifecycle.adopt(new, replacing=group) and lifecycle.DRAINING == [group]
@@ -133,6 +139,38 @@ def test_stopping_a_pool_after_ray_went_calls_no_actor(group, monkeypatch):
     monkeypatch.setattr("vllm_afd.metrics.blocks.unlink_deployment_blocks", unlinked.append)
     lifecycle.stop_ranks(dataclasses.replace(group, actors=[Gone()]))
     assert not called and unlinked == [group.spec]
+
+
+def test_a_rank_whose_stop_did_not_complete_leaves_no_segment(group, monkeypatch):
+    """A rank Ray ended without its stop (its raylet died before the front-end stopped: the
+    stop never reached it) leaves its segments, its resource tracker dead with it; the
+    front-end's stop unlinks them once the rank exited, and logs it."""
+    import ray
+
+    script = (
+        "import os, sys, time, torch\n"
+        "from vllm_afd.transport.control_block import ControlBlock\n"
+        "from vllm_afd.transport.slot_plane import PlaneLayout\n"
+        "block = ControlBlock.create(PlaneLayout(1, 1, 4, 8, 2, torch.float32), (0,), 'h')\n"
+        "print(block.name, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    rank = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        name = rank.stdout.readline().strip()
+        assert os.path.exists(f"{SHM_DIR}/{name}")
+        info = {"pid": rank.pid, "host": socket.gethostname()}
+        monkeypatch.setattr(ray, "is_initialized", lambda: False)  # Ray went: no stop call
+        monkeypatch.setattr(lifecycle, "release_credentials", lambda: None)
+        monkeypatch.setattr(lifecycle, "_GROUP", dataclasses.replace(group, infos=[info]))
+        threading.Timer(0.3, os.killpg, (rank.pid, signal.SIGKILL)).start()  # Ray ends it
+        lifecycle.stop_ffn_group()
+        assert not os.path.exists(f"{SHM_DIR}/{name}")
+    finally:
+        rank.kill()
+        rank.wait(10)
 
 
 def _client(keys: list[str], host: str) -> TestClient:

@@ -16,6 +16,8 @@ import os
 import socket
 import tempfile
 import threading
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vllm_afd import envs
@@ -45,6 +47,19 @@ def reap_dead_segments() -> list[str]:
 
     reaped = [name for t in available_transports() for name in backend(t).reap_stale()]
     return reaped + reap_stale_blocks()
+
+
+def reap_once_exited(pids: Iterable[int], within_s: float) -> list[str]:
+    """Once the processes ``pids`` (this host's FFN ranks of a group being stopped) exited, or
+    ``within_s`` passed, unlink the segments of dead processes (``reap_dead_segments``): a
+    rank that Ray ended without its own stop leaves its segments (its raylet died before the
+    front-end stopped: the stop never reached the rank, which exits with Ray's shutdown and
+    unlinks nothing). Returns their names."""
+    deadline = time.monotonic() + within_s
+    pids = list(pids)
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return reap_dead_segments()
 
 
 def reap_dead_deployments() -> list[str]:

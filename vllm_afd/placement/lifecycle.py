@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import threading
 
 from vllm_afd import envs
@@ -36,7 +37,12 @@ from vllm_afd.placement.credentials import (
     release_credentials,
 )
 from vllm_afd.placement.failover import Supervisor
-from vllm_afd.placement.health import drop_ledger, keep_ledger, reap_dead_deployments
+from vllm_afd.placement.health import (
+    drop_ledger,
+    keep_ledger,
+    reap_dead_deployments,
+    reap_once_exited,
+)
 from vllm_afd.transport import Feature, TransportSpec, backend, directory
 from vllm_afd.transport.directory import RankEntry
 
@@ -191,7 +197,13 @@ def stop_replaced(pool: FFNGroup) -> None:
         if pool not in DRAINING:
             return
         DRAINING.remove(pool)
-    stop_ranks(pool)
+    stop_pool(pool)
+
+
+def stop_pool(pool: FFNGroup) -> None:
+    """``stop_ranks``, then the segments of the ranks whose stop did not complete, once they
+    exited (``_reap_unstopped``)."""
+    _reap_unstopped(stop_ranks(pool))
 
 
 def stop_ffn_group() -> None:
@@ -206,17 +218,40 @@ def stop_ffn_group() -> None:
     if group is None:
         release_credentials()
         return
-    for pool in replaced:
-        stop_ranks(pool)
-    stop_ranks(group)
+    unstopped = [pid for pool in (*replaced, group) for pid in stop_ranks(pool)]
     if group.owns_ray:
         import ray
 
         ray.shutdown()
+    _reap_unstopped(unstopped)
     release_credentials()
 
 
-def stop_ranks(group: FFNGroup) -> None:
+def _returned(ref: object) -> bool:
+    """The remote call ``ref`` (done) returned, not raised (its actor died meanwhile)."""
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+        return True
+    except Exception:  # noqa: BLE001 - any failure: the stop did not run through
+        return False
+
+
+def _reap_unstopped(pids: list[int]) -> None:
+    """Unlink the segments of this host's FFN ranks ``pids`` whose stop did not complete, once
+    they exited (``health.reap_once_exited``: Ray ended them, their raylet dead)."""
+    if pids:
+        reaped = reap_once_exited(pids, STOP_WAIT_S)
+        logger.info(
+            "AFD: %d FFN rank(s) ended without their stop; removed %d segment(s) of dead "
+            "processes from /dev/shm",
+            len(pids),
+            len(reaped),
+        )
+
+
+def stop_ranks(group: FFNGroup) -> list[int]:
     """Stop ``group``'s supervisor, FFN ranks and placement group, and unlink its ranks' stats
     blocks (the front-end's Ray and credentials stay), within about ``STOP_WAIT_S`` plus the
     supervisor's: a stop runs at the front-end's exit, where a rank, Ray's raylet or both may
@@ -225,22 +260,25 @@ def stop_ranks(group: FFNGroup) -> None:
     leaves its placement group to ``ray.shutdown`` (removing it waits on the raylet). With Ray
     shut down already (a stop of the group overtook a live scale) the actors and placement
     group went with it: only the blocks are left to unlink (an actor call would start a new
-    Ray)."""
+    Ray). Returns the pids of this host's ranks whose stop did not complete (their segments
+    stay: ``_reap_unstopped``)."""
     if group.supervisor is not None:
         group.supervisor.stop()  # before the ranks: no replacement may start meanwhile
     import ray
     from ray.util.placement_group import remove_placement_group
 
+    stopped: set[int] = set()  # ranks whose stop completed
     if ray.is_initialized():
-        stops = []
-        for actor in group.actors:
+        stops = {}
+        for rank, actor in enumerate(group.actors):
             try:
-                stops.append(actor.stop.remote())
+                stops[actor.stop.remote()] = rank
             except Exception:  # noqa: BLE001 - best effort: the actor may be dead already
                 pass
         try:
             if stops:
-                ray.wait(stops, num_returns=len(stops), timeout=STOP_WAIT_S)
+                done, _ = ray.wait(list(stops), num_returns=len(stops), timeout=STOP_WAIT_S)
+                stopped = {stops[ref] for ref in done if _returned(ref)}
         except Exception:  # noqa: BLE001 - best effort: Ray may be shutting down
             pass
         for actor in group.actors:
@@ -256,6 +294,12 @@ def stop_ranks(group: FFNGroup) -> None:
     from vllm_afd.metrics.blocks import unlink_deployment_blocks
 
     unlink_deployment_blocks(group.spec)
+    host = socket.gethostname()
+    return [
+        info["pid"]
+        for rank, info in enumerate(group.infos)
+        if rank not in stopped and info["host"] == host
+    ]
 
 
 atexit.register(stop_ffn_group)

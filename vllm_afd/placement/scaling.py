@@ -187,7 +187,7 @@ def _scale(old: FFNGroup, count: int, switch_timeout_s: float) -> ScaleEvent:
     lifecycle.supervise(new)
     # /afd/status, /metrics and /health see the new pool from now on
     if not lifecycle.adopt(new, replacing=old):
-        lifecycle.stop_ranks(new)
+        lifecycle.stop_pool(new)
         raise ScaleError(503, "the front-end stopped its FFN group while the new pool started")
     events = published.events if published else ()
     directory.publish_pool(spec.directory, directory.Pool(epoch, new.spec.to_json(), events))
