@@ -21,6 +21,7 @@ token, the admin token) live in a private directory (``private_dir``:
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import mmap
 import os
@@ -228,14 +229,26 @@ def open_owned_segment(name: str, writable: bool = False) -> int:
 
 def create_segment(name: str, size: int) -> int:
     """Create ``/dev/shm/<name>`` (``O_EXCL``, never through a link, mode 0600) of ``size``
-    bytes; returns the descriptor. ``FileExistsError`` if the name is taken."""
+    bytes, its pages allocated now; returns the descriptor. ``FileExistsError`` if the name
+    is taken; ``OSError`` (``ENOSPC``) saying how to give ``/dev/shm`` room where it has none:
+    a sparse segment would fail later, as a SIGBUS of whichever process first writes a page
+    that finds no room (a container's default ``/dev/shm`` is 64 MiB)."""
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, size)
-    except BaseException:
+        os.posix_fallocate(fd, 0, size)
+    except BaseException as exc:
         os.close(fd)
         unlink_segment(name)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            free = shutil.disk_usage(SHM_DIR).free
+            raise OSError(
+                errno.ENOSPC,
+                f"no room in {SHM_DIR} for a segment of {size / 2**20:.1f} MiB ({name}; "
+                f"{free / 2**20:.1f} MiB free): give it more (docker run --shm-size, a "
+                "Kubernetes emptyDir of medium Memory mounted there)",
+            ) from None
         raise
     return fd
 

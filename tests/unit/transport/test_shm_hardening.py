@@ -4,6 +4,7 @@ CPUs are refused."""
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -71,6 +72,28 @@ def test_attach_refuses_a_segment_that_is_not_ours(kind, tmp_path):
             os.chown(path, 0, 0)
         os.unlink(path)
         ffn.close()
+
+
+def test_a_segment_s_pages_are_allocated_at_its_creation_or_the_start_fails_saying_why(
+    monkeypatch,
+):
+    """A segment is allocated when made, so that a full ``/dev/shm`` fails the start naming
+    it and what to do, not a process with a SIGBUS when it first writes a page later."""
+    name, mm = slot_plane_host.create_fresh(f"{SHM_PREFIX}{os.getpid()}_alloc_", 1 << 20)
+    try:
+        assert os.stat(os.path.join(host.SHM_DIR, name)).st_blocks * 512 >= 1 << 20
+    finally:
+        mm.close()
+        host.unlink_segment(name)
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(host.os, "posix_fallocate", full)
+    before = set(os.listdir(host.SHM_DIR))
+    with pytest.raises(OSError, match=r"no room in /dev/shm for a segment of .* --shm-size"):
+        create_ffn_transport(make_spec("shm", 1, 1), 0)
+    assert set(os.listdir(host.SHM_DIR)) <= before  # nothing half-made left
 
 
 def test_reaping_reads_only_our_own_files():
