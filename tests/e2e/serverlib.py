@@ -38,8 +38,11 @@ class Server(ServeProcess):
         assert not left, [(p.pid, " ".join(p.cmdline())) for p in left]
 
     def kill_leftovers(self) -> None:
-        """Test hygiene only: kill whatever of the session is still alive."""
+        """Test hygiene only: kill whatever of the session is still alive a few seconds after
+        the server exited (multiprocessing's resource tracker ends just after the server,
+        unlinking the semaphores its processes leaked: killed, it leaves them in /dev/shm)."""
         if self.proc.poll() is None:
             self.proc.kill()
+        self.wait_session_empty(5.0)
         for proc in session_processes(self.proc.pid):
             proc.kill()
