@@ -22,7 +22,7 @@ from vllm_afd.host import (
 )
 from vllm_afd.patches import ray_errors
 from vllm_afd.placement.cluster import FFNGroup, log_rank_up
-from vllm_afd.placement.health import rank_problem, reap_dead_segments
+from vllm_afd.placement.health import rank_problem, reap_once_exited
 from vllm_afd.transport import directory
 from vllm_afd.transport.directory import RankEntry
 
@@ -284,9 +284,6 @@ class Supervisor:
                 os.kill(entry.pid, signal.SIGKILL)  # the pid of the process this group started
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + 5.0
-        while pid_alive(entry.pid) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        reaped = reap_dead_segments()
+        reaped = reap_once_exited([entry.pid], 5.0)
         if reaped:
             logger.info("AFD: removed %d segment(s) of dead processes from /dev/shm", len(reaped))

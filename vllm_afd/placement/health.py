@@ -50,11 +50,11 @@ def reap_dead_segments() -> list[str]:
 
 
 def reap_once_exited(pids: Iterable[int], within_s: float) -> list[str]:
-    """Once the processes ``pids`` (this host's FFN ranks of a group being stopped) exited, or
-    ``within_s`` passed, unlink the segments of dead processes (``reap_dead_segments``): a
-    rank that Ray ended without its own stop leaves its segments (its raylet died before the
-    front-end stopped: the stop never reached the rank, which exits with Ray's shutdown and
-    unlinks nothing). Returns their names."""
+    """Once the processes ``pids`` (this host's FFN ranks, killed by failover or ended by Ray
+    without their stop) exited, or ``within_s`` passed, unlink the segments of dead processes
+    (``reap_dead_segments``): a rank that did not run its stop leaves its segments (killed; or
+    its raylet died before the front-end stopped, so the stop never reached it and it exited
+    with Ray's shutdown, unlinking nothing). Returns their names."""
     deadline = time.monotonic() + within_s
     pids = list(pids)
     while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
